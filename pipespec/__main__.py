@@ -1,0 +1,5 @@
+import sys
+
+from pipespec.cli import main
+
+sys.exit(main())

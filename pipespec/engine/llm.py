@@ -1,0 +1,112 @@
+"""The offline API, named as vLLM names it: LLM(...).generate(prompts, SamplingParams(...))."""
+from __future__ import annotations
+
+import itertools
+from typing import Sequence
+
+from tqdm.auto import tqdm
+
+from pipespec.config import EngineConfig
+from pipespec.engine.llm_engine import LLMEngine
+from pipespec.engine.outputs import RequestOutput
+from pipespec.sampling import SamplingParams
+
+
+class LLM:
+    """An engine for offline batched generation.
+
+    `LLM(model=None)` loads the default model; every other keyword is an engine setting
+    (dtype, device, max_model_len, block_size, num_kv_blocks, kv_cache_memory, max_num_seqs,
+    max_num_batched_tokens, ...), see `pipespec.config`.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs):
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for one prompt or a list; outputs come back in the order of the prompts.
+
+        Prompts are strings, {"prompt": str} or {"prompt_token_ids": [...]}. Every prompt is checked
+        before any is scheduled: a bad one raises ValueError naming it, and nothing runs.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompts must be a string, a dict or a list of them, got {type(prompts).__name__}")
+        params = self._params_list(sampling_params, len(prompts))
+        requests = []
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            try:
+                requests.append(self.engine.make_request(f"gen-{next(self._ids)}", prompt, p))
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+        return self._run(requests, use_tqdm)
+
+    def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (a list of messages) or a list of them."""
+        conversations = messages if messages and isinstance(messages[0], (list, tuple)) else [messages]
+        prompts = []
+        for i, conv in enumerate(conversations):
+            _check_messages(conv, i)
+            text = self.engine.tokenizer.apply_chat_template(list(conv), add_generation_prompt)
+            prompts.append({"prompt_token_ids": self.engine.tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _params_list(self, sampling_params, n: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * n
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        if isinstance(sampling_params, (list, tuple)) and len(sampling_params) == n:
+            return list(sampling_params)
+        raise ValueError("sampling_params must be a SamplingParams or a list with one per prompt")
+
+    def _run(self, requests, use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        for req in requests:
+            engine.submit(req)
+        order = {req.request_id: i for i, req in enumerate(requests)}
+        done: list[RequestOutput | None] = [None] * len(requests)
+        bar = tqdm(total=len(requests), desc="Generating", unit="req", disable=not use_tqdm or None,
+                   leave=False)
+        try:
+            while any(d is None for d in done):
+                for out in engine.step():
+                    if out.finished and out.request_id in order:
+                        done[order[out.request_id]] = out
+                        bar.update(1)
+        except BaseException:
+            for req in requests:        # leave the engine clean for the next call
+                engine.abort_request(req.request_id)
+            raise
+        finally:
+            bar.close()
+        return done
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+
+def _check_messages(conv, index: int) -> None:
+    where = f"conversation {index}"
+    if not isinstance(conv, (list, tuple)) or not conv:
+        raise ValueError(f"{where}: messages must be a non-empty list of {{'role', 'content'}} dicts")
+    for j, msg in enumerate(conv):
+        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str) \
+                or not isinstance(msg.get("content"), str):
+            raise ValueError(f"{where}, message {j}: needs a string 'role' and a string 'content'")

@@ -1,0 +1,59 @@
+"""The lean per-request object. The scheduler and engine own it; stages never see it (I1)."""
+from __future__ import annotations
+
+import enum
+
+from pipespec.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    __slots__ = ("request_id", "prompt", "token_ids", "num_prompt_tokens", "params", "seed",
+                 "max_tokens", "stop_ids", "eos_ids", "status", "num_computed_tokens", "block_ids",
+                 "in_flight", "finish_reason", "stop_reason", "detokenizer", "arrival_index")
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 params: SamplingParams, seed: int, max_tokens: int, eos_ids: frozenset[int],
+                 arrival_index: int):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.token_ids = list(prompt_token_ids)     # prompt, then every generated token
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.seed = seed
+        self.max_tokens = max_tokens
+        self.stop_ids = frozenset(params.stop_token_ids or ())
+        self.eos_ids = frozenset() if params.ignore_eos else eos_ids
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0                # tokens whose KV is in the cache
+        self.block_ids: list[int] = []
+        self.in_flight = False                      # part of a micro-batch not yet returned
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.detokenizer = None
+        self.arrival_index = arrival_index
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={len(self.block_ids)})")

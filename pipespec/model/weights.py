@@ -1,0 +1,81 @@
+"""Weight sources (safetensors folders, GGUF files) and loading a model's tensors from them.
+
+A source maps Hugging Face tensor names to tensors in Hugging Face conventions and reads only the
+tensors it is asked for, so each pipeline stage touches just its own slice of the checkpoint.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+
+class WeightSource(Protocol):
+    def names(self) -> set[str]: ...
+    def get(self, name: str) -> torch.Tensor: ...
+
+
+class SafetensorsSource:
+    """One or many *.safetensors files (with model.safetensors.index.json when sharded)."""
+
+    def __init__(self, paths: list[Path]):
+        if not paths:
+            raise ValueError("no *.safetensors files given")
+        self._where: dict[str, Path] = {}
+        for path in paths:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    self._where[name] = path
+        self._open: dict[Path, object] = {}
+
+    @classmethod
+    def from_folder(cls, folder: Path) -> "SafetensorsSource":
+        index = folder / "model.safetensors.index.json"
+        if index.exists():
+            files = sorted({folder / f for f in json.loads(index.read_text())["weight_map"].values()})
+            missing = [str(f) for f in files if not f.exists()]
+            if missing:
+                raise FileNotFoundError(f"shards named in {index} are missing: {', '.join(missing)}")
+        else:
+            files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors files in {folder}")
+        return cls(files)
+
+    def names(self) -> set[str]:
+        return set(self._where)
+
+    def get(self, name: str) -> torch.Tensor:
+        path = self._where[name]
+        if path not in self._open:
+            self._open[path] = safe_open(str(path), framework="pt")
+        return self._open[path].get_tensor(name)
+
+
+def load_weights(model: torch.nn.Module, source: WeightSource, dtype: torch.dtype, device,
+                 desc: str = "Loading weights") -> None:
+    """Fill every parameter of `model` from `source`; the model is moved to (dtype, device)."""
+    wanted: dict[str, list[str]] = model.checkpoint_names()
+    available = source.names()
+    missing = sorted(c for ckpts in wanted.values() for c in ckpts if c not in available)
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise ValueError(f"checkpoint is missing tensor(s): {', '.join(missing[:5])}{more}")
+    model.to(device=device)
+    for param in model.parameters():       # parameters only: buffers (rotary tables) stay float32
+        param.data = param.data.to(dtype)
+    params = dict(model.named_parameters())
+    for name, ckpts in tqdm(sorted(wanted.items()), desc=desc, unit="tensor", leave=False, disable=None):
+        param = params[name]
+        parts = [source.get(c) for c in ckpts]
+        tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        if tuple(tensor.shape) != tuple(param.shape):
+            shapes = ", ".join(f"{c} {tuple(p.shape)}" for c, p in zip(ckpts, parts))
+            raise ValueError(f"tensor shape mismatch: {shapes}; the model expects {tuple(param.shape)}"
+                             + (" in total along dim 0" if len(parts) > 1 else ""))
+        with torch.no_grad():
+            param.copy_(tensor.to(dtype))

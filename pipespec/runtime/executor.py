@@ -1,0 +1,67 @@
+"""Executors move StepPlans to the stages and StepResults back; they know nothing about models.
+
+`submit` hands a plan over; `receive` returns the oldest outstanding result. Up to `max_in_flight`
+plans may be outstanding (1 for a single stage, P for P pipeline stages).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import deque
+from typing import Callable, Protocol
+
+from pipespec.plan import StepPlan, StepResult
+
+
+class SingleStage(Protocol):
+    """What a PP = 1 executor needs from the stage it runs."""
+
+    def available_kv_blocks(self) -> int: ...
+    def allocate_kv_cache(self, num_blocks: int) -> None: ...
+    def execute(self, plan: StepPlan) -> StepResult: ...
+
+
+class Executor(ABC):
+    max_in_flight: int = 1
+
+    @abstractmethod
+    def available_kv_blocks(self) -> int:
+        """KV blocks every stage can hold (the minimum over stages)."""
+
+    @abstractmethod
+    def allocate_kv_cache(self, num_blocks: int) -> None: ...
+
+    @abstractmethod
+    def submit(self, plan: StepPlan) -> None: ...
+
+    @abstractmethod
+    def receive(self, timeout: float) -> StepResult: ...
+
+    @abstractmethod
+    def shutdown(self) -> None: ...
+
+
+class LocalExecutor(Executor):
+    """PP = 1: the stage lives in the driver's process; no collective is used."""
+
+    max_in_flight = 1
+
+    def __init__(self, make_stage: Callable[[], SingleStage]):
+        self.stage = make_stage()
+        self._results: deque[StepResult] = deque()
+
+    def available_kv_blocks(self) -> int:
+        return self.stage.available_kv_blocks()
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.stage.allocate_kv_cache(num_blocks)
+
+    def submit(self, plan: StepPlan) -> None:
+        self._results.append(self.stage.execute(plan))
+
+    def receive(self, timeout: float) -> StepResult:
+        # runs synchronously in submit, so a result is always ready; the timeout has nothing to wait on
+        return self._results.popleft()
+
+    def shutdown(self) -> None:
+        self.stage = None
+        self._results.clear()

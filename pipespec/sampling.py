@@ -1,0 +1,159 @@
+"""Sampling parameters (user side) and seeded sampling over logits (last-stage side).
+
+Randomness is counter based: the uniform number used for token `v` of the token at position `p` of
+a request with seed `s` is a hash of (s, p, v, stream). A request therefore draws the same tokens
+whatever batch it shares, whatever the pipeline size, and after a preemption recomputes them; and no
+generator object, host loop or host sync is needed on the device.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+_M32 = 0xFFFFFFFF
+_GOLDEN = 0x9E3779B9
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling controls, named as vLLM names them."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1                 # -1 or 0: disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16     # None: until max_model_len
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stop_strings: tuple[str, ...] = field(init=False, repr=False)
+
+    def __post_init__(self):
+        def bad(name: str, why: str):
+            raise ValueError(f"SamplingParams.{name}: {why}, got {getattr(self, name)!r}")
+
+        if not _is_int(self.n) or self.n < 1:
+            bad("n", "must be an integer >= 1")
+        if self.n != 1:
+            bad("n", "only n=1 is supported (one completion per request)")
+        if not _is_number(self.temperature) or self.temperature < 0 or self.temperature != self.temperature:
+            bad("temperature", "must be a number >= 0")
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            bad("top_p", "must be in (0, 1]")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            bad("top_k", "must be an integer, -1 or 0 to disable")
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", "must be in [0, 1]")
+        if self.seed is not None and not _is_int(self.seed):
+            bad("seed", "must be an integer or None")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            bad("max_tokens", "must be an integer >= 1 or None")
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if not all(isinstance(s, str) and s for s in stops):
+            bad("stop", "must be a non-empty string or a list of non-empty strings")
+        if self.stop_token_ids is not None and not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be a list of non-negative integers")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, "must be a bool")
+        object.__setattr__(self, "stop_strings", tuple(stops))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+# ----------------------------------------------------------------------------------------------
+# Tensor side: runs on the last stage, on whatever device the logits live.
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling parameters of one step, as tensors (rows = requests that sample)."""
+
+    temperature: torch.Tensor   # float32 [B]; 0 means greedy
+    top_k: torch.Tensor         # int64 [B]; <= 0 means disabled
+    top_p: torch.Tensor         # float32 [B]
+    min_p: torch.Tensor         # float32 [B]
+    seed: torch.Tensor          # int64 [B]
+    needs_sort: bool            # host-known: does any row use top-k or top-p?
+    all_greedy: bool            # host-known: skip the random path entirely
+
+    def to(self, device) -> "SamplingTensors":
+        return SamplingTensors(self.temperature.to(device), self.top_k.to(device), self.top_p.to(device),
+                               self.min_p.to(device), self.seed.to(device), self.needs_sort, self.all_greedy)
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    # A 32-bit integer finaliser (xorshift-multiply); int64 arithmetic masked to 32 bits, so the
+    # wrap-around of the products does not matter.
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
+
+
+def uniform_keyed(seed: torch.Tensor, position: torch.Tensor, width: int, stream: int = 0) -> torch.Tensor:
+    """Uniform floats in (0, 1), shape [B, width], a pure function of (seed, position, column, stream)."""
+    lo = seed & _M32
+    hi = (seed >> 32) & _M32
+    key = _mix32(_mix32(_mix32(lo) ^ hi) ^ (position & _M32))
+    key = _mix32(key ^ ((stream * _GOLDEN) & _M32))
+    cols = (torch.arange(width, device=seed.device, dtype=torch.int64) * _GOLDEN) & _M32
+    bits = _mix32((key[:, None] + cols[None, :]) & _M32)
+    return ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def processed_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """Softmax of temperature-scaled logits with top-k, top-p and min-p applied (rows sum to 1).
+
+    Greedy rows get a one-hot distribution on their argmax, so callers can treat every row alike.
+    """
+    logits = logits.float()
+    greedy = st.temperature <= 0
+    temp = torch.where(greedy, torch.ones_like(st.temperature), st.temperature)
+    scaled = logits / temp[:, None]
+    if st.needs_sort:
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)
+        vocab = logits.shape[-1]
+        rank = torch.arange(vocab, device=logits.device)[None, :]
+        k = torch.where(st.top_k > 0, st.top_k, torch.full_like(st.top_k, vocab))
+        drop = rank >= k[:, None]
+        sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        drop |= (sorted_probs.cumsum(dim=-1) - sorted_probs) >= st.top_p[:, None]
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        scaled = torch.full_like(scaled, float("-inf")).scatter(-1, order, sorted_logits)
+    probs = scaled.softmax(dim=-1)
+    min_p = st.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+    probs = torch.where(probs < min_p, torch.zeros_like(probs), probs)
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    return torch.where(greedy[:, None], one_hot, probs)
+
+
+def draw(probs: torch.Tensor, seed: torch.Tensor, position: torch.Tensor, stream: int = 0) -> torch.Tensor:
+    """One token per row from `probs`, by the exponential race argmax(p / E), E ~ Exp(1) keyed."""
+    u = uniform_keyed(seed, position, probs.shape[-1], stream)
+    return (probs / -torch.log(u)).argmax(dim=-1)
+
+
+def sample(logits: torch.Tensor, st: SamplingTensors, position: torch.Tensor) -> torch.Tensor:
+    """Sample one token per row; `position` is the position the sampled token will occupy."""
+    if st.all_greedy:
+        return logits.argmax(dim=-1)
+    return draw(processed_probs(logits, st), st.seed, position)
