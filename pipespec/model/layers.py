@@ -47,31 +47,30 @@ def rope_inv_freq(arch: ArchConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE (the Hugging Face convention) with a cos/sin table indexed by position."""
+    """Rotate-half RoPE (the Hugging Face convention), from cos/sin tables indexed by position.
+
+    The tables are stored full width with the sign of the first half of sin folded in, so that
+    rope(x) = x * cos + roll(x, D/2) * sin: three elementwise ops instead of a split and a concat.
+    """
 
     def __init__(self, arch: ArchConfig, max_position: int):
         super().__init__()
         inv_freq = rope_inv_freq(arch)
-        t = torch.arange(max_position, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+        self.register_buffer("cos", torch.cat((freqs.cos(), freqs.cos()), dim=-1), persistent=False)
+        self.register_buffer("sin", torch.cat((-freqs.sin(), freqs.sin()), dim=-1), persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin) for the step's rows, [T, 1, D/2]; computed once per step, used by every layer."""
+        """(cos, sin) for the step's rows, [T, 1, D]; computed once per step, used by every layer."""
         return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
 
 
-def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """q: [T, H, D], k: [T, KVH, D]."""
-    return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.to(x.dtype)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, D] (q and k heads may be stacked together)."""
+    rolled = torch.roll(x, x.shape[-1] // 2, dims=-1)
+    if x.dtype == torch.float32:
+        return x * cos + rolled * sin
+    return (x.float() * cos + rolled.float() * sin).to(x.dtype)
 
 
 class GatedMLP(nn.Module):

@@ -74,6 +74,7 @@ class StageRunner:
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
         if self.device.type == "cuda" and cache.kv_cache_memory is None:
+            torch.cuda.empty_cache()   # memory cached from earlier engines is not in use
             free, total = torch.cuda.mem_get_info(self.device)
             used = total - free
             budget = total * cache.gpu_memory_utilization - used - self._activation_reserve()

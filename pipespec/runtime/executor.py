@@ -12,6 +12,17 @@ from typing import Callable, Protocol
 from pipespec.plan import StepPlan, StepResult
 
 
+def release_device_memory() -> None:
+    """Hand cached GPU memory back once a stage is gone, so a later engine can measure and use it."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 class SingleStage(Protocol):
     """What a PP = 1 executor needs from the stage it runs."""
 
@@ -65,3 +76,4 @@ class LocalExecutor(Executor):
     def shutdown(self) -> None:
         self.stage = None
         self._results.clear()
+        release_device_memory()
