@@ -1,0 +1,132 @@
+"""Runs the engine loop in its own thread and lets asyncio handlers submit, stream and abort.
+
+The engine is not thread safe, so only the engine thread touches it: handlers validate a request
+(tokenizing is read-only), then post commands to a queue; outputs come back to each request's
+asyncio.Queue through `call_soon_threadsafe`. A failed engine fails every pending request with the
+error and marks itself unhealthy; the server keeps answering.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+
+from pipespec.engine.llm_engine import LLMEngine
+from pipespec.engine.outputs import RequestOutput
+from pipespec.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class QueueFullError(RuntimeError):
+    pass
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    outputs: asyncio.Queue
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, max_queued_requests: int = 256, idle_wait: float = 0.05):
+        self.engine = engine
+        self.max_queued_requests = max_queued_requests
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._idle_wait = idle_wait
+        self.error: str | None = None
+        self.stats: dict = engine.stats()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="pipespec-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def healthy(self) -> bool:
+        return self.error is None and self._thread.is_alive()
+
+    @property
+    def num_pending(self) -> int:
+        with self._lock:
+            return len(self._streams)
+
+    # -- called from asyncio handlers ------------------------------------------------------
+
+    def add_request(self, prompt, params: SamplingParams, prefix: str = "req") -> tuple[str, asyncio.Queue, list[int]]:
+        """Validate and enqueue; raises ValueError (bad input), QueueFullError, EngineDeadError."""
+        if not self.healthy:
+            raise EngineDeadError(f"the engine has stopped: {self.error or 'engine thread exited'}")
+        request_id = f"{prefix}-{next(self._ids)}"
+        req = self.engine.make_request(request_id, prompt, params)
+        with self._lock:
+            if len(self._streams) >= self.max_queued_requests:
+                raise QueueFullError(f"{len(self._streams)} requests are pending, the limit is "
+                                     f"{self.max_queued_requests}; retry later")
+            stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+            self._streams[request_id] = stream
+        self._commands.put(("add", req))
+        return request_id, stream.outputs, req.token_ids[:req.num_prompt_tokens]
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            known = self._streams.pop(request_id, None) is not None
+        if known:
+            self._commands.put(("abort", request_id))
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._commands.put(("stop", None))
+        self._thread.join(timeout)
+        self.engine.shutdown()
+
+    # -- engine thread ---------------------------------------------------------------------
+
+    def _deliver(self, request_id: str, item) -> None:
+        with self._lock:
+            stream = self._streams.get(request_id)
+            if stream is not None and (not isinstance(item, RequestOutput) or item.finished):
+                self._streams.pop(request_id)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, item)
+
+    def _apply_commands(self, block: bool) -> None:
+        try:
+            cmd, arg = self._commands.get(timeout=self._idle_wait) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if cmd == "add":
+                self.engine.submit(arg)
+            elif cmd == "abort":
+                self.engine.abort_request(arg)
+            try:
+                cmd, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._apply_commands(block=not self.engine.has_unfinished_requests())
+                if self._stop.is_set():
+                    break
+                if self.engine.has_unfinished_requests():
+                    for out in self.engine.step():
+                        self._deliver(out.request_id, out)
+                self.stats = self.engine.stats()
+        except Exception as e:  # the engine is broken: fail everyone, stay up to report it
+            logger.exception("engine loop failed")
+            self.error = f"{type(e).__name__}: {e}"
+            with self._lock:
+                pending = list(self._streams)
+            for request_id in pending:
+                self._deliver(request_id, EngineDeadError(self.error))

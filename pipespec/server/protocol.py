@@ -1,0 +1,97 @@
+"""Request bodies of the OpenAI API (the fields pipespec honours, and the ones it refuses)."""
+from __future__ import annotations
+
+from typing import Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pipespec.sampling import SamplingParams
+
+
+class ApiError(Exception):
+    """An error answered with an OpenAI-style body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: Optional[str] = None
+    max_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    seed: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = None
+    n: int = 1
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    ignore_eos: bool = False
+    # OpenAI fields pipespec does not implement: refused when set, never silently ignored
+    logprobs: Optional[Union[bool, int]] = None
+    top_logprobs: Optional[int] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    logit_bias: Optional[dict[str, float]] = None
+    user: Optional[str] = None
+
+    def refuse_unsupported(self) -> None:
+        if self.n != 1:
+            raise ApiError(400, f"n={self.n} is not supported: pipespec returns one choice per request", "n")
+        if self.logprobs not in (None, False, 0):
+            raise ApiError(400, "logprobs are not supported by pipespec yet", "logprobs")
+        if self.top_logprobs not in (None, 0):
+            raise ApiError(400, "top_logprobs are not supported by pipespec yet", "top_logprobs")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0, 0.0):
+                raise ApiError(400, f"{name} is not supported by pipespec", name)
+        if self.logit_bias:
+            raise ApiError(400, "logit_bias is not supported by pipespec", "logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise ApiError(400, "stream_options is only allowed with stream=true", "stream_options")
+
+    def sampling_params(self, max_tokens: Optional[int], default_max_tokens: Optional[int]) -> SamplingParams:
+        self.refuse_unsupported()
+        kwargs = dict(max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
+                      temperature=1.0 if self.temperature is None else self.temperature,
+                      top_p=1.0 if self.top_p is None else self.top_p,
+                      top_k=-1 if self.top_k is None else self.top_k,
+                      min_p=0.0 if self.min_p is None else self.min_p,
+                      seed=self.seed, stop=self.stop, ignore_eos=self.ignore_eos)
+        try:
+            return SamplingParams(**kwargs)
+        except ValueError as e:
+            param = str(e).split(":", 1)[0].removeprefix("SamplingParams.")
+            raise ApiError(400, str(e).removeprefix("SamplingParams."), param) from None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Union[str, list[int], list[str], list[list[int]]]
+    echo: bool = False
+    suffix: Optional[str] = None
+    best_of: Optional[int] = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: Union[str, list[dict]]
+    name: Optional[str] = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = None
+    add_generation_prompt: bool = True

@@ -1,0 +1,149 @@
+"""The server through the official `openai` client and raw HTTP: behaviour a user relies on."""
+import asyncio
+
+import httpx
+import pytest
+from openai import APIStatusError, AsyncOpenAI, AuthenticationError, OpenAI
+
+from pipespec import LLM, SamplingParams
+
+KEY = "sk-test"
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return OpenAI(base_url=f"{server.url}/v1", api_key=KEY, timeout=120, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
+def test_models_lists_the_served_model(client, model):
+    models = client.models.list().data
+    assert [m.id for m in models] == [model]
+
+
+def test_completion_and_usage(client, model):
+    r = client.completions.create(model=model, prompt="The capital of France is", max_tokens=8,
+                                  temperature=0, extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 8
+    assert r.usage.prompt_tokens == 5
+    assert r.usage.total_tokens == 13
+    assert r.choices[0].text.strip()
+
+
+def test_chat_completion(client, model):
+    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "What is 2+2?"}],
+                                       max_tokens=24, temperature=0)
+    msg = r.choices[0].message
+    assert msg.role == "assistant" and "4" in msg.content
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.prompt_tokens > 20      # the chat template's system prompt is counted
+
+
+def test_streaming_matches_non_streaming(client, model):
+    kwargs = dict(model=model, prompt="Once upon a time", max_tokens=20, temperature=0)
+    whole = client.completions.create(**kwargs).choices[0].text
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 20
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_chat_streaming(client, model):
+    stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say hello"}],
+                                            max_tokens=12, temperature=0, stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks).strip()
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_stop_string_cuts_the_text(client, model):
+    kwargs = dict(model=model, prompt="Count: 1, 2, 3, 4, 5, 6,", max_tokens=30, temperature=0)
+    free = client.completions.create(**kwargs).choices[0].text
+    assert " 9," in free, free                 # the greedy continuation counts on
+    r = client.completions.create(stop=[" 9,"], **kwargs)
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == free[:free.index(" 9,")]
+    streamed = "".join(c.choices[0].text for c in client.completions.create(stop=[" 9,"], stream=True, **kwargs))
+    assert streamed == r.choices[0].text      # held-back text never leaks a partial stop string
+
+
+def test_seed_reproducible(client, model):
+    kwargs = dict(model=model, prompt="My favourite colour is", max_tokens=16, temperature=1.0, top_p=0.95)
+    a = client.completions.create(seed=7, **kwargs).choices[0].text
+    b = client.completions.create(seed=7, **kwargs).choices[0].text
+    others = {client.completions.create(seed=s, **kwargs).choices[0].text for s in (8, 9, 10)}
+    assert a == b
+    assert len(others | {a}) > 1
+
+
+def test_api_key_required(server):
+    bad = OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(AuthenticationError):
+        bad.models.list()
+    assert httpx.get(f"{server.url}/v1/models").status_code == 401
+    assert httpx.get(f"{server.url}/health").status_code == 200      # health stays open
+
+
+def test_greedy_matches_offline_llm(client, model):
+    prompt = "def fibonacci(n):"
+    served = client.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0,
+                                       extra_body={"ignore_eos": True}).choices[0].text
+    with LLM() as llm:
+        offline = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                               use_tqdm=False)[0].outputs[0].text
+    assert served == offline
+
+
+def _metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"metric {name} not found")
+
+
+def test_concurrent_streams_with_aborts_free_every_block(server, model):
+    async def one(i: int, client: AsyncOpenAI) -> int:
+        stream = await client.completions.create(model=model, prompt=f"Story number {i}:", max_tokens=24,
+                                                 temperature=0.7, seed=i, stream=True,
+                                                 extra_body={"ignore_eos": True})
+        n = 0
+        async for chunk in stream:
+            n += 1
+            if i % 4 == 0 and n == 3:           # every fourth client walks away mid-stream
+                await stream.close()
+                return -1
+        return n
+
+    async def main():
+        client = AsyncOpenAI(base_url=f"{server.url}/v1", api_key=KEY, timeout=300, max_retries=0)
+        return await asyncio.gather(*(one(i, client) for i in range(32)))
+
+    results = asyncio.run(main())
+    assert results.count(-1) == 8
+    assert all(r > 3 for r in results if r != -1)
+    usage = None
+    for _ in range(100):                       # aborts reach the engine thread asynchronously
+        text = httpx.get(f"{server.url}/metrics").text
+        usage = _metric(text, "pipespec:kv_cache_usage_perc")
+        if usage == 0.0 and _metric(text, "pipespec:num_requests_running") == 0:
+            break
+        asyncio.run(asyncio.sleep(0.1))
+    assert usage == 0.0
+    aborted = [line for line in text.splitlines()
+               if line.startswith("pipespec:request_success_total{") and 'finished_reason="abort"' in line]
+    assert aborted and float(aborted[0].rsplit(" ", 1)[1]) >= 8
+    assert _metric(text, "pipespec:generation_tokens_total") > 0
+    assert "pipespec:time_to_first_token_seconds_bucket" in text
+    assert "pipespec:inter_token_latency_seconds_bucket" in text
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_version(server):
+    assert httpx.get(f"{server.url}/version").json()["version"]
