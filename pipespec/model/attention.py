@@ -128,3 +128,39 @@ class TorchReferenceBackend(AttentionBackend):
             og = og.transpose(1, 2)                        # [G, Q, H, D]
             out[g.rows[g.valid]] = og[g.valid]
         return out
+
+
+@dataclass
+class DenseMeta:
+    """Layout of a dense step: `batch` sequences of `seq_len` rows each, flat as [batch * seq_len]."""
+
+    batch: int
+    seq_len: int
+
+
+class DenseCausalBackend(AttentionBackend):
+    """Cache-free causal attention over equal-length sequences laid out flat; differentiable.
+
+    For teacher-forced passes (training, evaluation): no KV cache is read or written (`cache` is
+    ignored), each sequence attends causally to itself. Right padding is harmless: no valid row sees
+    a later one.
+    """
+
+    def prepare(self, query_start_loc, seq_lens, positions, block_tables, block_size):
+        q_lens = query_start_loc[1:] - query_start_loc[:-1]
+        if q_lens.numel() == 0 or bool((q_lens != q_lens[0]).any()) or bool((seq_lens != q_lens).any()):
+            raise ValueError("DenseCausalBackend needs equal-length sequences with no cached prefix")
+        return self.metadata(int(q_lens.numel()), int(q_lens[0]))
+
+    @staticmethod
+    def metadata(batch: int, seq_len: int) -> DenseMeta:
+        return DenseMeta(batch, seq_len)
+
+    def forward(self, q, k, v, cache, ctx, scale):
+        b, n = ctx.attn.batch, ctx.attn.seq_len
+        qb = q.reshape(b, n, *q.shape[1:]).transpose(1, 2)      # [B, H, L, D]
+        kb = k.reshape(b, n, *k.shape[1:]).transpose(1, 2)
+        vb = v.reshape(b, n, *v.shape[1:]).transpose(1, 2)
+        out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale,
+                                             enable_gqa=kb.shape[1] != qb.shape[1])
+        return out.transpose(1, 2).reshape(q.shape)

@@ -1,0 +1,66 @@
+"""Command-line arguments of `pipespec train-mtp` and `pipespec eval-mtp` (no heavy imports)."""
+from __future__ import annotations
+
+import argparse
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def add_train_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="target: HF folder or GGUF file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--out", required=True, help="the head file to write (.safetensors)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--tokens", type=int, default=20_000_000, help="training tokens")
+    p.add_argument("--steps", type=int, default=3, help="K: chained MTP steps to train")
+    p.add_argument("--seed", type=int, default=0)
+    t = p.add_argument_group("training")
+    t.add_argument("--batch-size", type=int, default=48)
+    t.add_argument("--seq-len", type=int, default=320)
+    t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--warmup", type=int, default=50)
+    t.add_argument("--step-weight", type=float, default=0.8, help="loss weight ratio of step k+1 to step k")
+    t.add_argument("--max-time", type=float, default=None, help="seconds of training at most")
+    t.add_argument("--weight-decay", type=float, default=0.0)
+    t.add_argument("--log-every", type=int, default=50)
+    t.add_argument("--eval-every", type=int, default=0,
+                   help="log the agreement on 64 held-out answers every N steps (0: only at the end)")
+    t.add_argument("--checkpoint", default=None, help="resumable state (default: OUT.ckpt)")
+    t.add_argument("--checkpoint-every", type=int, default=500)
+    t.add_argument("--resume", action="store_true", help="continue from --checkpoint if it exists")
+    t.add_argument("--no-init-from-last-layer", action="store_true",
+                   help="start the block from random weights instead of the target's last layer")
+    t.add_argument("--out-dtype", default="bfloat16", choices=DTYPES)
+    d = p.add_argument_group("data")
+    d.add_argument("--data-cache", default=None,
+                   help="samples file: read if it exists, else written after generation (default: OUT.data.json)")
+    d.add_argument("--gen-only", action="store_true",
+                   help="generate the data into --data-cache and stop (train in a later run)")
+    d.add_argument("--gen-prompts", type=int, default=None, help="training prompts to answer (default: all)")
+    d.add_argument("--gen-temperatures", default="0.0,0.7",
+                   help="one pass over the prompts per temperature, in order, while time remains")
+    d.add_argument("--gen-max-tokens", type=int, default=256)
+    d.add_argument("--gen-batch", type=int, default=256, help="prompts per generation round")
+    d.add_argument("--gen-time", type=float, default=None, help="seconds of generation at most")
+    d.add_argument("--text-tokens", type=int, default=2_000_000,
+                   help="plain text/code tokens from the Python installation (0: none)")
+    d.add_argument("--text-fraction", type=float, default=0.25)
+    e = p.add_argument_group("evaluation")
+    e.add_argument("--heldout-prompts", type=int, default=128)
+    e.add_argument("--eval-dtype", default="float32", choices=DTYPES)
+    e.add_argument("--check-set", default=None,
+                   help="write a small held-out set here, and record the head's agreement on it")
+    e.add_argument("--check-size", type=int, default=12)
+    e.add_argument("--check-len", type=int, default=160)
+
+
+def add_eval_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="target: HF folder or GGUF file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--head", default=None, help="head file (default: the head bundled for the model)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="float32", choices=DTYPES)
+    p.add_argument("--steps", type=int, default=None, help="K (default: what the head was trained for)")
+    p.add_argument("--data", default=None, help="samples file to evaluate on instead of generating")
+    p.add_argument("--prompts", type=int, default=64, help="held-out prompts to answer (greedy)")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--gen-batch", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=16)

@@ -1,0 +1,154 @@
+"""Training data for MTP heads, all offline: the target's own chat answers (generated with the
+engine) and plain text/code found on the machine; and deterministic batches over them."""
+from __future__ import annotations
+
+import json
+import logging
+import random
+import sys
+import sysconfig
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Sample:
+    ids: tuple[int, ...]
+    start: int = 0              # first token of the answer (0 for plain text: all of it counts)
+
+
+def save_samples(path: str | Path, samples: list[Sample]) -> None:
+    Path(path).write_text(json.dumps([{"ids": list(s.ids), "start": s.start} for s in samples]))
+
+
+def load_samples(path: str | Path) -> list[Sample]:
+    return [Sample(tuple(d["ids"]), d["start"]) for d in json.loads(Path(path).read_text())]
+
+
+def self_generate(llm, prompts: list[str], max_tokens: int, temperature: float = 0.0,
+                  round_size: int = 256, time_budget: float | None = None,
+                  timing: dict | None = None) -> list[Sample]:
+    """The target's chat answers to `prompts`, in rounds of `round_size` prompts.
+
+    With a time budget, stops before a round that would likely overrun it, estimated from the last
+    round (`timing["round_seconds"]` carries that estimate from one call to the next).
+    Requests use the engine's default seeds (fixed by its config seed and arrival order).
+    """
+    from pipespec.sampling import SamplingParams
+
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens)
+    samples: list[Sample] = []
+    timing = {} if timing is None else timing
+    t0, last = time.perf_counter(), timing.get("round_seconds", 0.0)
+    for i in range(0, len(prompts), round_size):
+        elapsed = time.perf_counter() - t0
+        if time_budget is not None and (i or last) and elapsed + last > time_budget:
+            logger.info("generation time budget reached after %d of %d prompts", i, len(prompts))
+            break
+        t_round = time.perf_counter()
+        chunk = prompts[i:i + round_size]
+        outs = llm.chat([[{"role": "user", "content": p}] for p in chunk], params, use_tqdm=False)
+        new = 0
+        for out in outs:
+            answer = out.outputs[0].token_ids
+            samples.append(Sample(tuple(out.prompt_token_ids) + tuple(answer), len(out.prompt_token_ids)))
+            new += len(answer)
+        last = timing["round_seconds"] = time.perf_counter() - t_round
+        logger.info("generated %d answers (%d tokens, %.0f tok/s); %d/%d prompts done", len(chunk), new,
+                    new / max(last, 1e-9), min(i + round_size, len(prompts)), len(prompts))
+    return samples
+
+
+def text_files(roots: list[Path] | None = None) -> list[Path]:
+    """Plain text and code on this machine: the Python standard library and docs under sys.prefix."""
+    if roots is None:
+        roots = [Path(sysconfig.get_paths()["stdlib"]), Path(sys.prefix) / "share" / "doc"]
+    files = []
+    for root in roots:
+        if not root.is_dir():
+            continue
+        for path in root.rglob("*"):
+            parts = set(path.parts)
+            if parts & {"site-packages", "dist-packages", "test", "tests", "__pycache__", "idlelib"}:
+                continue
+            if path.suffix in (".py", ".txt", ".rst", ".md") and path.is_file():
+                files.append(path)
+    return sorted(files)
+
+
+def plain_text_samples(tokenizer, max_tokens: int, seq_len: int, seed: int = 0,
+                       roots: list[Path] | None = None) -> list[Sample]:
+    """Windows of `seq_len` tokens cut from text/code files, about `max_tokens` tokens in all."""
+    files = text_files(roots)
+    random.Random(seed).shuffle(files)
+    samples, total = [], 0
+    for path in files:
+        if total >= max_tokens:
+            break
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        ids = tokenizer.encode(text[:200_000], add_special_tokens=False)
+        for i in range(0, len(ids) - 16, seq_len):
+            window = ids[i:i + seq_len]
+            samples.append(Sample(tuple(window), 0))
+            total += len(window)
+            if total >= max_tokens:
+                break
+    return samples
+
+
+def collate(samples: list[Sample], seq_len: int | None = None, pad_id: int = 0):
+    """(ids [B, N] int64 right-padded, lens [B], starts [B]); N = seq_len or the longest sample."""
+    n = seq_len or max(len(s.ids) for s in samples)
+    ids = torch.full((len(samples), n), pad_id, dtype=torch.int64)
+    lens = torch.empty(len(samples), dtype=torch.int64)
+    starts = torch.empty(len(samples), dtype=torch.int64)
+    for i, s in enumerate(samples):
+        row = s.ids[:n]
+        ids[i, :len(row)] = torch.tensor(row, dtype=torch.int64)
+        lens[i], starts[i] = len(row), min(s.start, len(row))
+    return ids, lens, starts
+
+
+class Batcher:
+    """Deterministic mixed batches: batch `step` is a pure function of (seed, step), so a resumed
+    run sees the same data. Each batch takes `text_fraction` of its rows from the text pool and the
+    rest from the chat pool; each pool is walked in a seeded permutation per epoch."""
+
+    def __init__(self, chat: list[Sample], text: list[Sample], batch_size: int, seq_len: int,
+                 text_fraction: float = 0.25, seed: int = 0, pad_id: int = 0):
+        if not chat and not text:
+            raise ValueError("no training samples")
+        n_text = round(batch_size * text_fraction) if chat and text else (batch_size if text else 0)
+        self.pools = [(p, n) for p, n in ((chat, batch_size - n_text), (text, n_text)) if n]
+        self.batch_size, self.seq_len, self.seed, self.pad_id = batch_size, seq_len, seed, pad_id
+        self._perms: dict[tuple[int, int], list[int]] = {}
+
+    def _perm(self, pool_index: int, size: int, epoch: int) -> list[int]:
+        key = (pool_index, epoch)
+        if key not in self._perms:
+            if len(self._perms) > 8:
+                self._perms.clear()
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + pool_index * 7919 + epoch)
+            self._perms[key] = torch.randperm(size, generator=g).tolist()
+        return self._perms[key]
+
+    def _take(self, pool_index: int, pool: list[Sample], count: int, step: int) -> list[Sample]:
+        out = []
+        for j in range(step * count, (step + 1) * count):
+            epoch, offset = divmod(j, len(pool))
+            out.append(pool[self._perm(pool_index, len(pool), epoch)[offset]])
+        return out
+
+    def batch(self, step: int):
+        samples = []
+        for i, (pool, count) in enumerate(self.pools):
+            samples.extend(self._take(i, pool, count, step))
+        return collate(samples, self.seq_len, self.pad_id)

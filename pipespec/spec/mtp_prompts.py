@@ -1,0 +1,194 @@
+"""Chat prompts for self-distillation, built combinatorially from templates and subjects.
+
+The held-out split is disjoint from the training split by subject, not only by prompt: held-out
+prompts ask about topics, skills, tasks and sentences that no training prompt mentions, so a head
+cannot score on them by remembering the answers it was trained on.
+"""
+from __future__ import annotations
+
+import random
+import zlib
+
+TOPIC_TEMPLATES = [
+    "Explain {} in simple terms.",
+    "What is {}?",
+    "Write a short paragraph about {}.",
+    "Give me three interesting facts about {}.",
+    "Why is {} important?",
+    "Write a haiku about {}.",
+    "Describe {} to a ten-year-old.",
+    "What are the main advantages and disadvantages of {}?",
+    "Summarize the history of {} in a few sentences.",
+    "Write a short story that involves {}.",
+    "List five questions a student might ask about {}.",
+    "How would you teach {} to a beginner?",
+    "Write a tweet about {}.",
+    "What are common misconceptions about {}?",
+    "Write a short email to a friend recommending that they learn about {}.",
+    "What is the future of {}?",
+]
+
+TOPICS = [
+    # science and nature
+    "photosynthesis", "black holes", "the water cycle", "volcanoes", "earthquakes", "the human heart",
+    "DNA", "evolution", "climate change", "the solar system", "gravity", "electricity", "magnetism",
+    "the immune system", "vaccines", "bacteria", "rainbows", "ocean tides", "coral reefs", "rainforests",
+    "deserts", "glaciers", "the moon", "Mars", "stars", "the speed of light", "atoms", "chemical reactions",
+    "the periodic table", "sound waves", "the brain", "sleep", "nutrition", "honey bees", "butterflies",
+    "dolphins", "elephants", "penguins", "dinosaurs", "fossils", "the carbon cycle", "renewable energy",
+    "solar panels", "wind turbines", "nuclear power", "batteries", "weather forecasting", "hurricanes",
+    "the ozone layer", "plate tectonics", "microscopes", "telescopes", "antibiotics", "genetics",
+    # technology
+    "the internet", "computers", "smartphones", "artificial intelligence", "machine learning",
+    "robots", "the cloud", "cybersecurity", "passwords", "email", "social media", "video games",
+    "programming", "databases", "open source software", "3D printing", "electric cars", "self-driving cars",
+    "drones", "satellites", "GPS", "virtual reality", "blockchain", "encryption", "operating systems",
+    "web browsers", "search engines", "compilers", "the binary number system", "algorithms",
+    # history and society
+    "the Roman Empire", "ancient Egypt", "the printing press", "the Industrial Revolution",
+    "the Renaissance", "the French Revolution", "the Silk Road", "the Olympic Games", "democracy",
+    "the United Nations", "money", "banks", "inflation", "taxes", "trade", "cities", "public libraries",
+    "museums", "newspapers", "the radio", "television", "photography", "cinema", "jazz music",
+    "classical music", "poetry", "theater", "architecture", "bridges", "castles", "pyramids",
+    "the Great Wall of China", "maps", "calendars", "clocks", "writing systems", "languages",
+    "volunteering", "recycling", "public transportation", "urban gardens", "human rights",
+    # everyday life
+    "breakfast", "coffee", "tea", "chocolate", "bread", "pizza", "rice", "vegetables", "fruit",
+    "cooking at home", "healthy eating", "exercise", "running", "yoga", "meditation", "friendship",
+    "family", "pets", "dogs", "cats", "gardening", "houseplants", "reading books", "libraries",
+    "time management", "saving money", "budgeting", "job interviews", "teamwork", "leadership",
+    "public speaking", "learning a new language", "homework", "online learning", "travel", "camping",
+    "hiking", "the beach", "mountains", "winter", "summer", "holidays", "birthdays", "weddings",
+    "moving to a new city", "first aid", "road safety", "kindness", "curiosity", "creativity", "patience",
+    "happiness", "stress", "good habits", "procrastination", "minimalism", "board games", "chess",
+    "football", "basketball", "tennis", "swimming", "cycling", "music lessons", "painting", "drawing",
+    "photography as a hobby", "knitting", "woodworking", "baking cakes", "composting", "bird watching",
+    "astronomy as a hobby", "fishing", "sailing", "skiing", "trains", "airplanes", "ships", "bicycles",
+    "umbrellas", "paper", "glass", "plastic", "water", "fire", "wind", "snow", "clouds", "forests",
+    "rivers", "islands", "farms", "markets", "restaurants", "hospitals", "schools", "universities",
+]
+
+SKILL_TEMPLATES = [
+    "Give me some tips for {}.",
+    "How do I get started with {}?",
+    "What do I need for {}?",
+    "Make a simple one-week plan for {}.",
+    "What mistakes do beginners make when {}?",
+]
+
+SKILLS = [
+    "learning to swim", "learning to play the guitar", "learning to cook", "running a marathon",
+    "writing a novel", "starting a small business", "learning Python", "studying for exams",
+    "growing tomatoes", "training a puppy", "learning to draw", "improving my sleep", "saving for a car",
+    "planning a road trip", "writing a resume", "learning to juggle", "building a website",
+    "organizing my desk", "learning chess", "keeping a journal", "making new friends", "baking bread",
+    "learning to type faster", "reducing screen time", "speaking confidently", "learning to ski",
+    "starting a podcast", "taking better photos", "learning Spanish", "eating more vegetables",
+    "learning to knit", "climbing a mountain", "painting with watercolors", "memorizing a speech",
+    "caring for a cat", "learning to dance", "cleaning the house quickly", "learning to sing",
+    "doing push-ups", "writing poetry", "managing a team", "learning to code games", "building a birdhouse",
+    "learning the piano", "meditating every day", "learning to sew", "brewing coffee at home",
+]
+
+CODE_TEMPLATES = [
+    "Write a Python function that {}.",
+    "Write a JavaScript function that {}.",
+    "Explain how to write code that {}.",
+    "Write a C function that {}.",
+]
+
+CODE_TASKS = [
+    "reverses a string", "checks whether a number is prime", "computes the factorial of a number",
+    "returns the largest element of a list", "counts the vowels in a string", "sorts a list of numbers",
+    "computes the Fibonacci sequence", "checks whether a string is a palindrome", "sums a list of numbers",
+    "removes duplicates from a list", "converts Celsius to Fahrenheit", "finds the average of a list",
+    "merges two sorted lists", "counts the words in a sentence", "capitalizes every word in a string",
+    "computes the greatest common divisor of two numbers", "checks whether a year is a leap year",
+    "finds the second largest number in a list", "flattens a nested list", "computes the power of a number",
+    "returns the even numbers of a list", "counts how often each character appears in a string",
+    "reads a file and prints its lines", "generates a random password", "converts a number to binary",
+    "checks whether two strings are anagrams", "finds the minimum of three numbers",
+    "computes the area of a circle", "returns the length of the longest word in a sentence",
+    "implements binary search", "implements bubble sort", "transposes a matrix",
+    "counts the lines in a text file", "validates an email address", "rounds a number to two decimals",
+    "computes the sum of the digits of a number", "checks whether a list is sorted",
+    "finds the index of an element in a list", "swaps two variables", "prints a multiplication table",
+]
+
+MATH_TEMPLATES = [
+    "What is {a} plus {b}?",
+    "What is {a} times {b}?",
+    "What is {a} minus {b}?",
+    "If I have {a} apples and give away {b}, how many do I have left?",
+    "A train travels {a} kilometers in {b} hours. What is its average speed?",
+    "How many minutes are there in {a} hours?",
+    "What is {b} percent of {a}?",
+    "Convert {a} kilometers to miles.",
+]
+
+SENTENCE_TEMPLATES = [
+    "Rewrite this sentence to sound more formal: \"{}\"",
+    "Correct any grammar mistakes in this sentence: \"{}\"",
+    "Translate this sentence into French: \"{}\"",
+    "Summarize this sentence in five words: \"{}\"",
+]
+
+SENTENCES = [
+    "i think we should go to the park tomorrow if it dont rain",
+    "The meeting has been moved to next Tuesday afternoon.",
+    "my brother like to play football with his friends every weekend",
+    "Please send me the report before the end of the day.",
+    "The cat sat on the mat and looked out of the window.",
+    "we was late because the bus didnt come on time",
+    "I would like to order a large pizza with mushrooms.",
+    "The library is closed on Sundays and public holidays.",
+    "She have been working at the hospital for ten years.",
+    "Can you help me carry these boxes to the car?",
+    "The weather today is sunny with a light breeze.",
+    "they goes to school by bike every morning",
+    "Our team won the championship after a difficult season.",
+    "I forgot my umbrella and got wet on the way home.",
+    "The new restaurant downtown serves excellent noodles.",
+    "He dont know where he put his keys.",
+    "Thank you for inviting me to your birthday party.",
+    "The train to the city leaves every twenty minutes.",
+    "me and my friend watched a movie last night",
+    "The museum has a large collection of ancient coins.",
+    "Remember to water the plants while I am away.",
+    "This phone is faster than the one I had before.",
+    "The children played in the snow all afternoon.",
+    "Its important to drink enough water every day.",
+]
+
+
+def _held_out(subject: str, fraction: float) -> bool:
+    # stable across runs and machines (unlike hash()): a subject's side never changes
+    return zlib.crc32(subject.encode()) % 1000 < fraction * 1000
+
+
+def chat_prompts(split: str, heldout_fraction: float = 0.15, seed: int = 0) -> list[str]:
+    """Every prompt of one split ("train" or "heldout"), in a seeded order."""
+    if split not in ("train", "heldout"):
+        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
+    want_heldout = split == "heldout"
+    prompts = []
+
+    def add(templates, subjects):
+        for subject in subjects:
+            if _held_out(subject, heldout_fraction) == want_heldout:
+                prompts.extend(t.format(subject) for t in templates)
+
+    add(TOPIC_TEMPLATES, TOPICS)
+    add(SKILL_TEMPLATES, SKILLS)
+    add(CODE_TEMPLATES, CODE_TASKS)
+    add(SENTENCE_TEMPLATES, SENTENCES)
+    rng = random.Random(1234)                      # the numbers of math prompts, same for both splits
+    for i in range(240):
+        a, b = rng.randint(2, 500), rng.randint(2, 99)
+        template = MATH_TEMPLATES[i % len(MATH_TEMPLATES)]
+        key = f"math-{a}-{b}"
+        if _held_out(key, heldout_fraction) == want_heldout:
+            prompts.append(template.format(a=a, b=b))
+    prompts = sorted(set(prompts))
+    random.Random(seed).shuffle(prompts)
+    return prompts

@@ -1,0 +1,200 @@
+"""The MTP training loop: a frozen target, K chained steps, soft targets from the target itself.
+
+Each batch costs one teacher-forced pass of the target (no grad), which gives the inputs (h_t,
+x_{t+1}) and the targets (the target's distribution for x_{t+k+1} at step k). The loss is the
+cross-entropy of the head's distribution against the target's (equal to the KL divergence up to
+the target's entropy), step k weighted by `step_weight ** (k - 1)`.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from pipespec.spec.mtp_data import Batcher
+from pipespec.spec.mtp_forward import chained_mtp, step_mask, target_pass
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    num_steps: int = 3                # K: chained MTP steps trained (and evaluated)
+    tokens: int = 20_000_000          # training tokens (batch rows x sequence length, summed over steps)
+    batch_size: int = 48
+    seq_len: int = 320
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.05
+    warmup: int = 50
+    weight_decay: float = 0.0
+    step_weight: float = 0.8
+    grad_clip: float = 1.0
+    seed: int = 0
+    max_time: float | None = None     # seconds of training; the LR schedule follows time as well
+    log_every: int = 50
+    eval_every: int = 0               # steps between calls of train()'s `evaluate` (0: never)
+    checkpoint: str | None = None     # path of the resumable training state
+    checkpoint_every: int = 500
+
+    def __post_init__(self):
+        if self.num_steps < 1:
+            raise ValueError(f"num_steps must be >= 1, got {self.num_steps}")
+        if self.seq_len < self.num_steps + 2:
+            raise ValueError(f"seq_len must be >= num_steps + 2, got {self.seq_len}")
+
+    @property
+    def total_steps(self) -> int:
+        return max(1, self.tokens // (self.batch_size * self.seq_len))
+
+
+def lr_at(cfg: TrainConfig, step: int, elapsed: float) -> float:
+    """Linear warm-up, then cosine decay over the run's progress: the larger of the step fraction
+    and (with max_time) the time fraction, so the schedule ends whichever limit comes first."""
+    progress = step / cfg.total_steps
+    if cfg.max_time:
+        progress = max(progress, elapsed / cfg.max_time)
+    warm = min(1.0, (step + 1) / max(cfg.warmup, 1))
+    cosine = 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+    return cfg.lr * warm * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
+
+
+def _autocast(device: torch.device):
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def batch_loss(mtp, target, ids: torch.Tensor, lens: torch.Tensor, num_steps: int, step_weight: float):
+    """(weighted loss, per-step list of (rows, agreeing rows, CE sum, KL sum)) for one batch."""
+    hidden, logits = target_pass(target, ids)
+    n = ids.shape[1]
+    with _autocast(ids.device):
+        outs = chained_mtp(mtp, target, ids, hidden, num_steps)
+    head = target.head_weight()
+    with torch.no_grad():
+        teacher_logp = F.log_softmax(logits.float(), dim=-1)       # [B, N, V], shared by every step
+        del logits
+    total = torch.zeros((), device=ids.device)
+    stats = []
+    for k, out in enumerate(outs, 1):
+        mask = step_mask(lens, None, n, k)
+        rows = int(mask.sum())
+        if rows == 0:
+            stats.append((0, 0, 0.0, 0.0))
+            continue
+        with torch.no_grad():
+            logp = teacher_logp[:, k:][mask[:, :n - k]]               # z_{t+k}: predicts x_{t+k+1}
+            p = logp.exp()
+            entropy = -(p * logp).sum()
+        with _autocast(ids.device):
+            student = mtp.compute_logits(out[mask], head)
+        student = student.float()
+        ce = F.cross_entropy(student, p, reduction="sum")
+        with torch.no_grad():
+            agree = int((student.argmax(-1) == logp.argmax(-1)).sum())
+        del logp
+        total = total + (step_weight ** (k - 1)) * ce / rows
+        stats.append((rows, agree, float(ce.detach()), float(ce.detach() - entropy)))
+    return total, stats
+
+
+def _save_state(path: str, mtp, opt, step: int, elapsed: float, cfg: TrainConfig) -> None:
+    tmp = f"{path}.tmp"
+    torch.save({"mtp": mtp.state_dict(), "opt": opt.state_dict(), "step": step, "elapsed": elapsed,
+                "config": dataclasses.asdict(cfg)}, tmp)
+    os.replace(tmp, path)
+
+
+def _load_state(path: str, mtp, opt, cfg: TrainConfig) -> tuple[int, float]:
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    old = state["config"]
+    for key in ("num_steps", "batch_size", "seq_len", "seed"):
+        if old[key] != getattr(cfg, key):
+            raise ValueError(f"checkpoint {path} was made with {key}={old[key]}, this run has "
+                             f"{key}={getattr(cfg, key)}; resume with the same settings")
+    mtp.load_state_dict(state["mtp"])
+    opt.load_state_dict(state["opt"])
+    return int(state["step"]), float(state["elapsed"])
+
+
+def train(mtp, target, batcher: Batcher, cfg: TrainConfig, device, resume: bool = False,
+          on_checkpoint: Callable[[int], None] | None = None,
+          evaluate: Callable[[int], None] | None = None) -> dict:
+    """Train `mtp` (float32 master weights) against the frozen `target`; returns a summary.
+
+    With `resume` and an existing `cfg.checkpoint`, continues from it (same data order, same
+    schedule). `on_checkpoint(step)` runs after each checkpoint (e.g. to write the head file);
+    `evaluate(step)` every `cfg.eval_every` steps (its time does not count against `max_time`).
+    """
+    device = torch.device(device)
+    target.requires_grad_(False)
+    mtp.train()
+    params = [p for p in mtp.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
+                            fused=device.type == "cuda")
+    step, elapsed = 0, 0.0
+    if resume and cfg.checkpoint and Path(cfg.checkpoint).exists():
+        step, elapsed = _load_state(cfg.checkpoint, mtp, opt, cfg)
+        logger.info("resumed from %s at step %d (%.0f s trained)", cfg.checkpoint, step, elapsed)
+    window = [[0, 0, 0.0, 0.0] for _ in range(cfg.num_steps)]
+    window_loss, window_steps, window_tokens = 0.0, 0, 0
+    bar = tqdm(total=cfg.total_steps, initial=step, desc="Training MTP", unit="step", disable=None)
+    t_start = time.perf_counter() - elapsed
+    t_window = time.perf_counter()
+    while step < cfg.total_steps and not (cfg.max_time and elapsed >= cfg.max_time):
+        ids, lens, _ = batcher.batch(step)
+        ids, lens = ids.to(device, non_blocking=True), lens.to(device, non_blocking=True)
+        lr = lr_at(cfg, step, elapsed)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        loss, stats = batch_loss(mtp, target, ids, lens, cfg.num_steps, cfg.step_weight)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if cfg.grad_clip:
+            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        opt.step()
+        step += 1
+        elapsed = time.perf_counter() - t_start
+        for w, s in zip(window, stats):
+            for i in range(4):
+                w[i] += s[i]
+        window_loss += float(loss.detach())
+        window_steps += 1
+        window_tokens += int(lens.sum())
+        bar.update(1)
+        if step % cfg.log_every == 0 or step == cfg.total_steps:
+            agree = [w[1] / max(w[0], 1) for w in window]
+            kl = [w[3] / max(w[0], 1) for w in window]
+            dt = time.perf_counter() - t_window
+            bar.set_postfix(loss=f"{window_loss / window_steps:.3f}", agree1=f"{agree[0]:.3f}")
+            logger.info("step %d/%d  loss %.4f  KL %s  agreement %s  lr %.2e  %.0f tok/s  %.0f s",
+                        step, cfg.total_steps, window_loss / window_steps,
+                        " ".join(f"{x:.3f}" for x in kl), " ".join(f"{x:.3f}" for x in agree), lr,
+                        window_tokens / max(dt, 1e-9), elapsed)
+            window = [[0, 0, 0.0, 0.0] for _ in range(cfg.num_steps)]
+            window_loss, window_steps, window_tokens, t_window = 0.0, 0, 0, time.perf_counter()
+        if evaluate and cfg.eval_every and step % cfg.eval_every == 0:
+            t_eval = time.perf_counter()
+            mtp.eval()
+            evaluate(step)
+            mtp.train()
+            t_start += time.perf_counter() - t_eval
+        if cfg.checkpoint and step % cfg.checkpoint_every == 0:
+            _save_state(cfg.checkpoint, mtp, opt, step, elapsed, cfg)
+            if on_checkpoint:
+                on_checkpoint(step)
+    bar.close()
+    if cfg.checkpoint:
+        _save_state(cfg.checkpoint, mtp, opt, step, elapsed, cfg)
+    mtp.eval()
+    return {"steps": step, "tokens": step * cfg.batch_size * cfg.seq_len, "seconds": round(elapsed, 1)}

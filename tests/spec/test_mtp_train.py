@@ -1,0 +1,192 @@
+"""MTP training on tiny random targets: the loop learns, files round-trip, training resumes."""
+import json
+
+import pytest
+import torch
+
+from pipespec.model.attention import ForwardContext, TorchReferenceBackend, allocate_kv_caches
+from pipespec.model.mtp import (META_BASE_CONFIG, META_BASE_MODEL, DeepSeekMTP, load_mtp_file, read_mtp_metadata,
+                                save_mtp)
+from pipespec.spec.mtp_data import Batcher, Sample, collate
+from pipespec.spec.mtp_eval import agreement
+from pipespec.spec.mtp_forward import chained_mtp, step_mask, target_pass
+from pipespec.spec import mtp_prompts as mp
+from pipespec.spec.mtp_train import TrainConfig, lr_at, train
+from tests.spec.mtp_tiny import tiny_arch, tiny_head, tiny_target
+
+
+def _random_samples(n: int, length: int, seed: int, vocab: int = 64) -> list[Sample]:
+    g = torch.Generator().manual_seed(seed)
+    return [Sample(tuple(torch.randint(0, vocab, (length,), generator=g).tolist()), 0) for _ in range(n)]
+
+
+def test_training_raises_agreement_well_above_chance():
+    torch.manual_seed(0)
+    target = tiny_target(mixing=0.4)
+    heldout = _random_samples(16, 32, seed=99)          # never trained on
+    head = DeepSeekMTP(target.arch)
+    head.init_from_target(target)
+    before = agreement(head, target, heldout, 2, "cpu")
+    cfg = TrainConfig(num_steps=2, tokens=8 * 32 * 40, batch_size=8, seq_len=32, lr=1e-2, warmup=5, log_every=20)
+    summary = train(head, target, Batcher(_random_samples(128, 32, seed=5), [], 8, 32), cfg, "cpu")
+    after = agreement(head, target, heldout, 2, "cpu")
+    assert summary["steps"] == 40
+    chance = 1 / target.arch.vocab_size
+    assert before[0].rate < 0.1
+    assert after[0].rate > max(10 * chance, before[0].rate + 0.15), (before, after)
+    assert after[1].rate > max(10 * chance, before[1].rate + 0.15), (before, after)   # chained step 2
+
+
+def test_saved_head_round_trips_names_shapes_metadata_and_outputs(tmp_path):
+    target = tiny_target()
+    head = tiny_head(target.arch)
+    path = tmp_path / "head.safetensors"
+    save_mtp(path, head, "tiny-target", extra={"pipespec.train": {"tokens": 123}})
+    meta = read_mtp_metadata(path)
+    assert meta[META_BASE_MODEL] == "tiny-target"
+    assert json.loads(meta[META_BASE_CONFIG])["hidden_size"] == target.arch.hidden_size
+    assert json.loads(meta["pipespec.train"]) == {"tokens": 123}
+    from safetensors import safe_open
+    with safe_open(str(path), framework="pt") as f:
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    assert shapes == {k: tuple(v.shape) for k, v in head.checkpoint_tensors().items()}
+    loaded, meta2 = load_mtp_file(path, target.arch)
+    assert meta2 == meta
+    ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(3))
+    hidden, _ = target_pass(target, ids)
+    with torch.no_grad():
+        want = chained_mtp(head, target, ids, hidden, 3)
+        got = chained_mtp(loaded, target, ids, hidden, 3)
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+        torch.testing.assert_close(loaded.compute_logits(g, target.head_weight()),
+                                   head.compute_logits(w, target.head_weight()), rtol=0, atol=0)
+
+
+def test_head_file_for_another_model_is_refused(tmp_path):
+    target = tiny_target()
+    path = tmp_path / "head.safetensors"
+    save_mtp(path, tiny_head(target.arch), "tiny-target")
+    with pytest.raises(ValueError, match="hidden_size"):
+        load_mtp_file(path, tiny_arch(hidden_size=48, head_dim=12))
+
+
+def test_bf16_file_loads_into_a_paged_inference_step(tmp_path):
+    """The saved head runs through the engine's reference backend (what speculative decoding uses)."""
+    target = tiny_target()
+    path = tmp_path / "head.safetensors"
+    save_mtp(path, tiny_head(target.arch), "tiny-target", dtype=torch.bfloat16)
+    head, _ = load_mtp_file(path, target.arch, torch.float32)
+    arch = target.arch
+    ids = torch.tensor([[5, 9, 2, 33, 7, 1]])
+    hidden, _ = target_pass(target, ids)
+    cache = allocate_kv_caches(1, 4, 4, arch.num_kv_heads, arch.head_dim, torch.float32, "cpu")[0]
+    backend = TorchReferenceBackend()
+    pos = torch.arange(5)
+    attn = backend.prepare(torch.tensor([0, 5]), torch.tensor([5]), pos, torch.arange(4)[None], 4)
+    with torch.no_grad():
+        paged = head(ForwardContext(pos, pos.clone(), backend, attn, [cache]), ids[0, 1:], hidden[0, :5],
+                     embed_weight=target.model.embed_tokens.weight)
+        dense = chained_mtp(head, target, ids, hidden, 1)[0][0]
+    torch.testing.assert_close(paged, dense, rtol=1e-5, atol=1e-5)
+
+
+def test_resume_continues_exactly(tmp_path):
+    target = tiny_target(mixing=0.4)
+    data = Batcher(_random_samples(32, 16, seed=1), _random_samples(8, 16, seed=2), 4, 16, 0.25, seed=3)
+    cfg = TrainConfig(num_steps=2, tokens=4 * 16 * 6, batch_size=4, seq_len=16, lr=5e-3, warmup=2,
+                      checkpoint=str(tmp_path / "state.pt"), checkpoint_every=3, log_every=100)
+
+    def fresh():
+        torch.manual_seed(0)
+        return tiny_head(target.arch)
+
+    straight = fresh()
+    train(straight, target, data, cfg, "cpu")
+    (tmp_path / "state.pt").unlink()
+    # a run killed right after its checkpoint at step 3, then resumed to the end
+    class Killed(Exception):
+        pass
+
+    def kill(step):
+        raise Killed(step)
+
+    half = fresh()
+    with pytest.raises(Killed):
+        train(half, target, data, cfg, "cpu", on_checkpoint=kill)
+    resumed = fresh()
+    summary = train(resumed, target, data, cfg, "cpu", resume=True)
+    assert summary["steps"] == 6
+    for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7, msg=name)
+    assert not all(torch.equal(a, b) for a, b in zip(half.state_dict().values(), resumed.state_dict().values()))
+
+
+def test_batches_are_a_function_of_seed_and_step():
+    chat, text = _random_samples(20, 12, seed=1), _random_samples(10, 12, seed=2)
+    a = Batcher(chat, text, 8, 16, text_fraction=0.25, seed=7, pad_id=0)
+    b = Batcher(chat, text, 8, 16, text_fraction=0.25, seed=7, pad_id=0)
+    for step in (5, 0, 3):
+        for x, y in zip(a.batch(step), b.batch(step)):
+            assert torch.equal(x, y)
+    ids, lens, _ = a.batch(0)
+    assert ids.shape == (8, 16) and lens.tolist() == [12] * 8
+    text_rows = {s.ids for s in text}
+    assert sum(tuple(r[:12].tolist()) in text_rows for r in ids) == 2          # 25% of 8 rows
+    assert not torch.equal(a.batch(1)[0], a.batch(2)[0])
+    # one epoch of the chat pool (20 samples, 6 per batch) visits every chat sample once
+    seen = [tuple(r[:12].tolist()) for s in range(3) for r in a.batch(s)[0][:6]]
+    assert len(set(seen[:18])) == 18
+
+
+def test_step_mask_counts_answer_rows_like_inference():
+    # sequence of 10 tokens, answer starts at index 4: the first draft predicts index 5 (row 3)
+    lens, starts = torch.tensor([10]), torch.tensor([4])
+    m1 = step_mask(lens, starts, 10, 1)[0]
+    m2 = step_mask(lens, starts, 10, 2)[0]
+    assert m1.nonzero().flatten().tolist() == [3, 4, 5, 6, 7]     # predicts x_5 .. x_9
+    assert m2.nonzero().flatten().tolist() == [3, 4, 5, 6]        # predicts x_6 .. x_9
+    ids, lens2, starts2 = collate([Sample((1, 2, 3), 1), Sample((4, 5, 6, 7, 8), 2)])
+    assert ids.tolist() == [[1, 2, 3, 0, 0], [4, 5, 6, 7, 8]]
+    assert lens2.tolist() == [3, 5] and starts2.tolist() == [1, 2]
+
+
+def test_lr_schedule_ends_at_whichever_limit_comes_first():
+    cfg = TrainConfig(tokens=100 * 48 * 320, lr=1.0, warmup=10, min_lr_ratio=0.1, max_time=60.0)
+    assert cfg.total_steps == 100
+    assert lr_at(cfg, 0, 0.0) == pytest.approx(0.1)               # warm-up
+    assert 0.9 < lr_at(cfg, 10, 0.0) < 1.0
+    assert lr_at(cfg, 50, 30.0) == pytest.approx(0.55)            # half way: cosine midpoint
+    assert lr_at(cfg, 50, 60.0) == pytest.approx(0.1)             # time is up: the floor
+    assert lr_at(cfg, 100, 1.0) == pytest.approx(0.1)             # steps are up: the floor
+
+
+def test_heldout_prompts_share_no_prompt_and_no_subject_with_training():
+    train_p, held = set(mp.chat_prompts("train")), set(mp.chat_prompts("heldout"))
+    assert len(train_p) > 2000 and len(held) > 200
+    assert not train_p & held
+    sides = {True: 0, False: 0}
+    for templates, subjects in ((mp.TOPIC_TEMPLATES, mp.TOPICS), (mp.SKILL_TEMPLATES, mp.SKILLS),
+                                (mp.CODE_TEMPLATES, mp.CODE_TASKS), (mp.SENTENCE_TEMPLATES, mp.SENTENCES)):
+        for subject in subjects:
+            prompts = {t.format(subject) for t in templates}
+            # every prompt of a subject sits on one side
+            assert prompts <= held or prompts <= train_p, subject
+            sides[prompts <= held] += 1
+    assert sides[True] > 20 and sides[False] > 5 * sides[True] / 2
+    assert mp.chat_prompts("train") == mp.chat_prompts("train")    # deterministic order
+
+
+def test_cli_has_train_and_eval_subcommands_beside_generate():
+    from pipespec.cli import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["train-mtp", "--out", "h.safetensors", "--steps", "2", "--tokens", "1000",
+                              "--device", "cpu", "--resume", "--gen-only"])
+    assert args.func.__name__ == "_train_mtp"
+    assert (args.out, args.steps, args.tokens, args.resume, args.gen_only) == ("h.safetensors", 2, 1000, True, True)
+    args = parser.parse_args(["eval-mtp", "--head", "h.safetensors", "--data", "d.json"])
+    assert args.func.__name__ == "_eval_mtp" and args.model is None and args.steps is None
+    assert parser.parse_args(["generate", "hi"]).func.__name__ == "_generate"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["train-mtp"])                     # --out is required
