@@ -1,0 +1,70 @@
+"""Verify drafts against the target: lossless rejection sampling, greedy included, with no host sync.
+
+For draft j of a request (distribution q_j, token d_j) and the target's processed distribution p_j at
+the same row: accept while u_j * q_j(d_j) <= p_j(d_j); at the first rejection draw from
+normalize(max(p_j - q_j, 0)); if every draft is accepted draw a bonus token from p at the row after
+the last draft. The output then follows p exactly, whatever q is.
+
+Greedy needs no special case: `processed_probs` makes greedy rows one-hot, so a draft is accepted iff
+it is the argmax and the correction is the argmax. Uniforms and draws are keyed by (seed, position),
+and with no drafts the result equals `pipespec.sampling.sample`.
+"""
+from __future__ import annotations
+
+import torch
+
+from pipespec.sampling import SamplingTensors, draw, processed_probs, uniform_keyed
+
+_ACCEPT_STREAM = 1   # the plain draw uses stream 0, so a step without drafts samples like `sample`
+
+
+def rejection_sample(target_logits: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor,
+                     st: SamplingTensors, first_position: torch.Tensor,
+                     draft_probs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accepted tokens per request.
+
+    target_logits: [B, K+1, V], row j scores the token at position first_position + j
+    draft_ids:     [B, K] int64, draft j proposed for position first_position + j + 1 (pad: any id)
+    num_drafts:    [B] int64 in [0, K]; rows past a request's drafts are ignored
+    draft_probs:   [B, K, V] the distributions the drafts were drawn from; None means the drafts were
+                   chosen deterministically (q is one-hot on the draft), as pipespec's MTP drafter does
+    Returns tokens [B, K+1] (-1 past the end) and num_sampled [B] in [1, num_drafts + 1].
+    """
+    b, rows, vocab = target_logits.shape
+    k = rows - 1
+    device = target_logits.device
+    pos = first_position[:, None] + torch.arange(rows, device=device)[None, :]          # [B, K+1]
+    flat = _repeat_rows(st, rows)
+    p = processed_probs(target_logits.reshape(b * rows, vocab), flat).reshape(b, rows, vocab)
+
+    drafts = draft_ids.clamp(0, vocab - 1)
+    if draft_probs is None:
+        q = torch.zeros(b, k, vocab, device=device, dtype=p.dtype).scatter_(-1, drafts[..., None], 1.0)
+    else:
+        q = draft_probs.to(p.dtype)
+    p_d = p[:, :k].gather(-1, drafts[..., None]).squeeze(-1)                               # [B, K]
+    q_d = q.gather(-1, drafts[..., None]).squeeze(-1)
+    u = uniform_keyed(st.seed.repeat_interleave(k), pos[:, :k].reshape(-1), 1, _ACCEPT_STREAM).reshape(b, k)
+    has_draft = torch.arange(k, device=device)[None, :] < num_drafts[:, None]
+    accept = (u * q_d <= p_d) & has_draft
+    n_acc = accept.int().cumprod(dim=-1).sum(dim=-1)                                         # [B]
+
+    # the distribution each row draws from if the chain stops there: residual after a draft, else p
+    residual = (p[:, :k] - q).clamp_min(0)
+    mass = residual.sum(-1, keepdim=True)
+    residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p[:, :k])
+    final = torch.cat((torch.where(has_draft[..., None], residual, p[:, :k]), p[:, k:]), dim=1)
+    drawn = draw(final.reshape(b * rows, vocab), flat.seed, pos.reshape(-1)).reshape(b, rows)
+
+    col = torch.arange(rows, device=device)[None, :]
+    padded_drafts = torch.cat((drafts, torch.zeros(b, 1, dtype=drafts.dtype, device=device)), dim=1)
+    tokens = torch.where(col < n_acc[:, None], padded_drafts, drawn.gather(1, n_acc[:, None]).expand(b, rows))
+    tokens = torch.where(col <= n_acc[:, None], tokens, torch.full_like(tokens, -1))
+    return tokens, n_acc.long() + 1
+
+
+def _repeat_rows(st: SamplingTensors, rows: int) -> SamplingTensors:
+    """Per-request sampling parameters repeated for each of the request's `rows` rows."""
+    rep = lambda t: t.repeat_interleave(rows)          # noqa: E731
+    return SamplingTensors(rep(st.temperature), rep(st.top_k), rep(st.top_p), rep(st.min_p), rep(st.seed),
+                           st.needs_sort, st.all_greedy)
