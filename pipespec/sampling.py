@@ -115,7 +115,9 @@ def uniform_keyed(seed: torch.Tensor, position: torch.Tensor, width: int, stream
     key = _mix32(key ^ ((stream * _GOLDEN) & _M32))
     cols = (torch.arange(width, device=seed.device, dtype=torch.int64) * _GOLDEN) & _M32
     bits = _mix32((key[:, None] + cols[None, :]) & _M32)
-    return ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    # odd multiples of 2^-24 from 23 bits: exact in float32 and strictly inside (0, 1). (24 bits + 0.5
+    # rounded the top value up to 1.0, and -log(1) = 0 made a filtered token win the race as NaN.)
+    return ((bits >> 9) * 2 + 1).to(torch.float32) * (1.0 / (1 << 24))
 
 
 def processed_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:

@@ -57,7 +57,7 @@ def server():
 
 @pytest.fixture(scope="session")
 def small_server():
-    """A short context (64 tokens) so that fuzzed requests stay cheap."""
-    s = LiveServer("--max-model-len", "64", "--max-num-seqs", "8")
+    """A short context (32 tokens) so that fuzzed requests stay cheap."""
+    s = LiveServer("--max-model-len", "32", "--max-num-seqs", "8")
     yield s
     s.stop()

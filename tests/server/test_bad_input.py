@@ -94,7 +94,7 @@ schema = schemathesis.pytest.from_fixture("api_schema")
 
 
 @schema.parametrize()
-@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
 def test_fuzz_never_5xx(case):
     response = case.call(timeout=120)
     assert response.status_code < 500, (case.path, case.body, response.text[:300])

@@ -1,0 +1,217 @@
+"""Scheduler logic on hand-made Requests, with no model: the engine's side of a step is simulated."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipespec.config import SchedulerConfig
+from pipespec.engine.request import RequestStatus
+from pipespec.engine.scheduler import Scheduler
+from pipespec.sampling import SamplingParams
+from tests.helpers import make_request
+
+BS = 4   # block size
+
+
+def sched_with(num_blocks=64, budget=32, max_seqs=8, chunked=True, max_model_len=256) -> Scheduler:
+    cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, enable_chunked_prefill=chunked)
+    return Scheduler(cfg, BS, num_blocks, max_model_len)
+
+
+def prompt(n: int, base: int = 10) -> list[int]:
+    return [base + i for i in range(n)]
+
+
+def check_plan(batch, sched: Scheduler) -> None:
+    """The plan is consistent with the requests' state before the step."""
+    plan = batch.plan
+    qsl = plan.query_start_loc.tolist()
+    assert qsl[0] == 0 and qsl[-1] == plan.num_tokens
+    assert plan.num_tokens <= sched.config.max_num_batched_tokens
+    assert plan.num_reqs == len(batch.requests) <= sched.config.max_num_seqs
+    for b, (req, n) in enumerate(zip(batch.requests, batch.num_new_tokens)):
+        start = req.num_computed_tokens
+        assert qsl[b + 1] - qsl[b] == n >= 1
+        rows = slice(qsl[b], qsl[b + 1])
+        assert plan.input_ids[rows].tolist() == req.token_ids[start:start + n]
+        assert plan.positions[rows].tolist() == list(range(start, start + n))
+        assert int(plan.seq_lens[b]) == start + n
+        for p, slot in zip(range(start, start + n), plan.slot_mapping[rows].tolist()):
+            assert slot == req.block_ids[p // BS] * BS + p % BS
+            assert int(plan.block_tables[b, p // BS]) == req.block_ids[p // BS]
+        assert len(req.block_ids) * BS >= start + n
+    samplers = [b for b, (req, n) in enumerate(zip(batch.requests, batch.num_new_tokens))
+                if req.num_computed_tokens + n == req.num_tokens]
+    assert plan.sample_rows.tolist() == samplers
+    assert plan.sampling.temperature.shape[0] == len(samplers)
+
+
+def step(sched: Scheduler, token: int = 7):
+    """One engine step: schedule, 'run', complete, append a token to requests that sampled."""
+    batch = sched.schedule()
+    if batch is None:
+        return None
+    check_plan(batch, sched)
+    sampled = [batch.requests[b] for b in batch.plan.sample_rows.tolist()]
+    sched.complete(batch)
+    for req in sampled:
+        req.token_ids.append(token)
+        if req.num_output_tokens >= req.max_tokens:
+            sched.finish(req, "length")
+    return batch
+
+
+def run_to_completion(sched: Scheduler, max_steps: int = 1000) -> list:
+    batches = []
+    for _ in range(max_steps):
+        if not sched.has_work():
+            return batches
+        b = step(sched)
+        assert b is not None, "scheduler has work but scheduled nothing"
+        batches.append(b)
+    raise AssertionError("did not finish")
+
+
+def test_token_budget_is_respected_and_prefills_are_chunked():
+    sched = sched_with(budget=25)
+    reqs = [make_request(f"r{i}", prompt(10), max_tokens=3, arrival=i) for i in range(4)]
+    for r in reqs:
+        sched.add(r)
+    first = step(sched)
+    assert first.plan.num_tokens == 25
+    assert [r.request_id for r in first.requests] == ["r0", "r1", "r2"]
+    assert first.num_new_tokens == [10, 10, 5]
+    assert first.plan.sample_rows.tolist() == [0, 1]     # r2's prompt is not done: no sample
+    assert reqs[2].num_computed_tokens == 5 and reqs[2].num_output_tokens == 0
+    batches = [first] + run_to_completion(sched)
+    assert all(b.plan.num_tokens <= 25 for b in batches)
+    assert all(r.num_output_tokens == 3 and r.finish_reason == "length" for r in reqs)
+    assert sched.allocator.num_free == sched.allocator.num_blocks
+
+
+def test_chunked_prefill_splits_long_prompt_over_steps():
+    sched = sched_with(budget=16)
+    req = make_request("long", prompt(40), max_tokens=2)
+    sched.add(req)
+    chunks = []
+    while req.num_output_tokens == 0:
+        b = step(sched)
+        chunks.append((b.num_new_tokens[0], b.plan.sample_rows.tolist()))
+    assert chunks == [(16, []), (16, []), (8, [0])]
+    b = step(sched)   # the decode step
+    assert b.num_new_tokens == [1] and b.plan.positions.tolist() == [40]
+    assert req.finished and sched.allocator.num_free == sched.allocator.num_blocks
+
+
+def test_without_chunked_prefill_a_prompt_waits_for_a_whole_budget():
+    sched = sched_with(budget=16, chunked=False)
+    a = make_request("a", prompt(10), max_tokens=2, arrival=0)
+    b = make_request("b", prompt(12), max_tokens=2, arrival=1)
+    sched.add(a)
+    sched.add(b)
+    first = step(sched)
+    assert first.requests == [a] and first.num_new_tokens == [10]   # b does not fit in 6 tokens
+    second = step(sched)
+    assert second.requests == [a, b] and second.num_new_tokens == [1, 12]
+    run_to_completion(sched)
+
+
+def test_max_num_seqs_is_respected():
+    sched = sched_with(max_seqs=2, budget=64)
+    reqs = [make_request(f"r{i}", prompt(3), max_tokens=2 + i, arrival=i) for i in range(5)]
+    for r in reqs:
+        sched.add(r)
+    batches = run_to_completion(sched)
+    assert max(b.plan.num_reqs for b in batches) == 2
+    assert [r.request_id for r in batches[0].requests] == ["r0", "r1"]
+    # a slot frees when r0 finishes, and r2 takes it
+    started = {}
+    for i, b in enumerate(batches):
+        for r in b.requests:
+            started.setdefault(r.request_id, i)
+    assert started["r2"] > started["r0"] and started["r2"] <= 2
+    assert all(r.finished for r in reqs)
+
+
+def test_preemption_takes_newest_and_requeues_it_first():
+    # 6 blocks of 4 tokens; three 4-token prompts take one block each, then decodes need more
+    sched = sched_with(num_blocks=6, budget=64, max_model_len=24)
+    reqs = [make_request(f"r{i}", prompt(4, base=100 * i), max_tokens=12, arrival=i) for i in range(3)]
+    for r in reqs:
+        sched.add(r)
+    step(sched)
+    assert all(len(r.block_ids) == 1 and r.num_output_tokens == 1 for r in reqs)
+    step(sched)                                   # each decode crosses into a second block: 6 used
+    assert sched.allocator.num_free == 0 and sched.num_preemptions == 0
+    for _ in range(3):                            # positions 5..7 stay inside the second block
+        step(sched)
+    assert sched.num_preemptions == 0
+    tokens_before = list(reqs[2].token_ids)
+    b = step(sched)                               # position 8: needs a third block each
+    assert sched.num_preemptions >= 1
+    newest = reqs[2]
+    assert newest.status is RequestStatus.WAITING and sched.waiting[0] is newest
+    assert newest.num_computed_tokens == 0 and newest.block_ids == []
+    assert newest.token_ids == tokens_before, "a preempted request keeps its tokens"
+    assert newest not in b.requests
+    assert reqs[0] in b.requests and reqs[0].status is RequestStatus.RUNNING
+    run_to_completion(sched)
+    assert all(r.finished and r.num_output_tokens == 12 for r in reqs)
+    assert sched.allocator.num_free == sched.allocator.num_blocks
+
+
+def test_preempted_request_is_recomputed_in_full():
+    sched = sched_with(num_blocks=4, budget=64, max_model_len=16)
+    a = make_request("a", prompt(5), max_tokens=11, arrival=0)
+    b = make_request("b", prompt(5, base=50), max_tokens=11, arrival=1)
+    sched.add(a)
+    sched.add(b)
+    recompute = []
+    while sched.has_work():
+        batch = step(sched)
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            if req is b and n > 1 and b.num_output_tokens > 1:
+                recompute.append(n)
+    assert sched.num_preemptions >= 1
+    assert recompute, "b was never recomputed after its preemption"
+    assert a.num_output_tokens == b.num_output_tokens == 11
+    assert sched.allocator.num_free == 4
+
+
+def test_finish_while_in_flight_frees_blocks_on_complete():
+    sched = sched_with()
+    req = make_request("x", prompt(9), max_tokens=4)
+    sched.add(req)
+    batch = sched.schedule()
+    assert req.in_flight and len(req.block_ids) == 3
+    sched.finish(req, "abort")
+    assert req.finished and len(req.block_ids) == 3, "blocks of a request in flight stay until it returns"
+    sched.complete(batch)
+    assert req.block_ids == [] and sched.allocator.num_free == sched.allocator.num_blocks
+    assert sched.schedule() is None
+
+
+def test_abort_waiting_request():
+    sched = sched_with()
+    req = make_request("w", prompt(5))
+    sched.add(req)
+    sched.finish(req, "abort")
+    assert not sched.has_work() and req.finish_reason == "abort"
+    assert sched.schedule() is None
+
+
+def test_sampling_tensors_follow_request_params():
+    sched = sched_with()
+    greedy = make_request("g", prompt(3), params=SamplingParams(temperature=0.0), seed=5)
+    hot = make_request("h", prompt(3), params=SamplingParams(temperature=0.7, top_k=20, top_p=0.9, min_p=0.05),
+                       seed=2**40 + 3, arrival=1)
+    sched.add(greedy)
+    sched.add(hot)
+    st = sched.schedule().plan.sampling
+    assert st.temperature.tolist() == pytest.approx([0.0, 0.7])
+    assert st.top_k.tolist() == [-1, 20]
+    assert st.top_p.tolist() == pytest.approx([1.0, 0.9])
+    assert st.min_p.tolist() == pytest.approx([0.0, 0.05])
+    assert st.seed.tolist() == [5, 2**40 + 3]
+    assert st.needs_sort and not st.all_greedy
+    assert st.seed.dtype == torch.int64

@@ -1,0 +1,71 @@
+"""Helpers shared by test modules (fixtures live in conftest.py)."""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import torch
+
+from pipespec.engine.request import Request
+from pipespec.engine.scheduler import Scheduler
+from pipespec.sampling import SamplingParams
+
+
+def make_request(request_id: str, prompt_ids: list[int], max_tokens: int = 16,
+                 params: SamplingParams | None = None, seed: int = 0, arrival: int = 0,
+                 eos_ids: frozenset[int] = frozenset()) -> Request:
+    params = params or SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    return Request(request_id, None, list(prompt_ids), params, seed, max_tokens, eos_ids, arrival)
+
+
+@torch.inference_mode()
+def engine_logits(llm, token_ids: list[int], chunk: int | None = None) -> torch.Tensor:
+    """float32 logits at every position of `token_ids`, through the engine's own stage runner.
+
+    The prompt is scheduled by a private Scheduler (its own block allocator over the engine's KV
+    cache, which must hold no live request) with a step budget of `chunk` tokens, so a chunk smaller
+    than the prompt feeds it in several plans, each attending to the KV cache the earlier ones wrote.
+    """
+    eng = llm.engine
+    assert not eng.has_unfinished_requests()
+    cfg = dataclasses.replace(eng.config.scheduler, max_num_batched_tokens=chunk or len(token_ids),
+                              enable_chunked_prefill=True)
+    sched = Scheduler(cfg, eng.config.cache.block_size, eng.scheduler.allocator.num_blocks, eng.max_model_len)
+    req = make_request("logits", token_ids, max_tokens=1)
+    sched.add(req)
+    stage = eng.executor.stage
+    rows, num_plans = [], 0
+    while req.num_computed_tokens < len(token_ids):
+        batch = sched.schedule()
+        plan = batch.plan.to(stage.device)
+        assert plan.positions.tolist() == list(range(req.num_computed_tokens,
+                                                     req.num_computed_tokens + plan.num_tokens))
+        hidden, residual = stage.forward(plan)
+        assert residual is None
+        rows.append(stage.model.compute_logits(hidden).float())
+        sched.complete(batch)
+        num_plans += 1
+    expected_plans = -(-len(token_ids) // (chunk or len(token_ids)))
+    assert num_plans == expected_plans
+    sched.finish(req, "length")
+    return torch.cat(rows)
+
+
+@torch.inference_mode()
+def hf_logits(model, token_ids: list[int]) -> torch.Tensor:
+    ids = torch.tensor([token_ids])
+    return model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0].float()
+
+
+@torch.inference_mode()
+def hf_greedy(model, token_ids: list[int], new_tokens: int) -> list[int]:
+    """Plain greedy decoding with transformers' KV cache, never stopping at EOS (like ignore_eos)."""
+    # transformers renamed past_key_values to cache (5.x); use whichever this version takes
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    out = model(input_ids=torch.tensor([token_ids]), use_cache=True)
+    generated = []
+    for _ in range(new_tokens):
+        nxt = int(out.logits[0, -1].argmax())
+        generated.append(nxt)
+        out = model(input_ids=torch.tensor([[nxt]]), use_cache=True, **{name: getattr(out, name)})
+    return generated

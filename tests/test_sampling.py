@@ -1,0 +1,240 @@
+"""Keyed randomness and sampling (pipespec.sampling), with no model."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pipespec.sampling import SamplingParams, SamplingTensors, processed_probs, sample, uniform_keyed
+
+# chi-square critical values at p = 1e-4 (df -> value), used when scipy is not installed
+_CHI2_CRIT_1E4 = {1: 15.137, 2: 18.421, 3: 21.108, 4: 23.513, 5: 25.745, 6: 27.856, 7: 29.878, 8: 31.828,
+                  9: 33.720, 10: 35.564, 11: 37.367}
+
+
+def chi2_ok(counts: torch.Tensor, probs: torch.Tensor, alpha: float = 1e-4) -> tuple[bool, float]:
+    """Pearson's chi-square goodness of fit over the outcomes with non-zero expected count."""
+    n = counts.sum().item()
+    keep = probs > 0
+    expected = probs[keep].double() * n
+    stat = (((counts[keep].double() - expected) ** 2) / expected).sum().item()
+    df = int(keep.sum()) - 1
+    try:
+        from scipy.stats import chi2
+        return chi2.sf(stat, df) > alpha, stat
+    except ImportError:
+        return stat < _CHI2_CRIT_1E4[df], stat
+
+
+def tensors(rows: int, temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0, seed=0) -> SamplingTensors:
+    full = lambda v, dt: torch.full((rows,), v, dtype=dt)
+    return SamplingTensors(temperature=full(temperature, torch.float32), top_k=full(top_k, torch.int64),
+                           top_p=full(top_p, torch.float32), min_p=full(min_p, torch.float32),
+                           seed=full(seed, torch.int64), needs_sort=top_k > 0 or top_p < 1.0,
+                           all_greedy=temperature == 0.0)
+
+
+LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
+
+
+# -- keyed uniforms ------------------------------------------------------------------------------
+
+
+def test_uniform_keyed_is_a_pure_function():
+    seeds = torch.tensor([0, 1, 2**40 + 7, 2**62 + 12345, 5], dtype=torch.int64)
+    pos = torch.tensor([0, 17, 17, 4000, 8191], dtype=torch.int64)
+    a = uniform_keyed(seeds, pos, 64)
+    b = uniform_keyed(seeds.clone(), pos.clone(), 64)
+    assert a.shape == (5, 64) and a.dtype == torch.float32
+    assert torch.equal(a, b)
+    # row-wise: a row does not depend on the other rows of the batch
+    for i in range(5):
+        assert torch.equal(uniform_keyed(seeds[i:i + 1], pos[i:i + 1], 64)[0], a[i])
+    # a prefix of the columns does not depend on the width
+    assert torch.equal(uniform_keyed(seeds, pos, 16), a[:, :16])
+
+
+def test_uniform_keyed_differs_across_inputs():
+    base = uniform_keyed(torch.tensor([42]), torch.tensor([10]), 256)
+    other_pos = uniform_keyed(torch.tensor([42]), torch.tensor([11]), 256)
+    other_seed = uniform_keyed(torch.tensor([43]), torch.tensor([10]), 256)
+    high_seed = uniform_keyed(torch.tensor([42 + 2**32]), torch.tensor([10]), 256)   # high word matters
+    other_stream = uniform_keyed(torch.tensor([42]), torch.tensor([10]), 256, stream=1)
+    for other in (other_pos, other_seed, high_seed, other_stream):
+        assert (base != other).float().mean() > 0.99
+    # columns of one row differ too
+    assert base.unique().numel() > 250
+
+
+def test_uniform_keyed_range_and_uniformity():
+    n_rows = 2000
+    u = uniform_keyed(torch.full((n_rows,), 7, dtype=torch.int64), torch.arange(n_rows), 50).flatten().double()
+    assert (u > 0).all() and (u < 1).all()
+    n = u.numel()
+    assert abs(u.mean().item() - 0.5) < 4 * math.sqrt(1 / 12 / n)
+    assert abs(u.var().item() - 1 / 12) < 0.002
+    # Kolmogorov-Smirnov distance against U(0, 1); the 1e-4 critical value is about 2.2 / sqrt(n)
+    s = u.sort().values
+    i = torch.arange(1, n + 1, dtype=torch.float64)
+    ks = torch.maximum(i / n - s, s - (i - 1) / n).max().item()
+    assert ks < 2.2 / math.sqrt(n), ks
+    # decile counts: chi-square
+    counts = torch.bincount((u * 10).long(), minlength=10)
+    ok, stat = chi2_ok(counts, torch.full((10,), 0.1))
+    assert ok, stat
+    # neighbouring positions are not correlated
+    a = uniform_keyed(torch.full((n_rows,), 7), torch.arange(n_rows), 1)[:, 0].double()
+    corr = torch.corrcoef(torch.stack([a[:-1], a[1:]]))[0, 1].item()
+    assert abs(corr) < 4 / math.sqrt(n_rows)
+
+
+# (seed, position, column) where the hash takes its largest 24-bit value, found by a search; the
+# uniform there used to round up to exactly 1.0, so -log(u) = 0 and a token of probability 0 won the
+# exponential race as NaN (about one sampled token in 340 with a 49k vocabulary).
+EXTREME = dict(seed=101, position=7, column=6364, width=49152)
+
+
+def test_uniform_keyed_stays_inside_open_interval_at_extreme_hash():
+    u = uniform_keyed(torch.tensor([EXTREME["seed"]]), torch.tensor([EXTREME["position"]]), EXTREME["width"])[0]
+    assert int(u.argmax()) == EXTREME["column"], "the search result no longer points at the extreme value"
+    assert u.max().item() < 1.0 and u.min().item() > 0.0
+    assert torch.isfinite(-torch.log(u)).all() and (-torch.log(u) > 0).all()
+
+
+def test_filtered_tokens_are_never_drawn_at_extreme_hash():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, EXTREME["width"], generator=g) * 3
+    st = tensors(3, temperature=1.0, top_k=50, seed=EXTREME["seed"])
+    st.temperature[0] = 0.0              # a greedy row in a batch that samples
+    st.top_k[2] = -1
+    st.top_p[2] = 0.5
+    out = sample(logits, st, torch.full((3,), EXTREME["position"]))
+    assert int(out[0]) == int(logits[0].argmax())
+    assert int(out[1]) in logits[1].topk(50).indices.tolist()
+    assert processed_probs(logits[2:], tensors(1, top_p=0.5))[0, out[2]] > 0
+
+
+# -- processed distribution ------------------------------------------------------------------------
+
+
+def softmax(x, t=1.0):
+    return torch.softmax(x / t, dim=-1)
+
+
+def test_processed_probs_plain_temperature():
+    for t in (0.5, 1.0, 2.0):
+        p = processed_probs(LOGITS[None], tensors(1, temperature=t))[0]
+        torch.testing.assert_close(p, softmax(LOGITS, t))
+
+
+def test_top_k_keeps_exactly_k():
+    for k in (1, 3, 5):
+        p = processed_probs(LOGITS[None], tensors(1, top_k=k))[0]
+        assert (p > 0).sum() == k and (p[:k] > 0).all()
+        torch.testing.assert_close(p[:k], softmax(LOGITS[:k]))
+
+
+def test_top_p_keeps_smallest_nucleus():
+    full = softmax(LOGITS)
+    cum = full.cumsum(0)
+    for top_p in (0.1, 0.5, 0.8, 0.95, 0.999):
+        p = processed_probs(LOGITS[None], tensors(1, top_p=top_p))[0]
+        kept = int((p > 0).sum())
+        # smallest prefix reaching top_p: the prefix one shorter does not reach it
+        expected = int((cum < top_p).sum()) + 1
+        assert kept == expected, (top_p, kept, expected)
+        torch.testing.assert_close(p[:kept], full[:kept] / full[:kept].sum())
+
+
+def test_min_p_drops_tokens_below_fraction_of_max():
+    full = softmax(LOGITS)
+    for min_p in (0.05, 0.2, 0.6):
+        p = processed_probs(LOGITS[None], tensors(1, min_p=min_p))[0]
+        keep = full >= min_p * full.max()
+        assert torch.equal(p > 0, keep)
+        torch.testing.assert_close(p[keep], full[keep] / full[keep].sum())
+
+
+def test_top_k_then_top_p_combined():
+    p = processed_probs(LOGITS[None], tensors(1, top_k=4, top_p=0.7))[0]
+    k4 = softmax(LOGITS[:4])
+    expected = int((k4.cumsum(0) < 0.7).sum()) + 1
+    assert int((p > 0).sum()) == expected
+
+
+def test_greedy_rows_give_argmax_in_mixed_batch():
+    torch.manual_seed(0)
+    logits = torch.randn(6, 1000) * 3
+    st = tensors(6, temperature=1.0, seed=11)
+    st.temperature[::2] = 0.0            # rows 0, 2, 4 greedy; the batch is not all greedy
+    for pos in range(20):
+        out = sample(logits, st, torch.full((6,), pos))
+        assert torch.equal(out[::2], logits[::2].argmax(-1))
+    all_greedy = sample(logits, tensors(6, temperature=0.0), torch.zeros(6, dtype=torch.int64))
+    assert torch.equal(all_greedy, logits.argmax(-1))
+
+
+# -- empirical distribution of sample() ------------------------------------------------------------
+
+N_DRAWS = 40000
+
+
+def draws(st_kwargs, logits=LOGITS, seed=1234) -> torch.Tensor:
+    st = tensors(N_DRAWS, seed=seed, **st_kwargs)
+    out = sample(logits.expand(N_DRAWS, -1), st, torch.arange(N_DRAWS))   # a new position per draw
+    return torch.bincount(out, minlength=logits.numel())
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=1.0), dict(temperature=0.7), dict(temperature=1.6),
+                                dict(temperature=1.0, top_k=3), dict(temperature=0.9, top_p=0.8),
+                                dict(temperature=1.0, min_p=0.1)], ids=str)
+def test_sample_distribution_matches_processed_probs(kw):
+    counts = draws(kw)
+    target = processed_probs(LOGITS[None], tensors(1, **kw))[0]
+    assert counts[target == 0].sum() == 0, "a filtered-out token was drawn"
+    ok, stat = chi2_ok(counts, target)
+    assert ok, (kw, stat, counts.tolist(), (target * N_DRAWS).round().tolist())
+    if "top_k" not in kw and "top_p" not in kw and "min_p" not in kw:
+        torch.testing.assert_close(target, softmax(LOGITS, kw["temperature"]))
+
+
+def test_sample_detects_a_wrong_distribution():
+    # the chi-square check has power: draws at T=1 do not fit softmax(logits / 1.3)
+    ok, _ = chi2_ok(draws(dict(temperature=1.0)), softmax(LOGITS, 1.3))
+    assert not ok
+
+
+def test_sample_is_deterministic_per_seed_and_position():
+    logits = torch.randn(1, 5000)
+    st = tensors(1, temperature=1.0, seed=99)
+    pos = torch.tensor([17])
+    first = [int(sample(logits, st, pos)) for _ in range(3)]
+    assert len(set(first)) == 1
+    varied = {int(sample(logits, tensors(1, temperature=1.0, seed=s), pos)) for s in range(30)}
+    assert len(varied) > 5
+
+
+# -- SamplingParams --------------------------------------------------------------------------------
+
+
+def test_sampling_params_defaults_and_stop_strings():
+    p = SamplingParams()
+    assert p.n == 1 and p.max_tokens == 16 and not p.greedy and p.stop_strings == ()
+    assert SamplingParams(temperature=0.0).greedy
+    assert SamplingParams(stop="x").stop_strings == ("x",)
+    assert SamplingParams(stop=["a", "bc"]).stop_strings == ("a", "bc")
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.01), "top_p"),
+    (dict(top_k=-5), "top_k"), (dict(min_p=-0.1), "min_p"), (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens="3"), "max_tokens"), (dict(n=2), "n"), (dict(seed=1.0), "seed"),
+    (dict(stop=[""]), "stop"), (dict(stop_token_ids=[1, -2]), "stop_token_ids"),
+    (dict(include_stop_str_in_output="no"), "include_stop_str_in_output"),
+], ids=lambda x: str(x) if isinstance(x, dict) else x)
+def test_sampling_params_validation_names_field(kwargs, field):
+    with pytest.raises(ValueError) as info:
+        SamplingParams(**kwargs)
+    assert f"SamplingParams.{field}:" in str(info.value)
+    assert repr(next(iter(kwargs.values()))) in str(info.value), "the message shows the bad value"
