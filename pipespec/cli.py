@@ -1,4 +1,4 @@
-"""Command line: `pipespec generate ...` (serve, bench and train-mtp join as they land)."""
+"""Command line: `pipespec generate | train-mtp | eval-mtp ...` (serve and bench join as they land)."""
 from __future__ import annotations
 
 import argparse
@@ -20,6 +20,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=1024)
     g.add_argument("--no-chunked-prefill", action="store_true")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='MTP speculative decoding, e.g. \'{"method": "mtp", "num_speculative_tokens": 3}\' '
+                        '(add "model": PATH for a head file)')
+    pp = p.add_argument_group("pipeline parallelism")
+    pp.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None,
+                    help="pipeline stages, one process each (default: 1, or WORLD_SIZE under torchrun)")
+    pp.add_argument("--pp-layer-partition", default=None, metavar="N,N,...",
+                    help="layers of each stage, e.g. 10,10,10 (default: as even as possible)")
+    pp.add_argument("--stage-timeout", type=float, default=30.0,
+                    help="seconds a stage may stay silent before the engine fails (default: 30)")
+    pp.add_argument("--distributed-backend", default="auto", choices=["auto", "gloo", "nccl"],
+                    help="activations between stages: auto = nccl on CUDA, gloo on CPU")
+    pp.add_argument("--threads-per-stage", type=int, default=None,
+                    help="CPU threads of each stage (default: torch's for one stage, cores / stages for more)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -27,7 +41,19 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                 kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                enable_chunked_prefill=not args.no_chunked_prefill)
+                enable_chunked_prefill=not args.no_chunked_prefill,
+                pipeline_parallel_size=_pipeline_size(args.pipeline_parallel_size),
+                pp_layer_partition=args.pp_layer_partition, stage_timeout=args.stage_timeout,
+                distributed_backend=args.distributed_backend, threads_per_stage=args.threads_per_stage,
+                speculative_config=args.speculative_config)
+
+
+def _pipeline_size(asked: int | None) -> int:
+    if asked is not None:
+        return asked
+    from pipespec.runtime.launch import torchrun_env
+    env = torchrun_env()
+    return env.world_size if env is not None else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,7 +75,30 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
     gen.add_argument("prompts", nargs="+", metavar="PROMPT")
     gen.set_defaults(func=_generate)
+
+    from pipespec.spec.mtp_args import add_eval_args, add_train_args
+
+    train = sub.add_parser("train-mtp", help="train an MTP draft head on top of a frozen target")
+    add_train_args(train)
+    train.set_defaults(func=_train_mtp)
+    ev = sub.add_parser("eval-mtp", help="teacher-forced agreement of an MTP head with its target, per step")
+    add_eval_args(ev)
+    ev.set_defaults(func=_eval_mtp)
+    from pipespec.server.serve import add_serve_parser
+    add_serve_parser(sub, add_engine_args)
     return parser
+
+
+def _train_mtp(args) -> int:
+    from pipespec.spec.mtp_recipe import train_command
+
+    return train_command(args)
+
+
+def _eval_mtp(args) -> int:
+    from pipespec.spec.mtp_recipe import eval_command
+
+    return eval_command(args)
 
 
 def _generate(args) -> int:
@@ -63,11 +112,14 @@ def _generate(args) -> int:
             outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params)
         else:
             outs = llm.generate(args.prompts, params)
+        spec = llm.engine.spec_stats if llm.engine.spec_stats.k else None
     for prompt, out in zip(args.prompts, outs):
         c = out.outputs[0]
         print(f"### prompt: {prompt!r}  ({len(out.prompt_token_ids)} tokens)")
         print(c.text)
         print(f"### {len(c.token_ids)} tokens, finish_reason={c.finish_reason}\n")
+    if spec is not None:
+        print(f"### {spec.summary()}")
     return 0
 
 
@@ -75,10 +127,31 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        worker = _torchrun_worker(args)
+        if worker is not None:
+            return worker
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:
+        from pipespec.engine.llm_engine import EngineDeadError
+        from pipespec.runtime.transport import StageError
+        if not isinstance(e, (EngineDeadError, StageError)):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+def _torchrun_worker(args) -> int | None:
+    """Under torchrun, ranks > 0 of an engine command serve a pipeline stage instead of running it."""
+    from pipespec.runtime.launch import torchrun_env
+    env = torchrun_env()
+    if env is None or env.rank == 0 or not hasattr(args, "pipeline_parallel_size"):
+        return None
+    from pipespec.config import EngineConfig
+    from pipespec.engine.llm_engine import run_stage_worker
+    return run_stage_worker(EngineConfig.from_kwargs(**engine_kwargs(args)))
 
 
 if __name__ == "__main__":

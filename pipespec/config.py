@@ -61,15 +61,95 @@ class SchedulerConfig:
         _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
 
 
+_BACKENDS = ("auto", "gloo", "nccl")
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     pipeline_parallel_size: int = 1
+    # layers of each stage, e.g. (10, 10, 10) or "10,10,10"; None: as even as possible, extra
+    # layers going to the first stages (the last one also runs the LM head)
+    pp_layer_partition: tuple[int, ...] | str | None = None
     stage_timeout: float = 30.0          # seconds a stage may take to answer before it counts as dead
+    startup_timeout: float = 600.0       # seconds the stages may take to start and load their weights
+    distributed_backend: str = "auto"    # activations between stages: auto = nccl on CUDA, gloo on CPU
+    threads_per_stage: int | None = None  # CPU threads of each stage; None: torch's default for PP = 1,
+                                          # cores / PP for PP > 1
 
     def __post_init__(self):
-        _require(self.pipeline_parallel_size == 1,
-                 f"pipeline_parallel_size={self.pipeline_parallel_size} is not supported yet; use 1")
+        p = self.pipeline_parallel_size
+        _require(isinstance(p, int) and not isinstance(p, bool) and p >= 1,
+                 f"pipeline_parallel_size must be an integer >= 1, got {p!r}")
+        part = self.pp_layer_partition
+        if part is not None:
+            if isinstance(part, str):
+                try:
+                    part = tuple(int(x) for x in part.replace(" ", "").split(",") if x)
+                except ValueError:
+                    raise ValueError(f"pp_layer_partition must be comma-separated layer counts like "
+                                     f"'10,10,10', got {self.pp_layer_partition!r}") from None
+            else:
+                part = tuple(part)
+            _require(all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in part),
+                     f"pp_layer_partition must be layer counts >= 1, got {self.pp_layer_partition!r}")
+            _require(len(part) == p, f"pp_layer_partition {','.join(map(str, part))} has {len(part)} "
+                                     f"stages, but pipeline_parallel_size is {p}")
+            object.__setattr__(self, "pp_layer_partition", part)
         _require(self.stage_timeout > 0, f"stage_timeout must be > 0 seconds, got {self.stage_timeout}")
+        _require(self.startup_timeout > 0, f"startup_timeout must be > 0 seconds, got {self.startup_timeout}")
+        _require(self.distributed_backend in _BACKENDS,
+                 f"distributed_backend must be one of {_BACKENDS}, got {self.distributed_backend!r}")
+        _require(self.threads_per_stage is None or (isinstance(self.threads_per_stage, int)
+                                                    and self.threads_per_stage >= 1),
+                 f"threads_per_stage must be an integer >= 1, got {self.threads_per_stage!r}")
+
+    def layer_ranges(self, num_layers: int) -> list[tuple[int, int]]:
+        """[start, end) of each stage's layers, checked against the model's layer count."""
+        p = self.pipeline_parallel_size
+        if self.pp_layer_partition is None:
+            _require(p <= num_layers, f"pipeline_parallel_size={p} exceeds the model's {num_layers} layers")
+            counts = [num_layers // p + (1 if i < num_layers % p else 0) for i in range(p)]
+        else:
+            counts = list(self.pp_layer_partition)
+            _require(sum(counts) == num_layers,
+                     f"pp_layer_partition {','.join(map(str, counts))} covers {sum(counts)} layers, "
+                     f"but the model has {num_layers}")
+        starts = [sum(counts[:i]) for i in range(p)]
+        return [(s, s + n) for s, n in zip(starts, counts)]
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """`speculative_config={"method": "mtp", "num_speculative_tokens": K, "model": PATH}` (vLLM's keys)."""
+
+    method: str = "mtp"
+    num_speculative_tokens: int = 1
+    model: str | None = None          # a head file; None: the checkpoint's own MTP layers or the bundled head
+
+    def __post_init__(self):
+        _require(self.method == "mtp", f"speculative_config.method must be 'mtp', got {self.method!r}")
+        k = self.num_speculative_tokens
+        _require(isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= 8,
+                 f"speculative_config.num_speculative_tokens must be an integer in 1..8, got {k!r}")
+
+    @classmethod
+    def parse(cls, value) -> "SpeculativeConfig | None":
+        """From None, a SpeculativeConfig, a dict or a JSON string (the CLI's form)."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            import json
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict or JSON object, got {type(value).__name__}")
+        unknown = set(value) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"speculative_config has unknown keys {sorted(unknown)}; "
+                             "known: method, num_speculative_tokens, model")
+        return cls(**value)
 
 
 @dataclass(frozen=True)
@@ -78,9 +158,14 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative: SpeculativeConfig | None = None
+
+    @property
+    def num_spec_tokens(self) -> int:
+        return self.speculative.num_speculative_tokens if self.speculative else 0
 
     @classmethod
-    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+    def from_kwargs(cls, speculative_config=None, **kwargs) -> "EngineConfig":
         """Build from flat vLLM-style keyword arguments (`LLM(model=..., max_num_seqs=...)`)."""
         parts = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
                  "parallel": ParallelConfig}
@@ -91,4 +176,5 @@ class EngineConfig:
             if owner is None:
                 raise TypeError(f"unknown engine argument {key!r}")
             values[owner][key] = value
-        return cls(**{name: klass(**values[name]) for name, klass in parts.items()})
+        return cls(**{name: klass(**values[name]) for name, klass in parts.items()},
+                   speculative=SpeculativeConfig.parse(speculative_config))

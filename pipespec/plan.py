@@ -24,6 +24,17 @@ class StepPlan:
     block_tables: torch.Tensor    # int64 [B, W] block ids, padded with 0
     sample_rows: torch.Tensor     # int64 [S] requests (indices into B) that sample this step
     sampling: SamplingTensors     # parameters of the S sampling requests
+    num_drafts: torch.Tensor | None = None  # int64 [B] draft rows ending each request's query (None: 0)
+    # int64 [B] the known token after each request's last row (a prefill chunk that does not end the
+    # prompt), -1 where it is still to be sampled; the MTP drafter's shifted input needs it
+    next_token_ids: torch.Tensor | None = None
+
+    def __post_init__(self):
+        b, device = self.seq_lens.shape[0], self.seq_lens.device
+        if self.num_drafts is None:
+            self.num_drafts = torch.zeros(b, dtype=torch.int64, device=device)
+        if self.next_token_ids is None:
+            self.next_token_ids = torch.full((b,), -1, dtype=torch.int64, device=device)
 
     @property
     def num_reqs(self) -> int:
@@ -36,6 +47,14 @@ class StepPlan:
     def logits_rows(self) -> torch.Tensor:
         """Flat row index of the last query row of each sampling request."""
         return self.query_start_loc[self.sample_rows + 1] - 1
+
+    def verify_rows(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """For each sampling request: its last non-draft row followed by its draft rows, [S, width]
+        (padded by repeating the last row), and its number of drafts [S]."""
+        drafts = self.num_drafts[self.sample_rows]
+        first = self.logits_rows() - drafts
+        offsets = torch.arange(width, device=first.device)[None, :]
+        return first[:, None] + torch.minimum(offsets, drafts[:, None]), drafts
 
     def to(self, device) -> "StepPlan":
         moved = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -59,15 +78,32 @@ class StepResult:
     @classmethod
     def build(cls, step_id: int, num_reqs: int, num_spec_tokens: int, sample_rows: torch.Tensor,
               sampled: torch.Tensor) -> "StepResult":
-        """Result for non-speculative steps: one token for each request in `sample_rows`."""
+        """One token for each request in `sample_rows`, no drafts."""
+        ones = torch.ones_like(sampled)
+        return cls.from_verification(step_id, num_reqs, num_spec_tokens, sample_rows, sampled[:, None], ones)
+
+    @classmethod
+    def from_verification(cls, step_id: int, num_reqs: int, num_spec_tokens: int, sample_rows: torch.Tensor,
+                          tokens: torch.Tensor, num_sampled: torch.Tensor,
+                          drafts: torch.Tensor | None = None) -> "StepResult":
+        """tokens [S, <=K+1] (-1 padded), num_sampled [S], drafts [S, K] for the sampling requests."""
         k = num_spec_tokens
-        data = torch.full((num_reqs, result_width(k)), -1, dtype=torch.int64, device=sampled.device)
+        data = torch.full((num_reqs, result_width(k)), -1, dtype=torch.int64, device=tokens.device)
         data[:, k + 1] = 0
-        data[sample_rows, 0] = sampled
-        data[sample_rows, k + 1] = 1
+        data[sample_rows, :tokens.shape[1]] = tokens
+        data[sample_rows, k + 1] = num_sampled
+        if drafts is not None and k:
+            data[sample_rows, k + 2:] = drafts
         return cls(step_id, data.cpu(), k)
 
     def tokens(self, row: int) -> list[int]:
         k = self.num_spec_tokens
         n = int(self.data[row, k + 1])
         return self.data[row, :n].tolist()
+
+    def drafts(self, row: int) -> list[int]:
+        """Draft ids proposed for the request's next step (empty when it did not sample)."""
+        k = self.num_spec_tokens
+        if not k or int(self.data[row, k + 1]) == 0:
+            return []
+        return self.data[row, k + 2:].tolist()

@@ -1,29 +1,149 @@
 """LLMEngine: the driver. Validates and admits requests, schedules steps, applies their results.
 
 It owns all request state (I1). Stages are reached only through an Executor, with StepPlans out and
-StepResults back, so the same loop drives one process or a pipeline of them.
+StepResults back, so the same loop drives one process or a pipeline of them: with P stages it keeps
+up to P micro-batches in flight. A failed stage is final: every pending request ends with
+finish_reason "abort" and an error, every process stops, and `step` raises EngineDeadError.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import logging
+import os
 import time
 from collections import deque
+
+import torch
 
 from pipespec.config import EngineConfig
 from pipespec.engine.detokenizer import IncrementalDetokenizer
 from pipespec.engine.outputs import CompletionOutput, RequestOutput
 from pipespec.engine.request import Request
 from pipespec.engine.scheduler import ScheduledBatch, Scheduler
+from pipespec.engine.spec_stats import SpecDecodeStats
 from pipespec.model.runner import StageRunner
-from pipespec.model.source import resolve_model
-from pipespec.runtime.executor import LocalExecutor
+from pipespec.model.source import ModelSource, resolve_model
+from pipespec.runtime import launch, symmetry
+from pipespec.runtime.executor import Executor, LocalExecutor
+from pipespec.runtime.pipeline_executor import PipelineExecutor
+from pipespec.runtime.transport import StageError
+from pipespec.runtime.worker import WorkerSettings, run_torchrun_worker
 from pipespec.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 _SEED_MIX = 0x9E3779B97F4A7C15
+
+
+class EngineDeadError(RuntimeError):
+    """A pipeline stage failed; the engine has stopped. `outputs` are the requests it aborted."""
+
+    def __init__(self, message: str, outputs=()):
+        super().__init__(message)
+        self.outputs = list(outputs)
+
+
+# -- stages and executors -------------------------------------------------------------------------
+
+
+def _max_model_len(asked: int | None, model_max: int) -> int:
+    if asked is None:
+        return model_max
+    if asked > model_max:
+        raise ValueError(f"max_model_len={asked} exceeds the model's context length {model_max}")
+    return asked
+
+
+def _stage_config(config: EngineConfig, rank: int, env: launch.TorchrunEnv | None) -> EngineConfig:
+    """Stage `rank`'s config: with PP > 1 on CUDA every stage gets its own GPU (cuda:rank on one
+    machine, cuda:LOCAL_RANK under torchrun)."""
+    p = config.parallel.pipeline_parallel_size
+    device = config.model.device
+    if p == 1:
+        return config
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        return config if config.model.device == "cpu" else _with_device(config, "cpu")
+    if device != "cuda":
+        raise ValueError(f"with pipeline_parallel_size > 1 give device='cuda' (stage i then runs on "
+                         f"cuda:i, or cuda:LOCAL_RANK under torchrun) or 'cpu', not {device!r}")
+    if env is not None:
+        return _with_device(config, f"cuda:{env.local_rank}")
+    count = torch.cuda.device_count()
+    if count == 0:
+        raise ValueError("device 'cuda' was asked for, but CUDA is not available")
+    if count < p:
+        if config.parallel.distributed_backend != "gloo":
+            raise ValueError(f"pipeline_parallel_size={p} on CUDA needs {p} GPUs, found {count} "
+                             "(distributed_backend='gloo' lets stages share GPUs, for testing)")
+        logger.warning("%d stages share %d GPU(s)", p, count)
+    return _with_device(config, f"cuda:{rank % count}")
+
+
+def _with_device(config: EngineConfig, device: str) -> EngineConfig:
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, device=device))
+
+
+def _worker_settings(config: EngineConfig, hidden_size: int, env: launch.TorchrunEnv | None) -> WorkerSettings:
+    par = config.parallel
+    p = par.pipeline_parallel_size
+    threads = par.threads_per_stage
+    on_cpu = config.model.device == "cpu" or (config.model.device == "auto" and not torch.cuda.is_available())
+    if threads is None and on_cpu:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        threads = max(1, cores // (env.local_world_size if env is not None else p))
+    return WorkerSettings(world_size=p, hidden_size=hidden_size, stage_timeout=par.stage_timeout,
+                          startup_timeout=par.startup_timeout, backend=par.distributed_backend,
+                          threads=threads, check=symmetry.enabled_from_env(),
+                          log_level=logging.getLogger("pipespec").getEffectiveLevel())
+
+
+def _torchrun_env(config: EngineConfig) -> launch.TorchrunEnv | None:
+    env = launch.torchrun_env()
+    p = config.parallel.pipeline_parallel_size
+    if env is not None and env.world_size != p:
+        raise ValueError(f"launched by torchrun with WORLD_SIZE={env.world_size}, but "
+                         f"pipeline_parallel_size is {p}; they must be equal")
+    return env
+
+
+def build_executor(config: EngineConfig, source: ModelSource, max_model_len: int) -> Executor:
+    """LocalExecutor for one stage, PipelineExecutor (spawned workers or a torchrun world) for more."""
+    par = config.parallel
+    ranges = par.layer_ranges(source.arch.num_layers)
+    if par.pipeline_parallel_size == 1:
+        if par.threads_per_stage:
+            torch.set_num_threads(par.threads_per_stage)
+        return LocalExecutor(functools.partial(StageRunner, source, config, ranges[0], max_model_len))
+    env = _torchrun_env(config)
+    if env is not None and env.rank != 0:
+        raise RuntimeError(f"rank {env.rank} of a torchrun launch runs a stage worker, not an engine; "
+                           "start it with `python -m pipespec ...` (or pipespec.engine.llm_engine.run_stage_worker)")
+    ranks = [0] if env is not None else range(par.pipeline_parallel_size)
+    factories = [None] * par.pipeline_parallel_size
+    for r in ranks:
+        factories[r] = functools.partial(StageRunner, source, _stage_config(config, r, env), ranges[r],
+                                         max_model_len)
+    logger.info("pipeline of %d stages, layers %s", par.pipeline_parallel_size,
+                ", ".join(f"{a}-{b - 1}" for a, b in ranges))
+    return PipelineExecutor(factories, _worker_settings(config, source.arch.hidden_size, env),
+                            num_spec_tokens=config.num_spec_tokens, torchrun=env)
+
+
+def run_stage_worker(config: EngineConfig) -> int:
+    """Rank > 0 of a torchrun launch: build this rank's stage and serve it until the driver stops."""
+    env = _torchrun_env(config)
+    if env is None or env.rank == 0:
+        raise RuntimeError("run_stage_worker is for ranks > 0 of a torchrun launch")
+    source = resolve_model(config.model.model)
+    max_model_len = _max_model_len(config.model.max_model_len, source.arch.max_position)
+    ranges = config.parallel.layer_ranges(source.arch.num_layers)
+    make_stage = functools.partial(StageRunner, source, _stage_config(config, env.rank, env), ranges[env.rank],
+                                   max_model_len)
+    return run_torchrun_worker(make_stage, _worker_settings(config, source.arch.hidden_size, env))
 
 
 class LLMEngine:
@@ -34,20 +154,38 @@ class LLMEngine:
         self.model_name = source.name
         self.arch = source.arch
         self.tokenizer = source.tokenizer()
-        self.max_model_len = self._max_model_len(config.model.max_model_len, source.arch.max_position)
-        self.executor = LocalExecutor(functools.partial(
-            StageRunner, source, config, (0, source.arch.num_layers), self.max_model_len))
-        num_blocks = self.executor.available_kv_blocks()
-        block_size = config.cache.block_size
-        if num_blocks * block_size < self.max_model_len:
-            if config.model.max_model_len is not None or num_blocks < 2:
-                raise ValueError(f"the KV cache holds {num_blocks * block_size} tokens, fewer than "
-                                 f"max_model_len={self.max_model_len}; give it more memory or lower max_model_len")
-            logger.warning("KV cache holds %d tokens; lowering max_model_len from %d to fit",
-                           num_blocks * block_size, self.max_model_len)
-            self.max_model_len = num_blocks * block_size
-        self.executor.allocate_kv_cache(num_blocks)
-        self.scheduler = Scheduler(config.scheduler, block_size, num_blocks, self.max_model_len)
+        self.max_model_len = _max_model_len(config.model.max_model_len, source.arch.max_position)
+        self.layer_ranges = config.parallel.layer_ranges(source.arch.num_layers)
+        self._dead: str | None = None
+        self.executor = build_executor(config, source, self.max_model_len)
+        try:
+            num_blocks = self.executor.available_kv_blocks()
+            block_size = config.cache.block_size
+            # one request alone must always fit, drafted positions (up to 2K past the end) included
+            margin = 2 * config.num_spec_tokens
+            if num_blocks * block_size < self.max_model_len + margin:
+                if config.model.max_model_len is not None or num_blocks * block_size <= margin + 1:
+                    raise ValueError(f"the KV cache holds {num_blocks * block_size} tokens, fewer than "
+                                     f"max_model_len={self.max_model_len}" + (f" + {margin} drafted" if margin else "")
+                                     + "; give it more memory or lower max_model_len")
+                logger.warning("KV cache holds %d tokens; lowering max_model_len from %d to fit",
+                               num_blocks * block_size, self.max_model_len)
+                self.max_model_len = num_blocks * block_size - margin
+            sched = config.scheduler
+            if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < self.max_model_len:
+                # a longer prompt (or a preempted request's recompute) could never be scheduled
+                raise ValueError(f"max_num_batched_tokens={sched.max_num_batched_tokens} is below max_model_len="
+                                 f"{self.max_model_len}, which needs chunked prefill; raise "
+                                 "max_num_batched_tokens, lower max_model_len or enable chunked prefill")
+            self.executor.allocate_kv_cache(num_blocks)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        self.scheduler = Scheduler(config.scheduler, block_size, num_blocks, self.max_model_len,
+                                   num_micro_batches=self.executor.max_in_flight,
+                                   num_spec_tokens=config.num_spec_tokens)
+        self.spec_stats = SpecDecodeStats(config.num_spec_tokens)
+        self._spec_logged = 0.0
         self.requests: dict[str, Request] = {}
         self._in_flight: deque[ScheduledBatch] = deque()
         self._arrivals = itertools.count()
@@ -57,11 +195,7 @@ class LLMEngine:
 
     @staticmethod
     def _max_model_len(asked: int | None, model_max: int) -> int:
-        if asked is None:
-            return model_max
-        if asked > model_max:
-            raise ValueError(f"max_model_len={asked} exceeds the model's context length {model_max}")
-        return asked
+        return _max_model_len(asked, model_max)
 
     # -- admission --------------------------------------------------------------------------
 
@@ -110,7 +244,10 @@ class LLMEngine:
                              "which leaves no room to generate")
         max_tokens = self.max_model_len - len(ids)
         if params.max_tokens is not None:
-            max_tokens = min(max_tokens, params.max_tokens)
+            if params.max_tokens > max_tokens:
+                raise ValueError(f"max_tokens={params.max_tokens} does not fit: the prompt has {len(ids)} "
+                                 f"tokens and max_model_len is {self.max_model_len}, leaving {max_tokens}")
+            max_tokens = params.max_tokens
         arrival = next(self._arrivals)
         seed = params.seed if params.seed is not None else (self.config.model.seed * _SEED_MIX + arrival) % 2**63
         req = Request(request_id, text, ids, params, seed, max_tokens,
@@ -122,6 +259,8 @@ class LLMEngine:
         return self.submit(self.make_request(request_id, prompt, params))
 
     def submit(self, req: Request) -> Request:
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine has stopped: {self._dead}")
         self.requests[req.request_id] = req
         self.scheduler.add(req)
         return req
@@ -140,29 +279,48 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Keep the pipeline full, then apply the oldest result; returns outputs that changed."""
-        while len(self._in_flight) < self.executor.max_in_flight:
-            batch = self.scheduler.schedule()
-            if batch is None:
-                break
-            self.executor.submit(batch.plan)
-            self._in_flight.append(batch)
-        if not self._in_flight:
-            return []
-        batch = self._in_flight.popleft()
-        result = self.executor.receive(timeout=self.config.parallel.stage_timeout)
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine has stopped: {self._dead}")
+        try:
+            while len(self._in_flight) < self.executor.max_in_flight:
+                batch = self.scheduler.schedule()
+                if batch is None:
+                    break
+                self._in_flight.append(batch)
+                try:
+                    self.executor.submit(batch.plan)
+                except BaseException:
+                    if not isinstance(self.executor, PipelineExecutor):
+                        self._in_flight.pop()      # a local stage never took it
+                    raise
+            if not self._in_flight:
+                return []
+            result = self.executor.receive(timeout=self.config.parallel.stage_timeout)
+            batch = self._in_flight.popleft()
+        except StageError as e:
+            raise self._die(str(e)) from None
+        except BaseException as e:
+            if getattr(self.executor, "failed", False):   # interrupted mid-step: the pipeline is gone
+                self._die(f"interrupted ({type(e).__name__})")
+            raise
         if result.step_id != batch.plan.step_id:
             raise RuntimeError(f"result of step {result.step_id} arrived for step {batch.plan.step_id}")
-        self.scheduler.complete(batch)
+        self.scheduler.complete(batch, result)
         outputs = []
-        for row, req in enumerate(batch.requests):
+        for row, (req, d) in enumerate(zip(batch.requests, batch.num_drafts)):
             if req.finished:        # aborted while in flight
                 continue
             tokens = result.tokens(row)
+            if d:
+                self.spec_stats.record(d, len(tokens) - 1)
+                self._maybe_log_spec()
             if tokens:
                 self._append(req, tokens)
                 outputs.append(self._output(req))
                 if req.finished:
                     self.requests.pop(req.request_id, None)
+                else:
+                    req.draft_ids = result.drafts(row)
         return outputs
 
     def _append(self, req: Request, tokens: list[int]) -> None:
@@ -183,16 +341,45 @@ class LLMEngine:
                 return self.scheduler.finish(req, "length")
 
     @staticmethod
-    def _output(req: Request) -> RequestOutput:
+    def _output(req: Request, error: str | None = None) -> RequestOutput:
         completion = CompletionOutput(0, req.detokenizer.text, req.output_token_ids, req.finish_reason,
                                       req.stop_reason)
         return RequestOutput(req.request_id, req.prompt, req.token_ids[:req.num_prompt_tokens],
-                             [completion], req.finished)
+                             [completion], req.finished, error)
+
+    def _die(self, reason: str) -> EngineDeadError:
+        """A stage failed: abort every pending request with the error, stop all stages."""
+        message = f"pipeline failure: {reason}"
+        outputs = []
+        for req in list(self.requests.values()):
+            if not req.finished:
+                self.scheduler.finish(req, "abort")
+                outputs.append(self._output(req, error=message))
+        for batch in self._in_flight:       # their results will never come: give their blocks back
+            self.scheduler.complete(batch)
+        self._in_flight.clear()
+        self.requests.clear()
+        self._dead = message
+        try:
+            self.executor.shutdown()
+        except Exception as e:   # noqa: BLE001 - the first failure is the one to report
+            logger.warning("while shutting down after the failure: %s", e)
+        logger.error("%s; %d requests aborted", message, len(outputs))
+        return EngineDeadError(f"{message} ({len(outputs)} pending requests aborted)", outputs)
+
+    def _maybe_log_spec(self, every: float = 10.0) -> None:
+        now = time.monotonic()
+        if now - self._spec_logged >= every:
+            self._spec_logged = now
+            logger.info("%s", self.spec_stats.summary())
 
     def stats(self) -> dict:
         s = self.scheduler
-        return {"num_running": len(s.running), "num_waiting": len(s.waiting),
-                "kv_cache_usage": s.allocator.usage, "num_preemptions": s.num_preemptions}
+        stats = {"num_running": len(s.running), "num_waiting": len(s.waiting),
+                 "kv_cache_usage": s.allocator.usage, "num_preemptions": s.num_preemptions}
+        if self.spec_stats.k:
+            stats["spec_decode"] = self.spec_stats.as_dict()
+        return stats
 
     def shutdown(self) -> None:
         if self.executor is not None:

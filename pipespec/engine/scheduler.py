@@ -4,6 +4,10 @@ Each call to `schedule` picks one micro-batch: running requests first (decodes a
 prefill chunks, oldest first), then waiting ones while budget, sequence slots and KV blocks last.
 When blocks run out, the newest running request is preempted: its blocks are freed and it goes back
 to the front of the queue to be recomputed later (its seeded samples do not change).
+
+With P pipeline stages up to P micro-batches are in flight, and a request is in at most one of them
+(its next plan needs its last result). So that every stage has work, a micro-batch then takes at
+most ceil(n / P) requests, n being those that could run now (running plus admissible waiting).
 """
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ import torch
 from pipespec.config import SchedulerConfig
 from pipespec.engine.block_allocator import BlockAllocator
 from pipespec.engine.request import Request, RequestStatus
-from pipespec.plan import StepPlan
+from pipespec.plan import StepPlan, StepResult
 from pipespec.sampling import SamplingTensors
 
 logger = logging.getLogger(__name__)
@@ -26,12 +30,16 @@ logger = logging.getLogger(__name__)
 class ScheduledBatch:
     plan: StepPlan
     requests: list[Request]
-    num_new_tokens: list[int]
+    num_new_tokens: list[int]     # query rows of each request, drafts included
+    num_drafts: list[int]
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_size: int, num_blocks: int, max_model_len: int):
+    def __init__(self, config: SchedulerConfig, block_size: int, num_blocks: int, max_model_len: int,
+                 num_micro_batches: int = 1, num_spec_tokens: int = 0):
         self.config = config
+        self.num_spec_tokens = num_spec_tokens
+        self.num_micro_batches = num_micro_batches
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.allocator = BlockAllocator(num_blocks)
@@ -77,18 +85,27 @@ class Scheduler:
         self.num_preemptions += 1
         logger.debug("preempted %s (KV cache full)", req.request_id)
 
+    def _micro_batch_cap(self) -> int:
+        """Most requests one micro-batch may take, so the in-flight micro-batches share the work."""
+        if self.num_micro_batches <= 1:
+            return self.config.max_num_seqs
+        admissible = min(len(self.waiting), max(self.config.max_num_seqs - len(self.running), 0))
+        return max(1, -(-(len(self.running) + admissible) // self.num_micro_batches))
+
     def schedule(self) -> ScheduledBatch | None:
         budget = self.config.max_num_batched_tokens
-        picked: list[tuple[Request, int]] = []
+        cap = self._micro_batch_cap()
+        picked: list[tuple[Request, int, int]] = []
 
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(picked) < cap:
             req = self.running[i]
             if req.in_flight:
                 i += 1
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            need = self._blocks_needed(req, req.num_computed_tokens + n)
+            d = self._num_drafts(req, budget - n)
+            need = self._blocks_needed(req, self._tokens_with_draft_room(req, n + d))
             while not self.allocator.can_allocate(need):
                 victim = next((r for r in reversed(self.running) if not r.in_flight), None)
                 self._preempt(victim)
@@ -97,47 +114,61 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue          # it preempted itself; self.running[i] is now the next request
             req.block_ids += self.allocator.allocate(need)
-            picked.append((req, n))
-            budget -= n
+            picked.append((req, n + d, d))
+            budget -= n + d
             i += 1
 
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
+               and len(picked) < cap):
             req = self.waiting[0]
             n = req.num_tokens - req.num_computed_tokens
             if n > budget:
                 if not self.config.enable_chunked_prefill:
                     break
                 n = budget
-            need = self._blocks_needed(req, n)
+            need = self._blocks_needed(req, self._tokens_with_draft_room(req, n))
             if not self.allocator.can_allocate(need):
                 break
             self.waiting.popleft()
             req.block_ids += self.allocator.allocate(need)
             req.status = RequestStatus.RUNNING
+            req.draft_ids = []          # (re)starting from a prefill: old drafts are stale
             self.running.append(req)
-            picked.append((req, n))
+            picked.append((req, n, 0))
             budget -= n
 
         if not picked:
             return None
-        for req, _ in picked:
+        for req, _, _ in picked:
             req.in_flight = True
         self._step_id += 1
-        return ScheduledBatch(self._build_plan(picked), [r for r, _ in picked], [n for _, n in picked])
+        return ScheduledBatch(self._build_plan(picked), [r for r, _, _ in picked], [n for _, n, _ in picked],
+                              [d for _, _, d in picked])
 
-    def _build_plan(self, picked: list[tuple[Request, int]]) -> StepPlan:
+    def _num_drafts(self, req: Request, budget: int) -> int:
+        """Drafts verified this step: only in steady decode, within budget and max_model_len."""
+        if not req.draft_ids or req.num_computed_tokens != req.num_tokens - 1:
+            return 0
+        return max(min(len(req.draft_ids), budget, self.max_model_len - req.num_tokens), 0)
+
+    def _tokens_with_draft_room(self, req: Request, n: int) -> int:
+        # the MTP chain after a sampling step writes KV up to K - 1 positions past the query
+        samples = req.num_computed_tokens + n >= req.num_tokens
+        return req.num_computed_tokens + n + (self.num_spec_tokens - 1 if samples and self.num_spec_tokens else 0)
+
+    def _build_plan(self, picked: list[tuple[Request, int, int]]) -> StepPlan:
         bs = self.block_size
         input_ids, positions, slots, qsl, seq_lens, tables, sample_rows, samplers = [], [], [], [0], [], [], [], []
-        for b, (req, n) in enumerate(picked):
+        for b, (req, n, d) in enumerate(picked):
             start = req.num_computed_tokens
             pos = range(start, start + n)
-            input_ids += req.token_ids[start:start + n]
+            input_ids += req.token_ids[start:start + n - d] + req.draft_ids[:d]
             positions += pos
             slots += [req.block_ids[p // bs] * bs + p % bs for p in pos]
             qsl.append(qsl[-1] + n)
             seq_lens.append(start + n)
-            tables.append(req.block_ids[:-(-(start + n) // bs)])
-            if start + n == req.num_tokens:
+            tables.append(req.block_ids)
+            if start + n - d == req.num_tokens:
                 sample_rows.append(b)
                 samplers.append(req)
         width = max(len(t) for t in tables)
@@ -146,7 +177,7 @@ class Scheduler:
             block_tables[b, :len(t)] = torch.tensor(t, dtype=torch.int64)
         return StepPlan(
             step_id=self._step_id,
-            req_ids=[r.request_id for r, _ in picked],
+            req_ids=[r.request_id for r, _, _ in picked],
             input_ids=torch.tensor(input_ids, dtype=torch.int64),
             positions=torch.tensor(positions, dtype=torch.int64),
             slot_mapping=torch.tensor(slots, dtype=torch.int64),
@@ -155,16 +186,23 @@ class Scheduler:
             block_tables=block_tables,
             sample_rows=torch.tensor(sample_rows, dtype=torch.int64),
             sampling=sampling_tensors(samplers),
+            num_drafts=torch.tensor([d for _, _, d in picked], dtype=torch.int64),
+            next_token_ids=torch.tensor([r.token_ids[r.num_computed_tokens + n - d]
+                                         if r.num_computed_tokens + n - d < r.num_tokens else -1
+                                         for r, n, d in picked], dtype=torch.int64),
         )
 
-    def complete(self, batch: ScheduledBatch) -> None:
-        """The batch came back: its KV is in the cache; free the blocks of requests finished meanwhile."""
-        for req, n in zip(batch.requests, batch.num_new_tokens):
+    def complete(self, batch: ScheduledBatch, result: StepResult | None = None) -> None:
+        """The batch came back: its KV is in the cache up to the accepted drafts (rejected draft rows
+        are rolled back by position; their slots get overwritten); free the blocks of requests that
+        finished meanwhile. `result` is needed only when the batch verified drafts."""
+        for row, (req, n, d) in enumerate(zip(batch.requests, batch.num_new_tokens, batch.num_drafts)):
             req.in_flight = False
             if req.finished:
                 self._release(req)
-            else:
-                req.num_computed_tokens += n
+                continue
+            accepted = len(result.tokens(row)) - 1 if d else 0
+            req.num_computed_tokens += n - d + accepted
 
 
 def sampling_tensors(reqs: list[Request]) -> SamplingTensors:

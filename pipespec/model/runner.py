@@ -16,7 +16,7 @@ from pipespec.model.llama import LlamaForCausalLM
 from pipespec.model.source import ModelSource
 from pipespec.model.weights import load_weights
 from pipespec.plan import StepPlan, StepResult
-from pipespec.sampling import sample
+from pipespec.spec.rejection import rejection_sample
 
 logger = logging.getLogger(__name__)
 
@@ -41,19 +41,26 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 class StageRunner:
     def __init__(self, source: ModelSource, config: EngineConfig, layer_range: tuple[int, int],
-                 max_model_len: int, num_spec_tokens: int = 0):
+                 max_model_len: int, num_spec_tokens: int | None = None):
         self.config = config
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.block_size = config.cache.block_size
-        self.num_spec_tokens = num_spec_tokens
-        self.model = LlamaForCausalLM(source.arch, layer_range, max_position=max_model_len)
+        self.num_spec_tokens = config.num_spec_tokens if num_spec_tokens is None else num_spec_tokens
+        # drafted positions run up to 2K past the last verified one
+        max_position = max_model_len + 2 * self.num_spec_tokens
+        self.model = LlamaForCausalLM(source.arch, layer_range, max_position=max_position)
         load_weights(self.model, source.weights(), self.dtype, self.device,
                      desc=f"Loading layers {layer_range[0]}-{layer_range[1] - 1}")
         self.model.eval()
         self.backend = TorchReferenceBackend()
         self.kv_caches = None
         self.num_blocks = 0
+        self.proposer = None
+        if self.is_last and self.num_spec_tokens:
+            from pipespec.spec.mtp_loading import build_proposer
+            self.proposer = build_proposer(self, source, config, max_position)
+        self._step_ctx: tuple[int, ForwardContext] | None = None
 
     @property
     def is_first(self) -> bool:
@@ -63,9 +70,13 @@ class StageRunner:
     def is_last(self) -> bool:
         return self.model.model.is_last
 
+    @property
+    def _num_cache_layers(self) -> int:
+        return self.model.num_local_layers + (len(self.proposer.layers) if self.proposer else 0)
+
     def _bytes_per_block(self) -> int:
         arch = self.model.arch
-        return kv_bytes_per_block(self.model.num_local_layers, self.block_size, arch.num_kv_heads,
+        return kv_bytes_per_block(self._num_cache_layers, self.block_size, arch.num_kv_heads,
                                   arch.head_dim, self.dtype)
 
     def available_kv_blocks(self) -> int:
@@ -74,12 +85,21 @@ class StageRunner:
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
         if self.device.type == "cuda" and cache.kv_cache_memory is None:
+            # this engine may fill `gpu_memory_utilization` of the card with its weights, activations
+            # and KV cache, and never more than is free (other engines or processes keep theirs)
             torch.cuda.empty_cache()   # memory cached from earlier engines is not in use
             free, total = torch.cuda.mem_get_info(self.device)
-            used = total - free
-            budget = total * cache.gpu_memory_utilization - used - self._activation_reserve()
+            reserve = self._activation_reserve()
+            own = sum(p.numel() * p.element_size() for p in self._all_parameters())
+            budget = min(total * cache.gpu_memory_utilization - own - reserve, free - reserve)
             return max(int(budget // self._bytes_per_block()), 0)
         return max(int((cache.kv_cache_memory or _CPU_DEFAULT_KV_BYTES) // self._bytes_per_block()), 1)
+
+    def _all_parameters(self):
+        yield from self.model.parameters()
+        if self.proposer is not None:
+            for layer in self.proposer.layers:
+                yield from layer.parameters()
 
     def _activation_reserve(self) -> int:
         # activations of the largest step: hidden, MLP intermediate and logits rows, with slack
@@ -92,8 +112,12 @@ class StageRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         arch = self.model.arch
-        self.kv_caches = allocate_kv_caches(self.model.num_local_layers, num_blocks, self.block_size,
-                                            arch.num_kv_heads, arch.head_dim, self.dtype, self.device)
+        caches = allocate_kv_caches(self._num_cache_layers, num_blocks, self.block_size,
+                                    arch.num_kv_heads, arch.head_dim, self.dtype, self.device)
+        n = self.model.num_local_layers
+        self.kv_caches = caches[:n]
+        if self.proposer:
+            self.proposer.kv_caches = caches[n:]
         self.num_blocks = num_blocks
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB) on %s", num_blocks, self.block_size,
                     num_blocks * self._bytes_per_block() / 2**20, self.device)
@@ -108,18 +132,37 @@ class StageRunner:
                 residual: torch.Tensor | None = None):
         """Run this stage's layers; `plan` must already be on this stage's device."""
         ctx = self._context(plan)
+        self._step_ctx = (plan.step_id, ctx)     # the proposer reuses it in this step's `sample`
         return self.model(ctx, input_ids=plan.input_ids if self.is_first else None,
                           hidden=hidden, residual=residual)
 
     @torch.inference_mode()
     def sample(self, plan: StepPlan, hidden: torch.Tensor) -> StepResult:
-        """Last stage: logits only at the rows that sample, then one token per sampling request."""
-        rows = plan.logits_rows()
-        tokens = torch.empty(0, dtype=torch.int64, device=hidden.device)
-        if rows.numel():
-            logits = self.model.compute_logits(hidden[rows])
-            tokens = sample(logits, plan.sampling, plan.positions[rows] + 1)
-        return StepResult.build(plan.step_id, plan.num_reqs, self.num_spec_tokens, plan.sample_rows, tokens)
+        """Last stage: verify each sampling request's drafts (none: plain sampling), then draft anew.
+
+        Logits are computed only at each sampling request's last real row and its draft rows.
+        """
+        k = self.num_spec_tokens
+        s = int(plan.sample_rows.shape[0])
+        if s == 0:
+            empty = torch.empty((0, k + 1), dtype=torch.int64, device=hidden.device)
+            return StepResult.from_verification(plan.step_id, plan.num_reqs, k, plan.sample_rows, empty,
+                                                empty[:, 0], None)
+        rows, num_drafts = plan.verify_rows(k + 1)                       # [S, K+1], [S]
+        logits = self.model.compute_logits(hidden[rows.reshape(-1)]).view(s, k + 1, -1)
+        draft_ids = plan.input_ids[rows[:, 1:]]
+        tokens, num_sampled = rejection_sample(logits, draft_ids, num_drafts, plan.sampling,
+                                               plan.positions[rows[:, 0]] + 1)
+        drafts = None
+        if self.proposer is not None:
+            same_step = self._step_ctx is not None and self._step_ctx[0] == plan.step_id
+            ctx = self._step_ctx[1] if same_step else self._context(plan)
+            last = num_sampled - 1
+            drafts = self.proposer.propose(self.backend, ctx, plan.input_ids, hidden, plan.block_tables,
+                                           plan.query_start_loc, plan.next_token_ids, rows[:, 0] + last, tokens.gather(1, last[:, None]).squeeze(1),
+                                           plan.sample_rows)
+        return StepResult.from_verification(plan.step_id, plan.num_reqs, k, plan.sample_rows, tokens,
+                                            num_sampled, drafts)
 
     def execute(self, plan: StepPlan) -> StepResult:
         """The whole step on a single stage (PP = 1)."""

@@ -33,6 +33,8 @@ def rejection_sample(target_logits: torch.Tensor, draft_ids: torch.Tensor, num_d
     b, rows, vocab = target_logits.shape
     k = rows - 1
     device = target_logits.device
+    if st.all_greedy and draft_probs is None:
+        return _greedy(target_logits, draft_ids, num_drafts)
     pos = first_position[:, None] + torch.arange(rows, device=device)[None, :]          # [B, K+1]
     flat = _repeat_rows(st, rows)
     p = processed_probs(target_logits.reshape(b * rows, vocab), flat).reshape(b, rows, vocab)
@@ -61,6 +63,18 @@ def rejection_sample(target_logits: torch.Tensor, draft_ids: torch.Tensor, num_d
     tokens = torch.where(col < n_acc[:, None], padded_drafts, drawn.gather(1, n_acc[:, None]).expand(b, rows))
     tokens = torch.where(col <= n_acc[:, None], tokens, torch.full_like(tokens, -1))
     return tokens, n_acc.long() + 1
+
+
+def _greedy(target_logits, draft_ids, num_drafts):
+    """Greedy rows with deterministic drafts: accept while the draft is the argmax (the general path
+    computes the same thing with one-hot distributions; this one skips the softmax)."""
+    best = target_logits.argmax(dim=-1)                                                     # [B, K+1]
+    k = best.shape[1] - 1
+    col = torch.arange(k, device=best.device)[None, :]
+    accept = (best[:, :k] == draft_ids) & (col < num_drafts[:, None])
+    n_acc = accept.int().cumprod(dim=-1).sum(dim=-1)
+    keep = torch.arange(k + 1, device=best.device)[None, :] <= n_acc[:, None]
+    return torch.where(keep, best, torch.full_like(best, -1)), n_acc.long() + 1
 
 
 def _repeat_rows(st: SamplingTensors, rows: int) -> SamplingTensors:

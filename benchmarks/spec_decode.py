@@ -1,0 +1,89 @@
+"""MTP speculative decoding vs none, same run: tokens/s and mean acceptance length.
+
+SmolLM2-135M-Instruct with its bundled head, greedy chat answers to held-out-style prompts.
+Usage: python benchmarks/spec_decode.py [--device cpu|cuda] [--pp 1 2] [--batch 1 8] [--k 1 2 3]
+       [--max-tokens 64] [--repeats 3] [--dtype auto]
+Each cell is the median over --repeats; configurations are interleaved per repeat so drift hits all.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+
+from pipespec import LLM, SamplingParams
+
+PROMPTS = ["Write a short poem about autumn leaves.", "Explain how a bicycle gear works.",
+           "Give three tips for a job interview.", "What is the difference between a list and a tuple in Python?",
+           "Describe a sunrise over the mountains.", "How do vaccines train the immune system?",
+           "Write a haiku about coffee.", "Summarize the plot of a heist movie you invent.",
+           "Why is the sky blue?", "Suggest a weekend plan for a rainy day.",
+           "How does a hash map work?", "Write a limerick about a cat.",
+           "What are the benefits of walking every day?", "Explain recursion to a child.",
+           "List the planets of the solar system.", "How do I make a good cup of tea?"]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--pp", type=int, nargs="+", default=[1])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--k", type=int, nargs="+", default=[1, 2, 3])
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows = []
+    for pp in args.pp:
+        share = {"gpu_memory_utilization": 0.2} if args.device.startswith("cuda") else {}
+        engines = {k: LLM(device=args.device, dtype=args.dtype, pipeline_parallel_size=pp, max_num_seqs=64, **share,
+                          speculative_config={"method": "mtp", "num_speculative_tokens": k} if k else None)
+                   for k in [0] + args.k}
+        tok = engines[0].get_tokenizer()
+        chats = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]), add_special_tokens=False)
+                 for p in PROMPTS]
+        params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+        for batch in args.batch:
+            prompts = [{"prompt_token_ids": chats[i % len(chats)]} for i in range(batch)]
+            for llm in engines.values():
+                llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+            speed = {k: [] for k in engines}
+            accept = {}
+            for _ in range(args.repeats):
+                for k, llm in engines.items():
+                    before = dict(llm.stats().get("spec_decode", {}))
+                    if args.device.startswith("cuda"):
+                        torch.cuda.synchronize()
+                    t = time.perf_counter()
+                    llm.generate(prompts, params, use_tqdm=False)
+                    if args.device.startswith("cuda"):
+                        torch.cuda.synchronize()
+                    speed[k].append(batch * args.max_tokens / (time.perf_counter() - t))
+                    after = llm.stats().get("spec_decode")
+                    if after:
+                        drafts = after["num_drafts"] - before.get("num_drafts", 0)
+                        acc = after["num_accepted_tokens"] - before.get("num_accepted_tokens", 0)
+                        accept.setdefault(k, []).append(1 + acc / max(drafts, 1))
+            base = statistics.median(speed[0])
+            for k in engines:
+                med = statistics.median(speed[k])
+                rows.append({"pp": pp, "batch": batch, "k": k, "tokens_per_s": round(med, 1),
+                             "speedup": round(med / base, 2),
+                             "mean_acceptance_length": round(statistics.median(accept[k]), 2) if k else 1.0})
+                print(json.dumps(rows[-1]), flush=True)
+        for llm in engines.values():
+            llm.shutdown()
+    dev = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else f"{platform.machine()} cpu"
+    print(json.dumps({"date": time.strftime("%Y-%m-%d"), "device": dev, "torch": torch.__version__,
+                      "max_tokens": args.max_tokens, "repeats": args.repeats, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""The I3 debug check: every message between two ranks is sent and received as the same (op, shape, dtype).
+
+Turned on with `PIPESPEC_CHECK_COLLECTIVES=1`. Then each point-to-point message is preceded by a
+fixed-width descriptor `[seq, op, dtype, ndim, d0..d3]`, and the receiver compares it with what it is
+about to receive, before receiving it: a disagreement fails loudly on the spot, naming both sides,
+instead of hanging or silently reading garbage (gloo accepts a short message into a longer buffer).
+Each rank also keeps, per peer and direction, a count and a running digest of what it sent or
+received; `compare_reports` checks that the two ends of every channel saw the same sequence.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from collections import deque
+
+import torch
+
+ENV_FLAG = "PIPESPEC_CHECK_COLLECTIVES"
+DESCRIPTOR_LEN = 8
+_MAX_DIMS = DESCRIPTOR_LEN - 4
+
+OPS = ("plan.header", "plan.payload", "activations", "result")
+_OP_CODE = {name: i + 1 for i, name in enumerate(OPS)}
+_DTYPES = (torch.int64, torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.uint8,
+           torch.float64)
+_DTYPE_CODE = {dt: i + 1 for i, dt in enumerate(_DTYPES)}
+
+
+def enabled_from_env() -> bool:
+    return os.environ.get(ENV_FLAG, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+class CollectiveMismatch(RuntimeError):
+    """Two ranks disagree about a message: a protocol bug (DESIGN.md, I2/I3)."""
+
+
+def describe(op: str, shape, dtype) -> str:
+    return f"{op} {tuple(shape)} {str(dtype).removeprefix('torch.')}"
+
+
+def encode(seq: int, op: str, shape, dtype) -> torch.Tensor:
+    shape = tuple(shape)
+    if len(shape) > _MAX_DIMS:
+        raise ValueError(f"a message may have at most {_MAX_DIMS} dimensions, got {shape}")
+    dims = list(shape) + [-1] * (_MAX_DIMS - len(shape))
+    return torch.tensor([seq, _OP_CODE[op], _DTYPE_CODE[dtype], len(shape), *dims], dtype=torch.int64)
+
+
+def decode(desc: torch.Tensor) -> tuple[int, str, tuple[int, ...], object]:
+    seq, op, dt, ndim, *dims = desc.tolist()
+    op_name = OPS[op - 1] if 1 <= op <= len(OPS) else f"<op {op}>"
+    dtype = _DTYPES[dt - 1] if 1 <= dt <= len(_DTYPES) else f"<dtype {dt}>"
+    shape = tuple(dims[:ndim]) if 0 <= ndim <= _MAX_DIMS else (f"<ndim {ndim}>",)
+    return seq, op_name, shape, dtype
+
+
+class _ChannelLog:
+    __slots__ = ("count", "digest", "last")
+
+    def __init__(self):
+        self.count = 0
+        self.digest = hashlib.blake2b(digest_size=12)
+        self.last: deque[str] = deque(maxlen=6)
+
+    def add(self, entry: str) -> int:
+        seq = self.count
+        self.count += 1
+        self.digest.update(entry.encode() + b"\n")
+        self.last.append(f"#{seq} {entry}")
+        return seq
+
+
+class SymmetryRecorder:
+    """(op, shape, dtype) of every message this rank sent or received, per group, peer and direction."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self._logs: dict[tuple[str, str, int], _ChannelLog] = {}
+
+    def record(self, direction: str, group: str, peer: int, op: str, shape, dtype) -> int:
+        """Log one message; returns its sequence number on that channel."""
+        key = (direction, group, peer)
+        log = self._logs.get(key)
+        if log is None:
+            log = self._logs[key] = _ChannelLog()
+        return log.add(describe(op, shape, dtype))
+
+    def report(self) -> dict:
+        """JSON-able summary: {"send|data|1": [count, digest, last entries], ...}."""
+        return {f"{d}|{g}|{p}": [log.count, log.digest.hexdigest(), list(log.last)]
+                for (d, g, p), log in sorted(self._logs.items())}
+
+
+def compare_reports(reports: dict[int, dict]) -> list[str]:
+    """Problems found between the ends of every channel (empty when all ranks agree)."""
+    problems = []
+    for rank, report in sorted(reports.items()):
+        for key, (count, digest, last) in report.items():
+            direction, group, peer = key.split("|")
+            if direction != "send":
+                continue
+            other = reports.get(int(peer), {}).get(f"recv|{group}|{rank}", [0, None, []])
+            if (count, digest) != (other[0], other[1]):
+                problems.append(
+                    f"{group} channel rank {rank} -> rank {peer}: rank {rank} sent {count} messages "
+                    f"(last: {'; '.join(last) or '-'}), rank {peer} received {other[0]} "
+                    f"(last: {'; '.join(other[2]) or '-'})")
+        for key, (count, _, last) in report.items():
+            direction, group, peer = key.split("|")
+            if direction == "recv" and f"send|{group}|{rank}" not in reports.get(int(peer), {}):
+                problems.append(f"{group} channel rank {peer} -> rank {rank}: rank {rank} received "
+                                f"{count} messages that rank {peer} never sent (last: {'; '.join(last)})")
+    return problems

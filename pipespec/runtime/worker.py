@@ -1,0 +1,199 @@
+"""The stage worker (ranks 1..P-1): receive a plan, receive the activations, run the stage, send on.
+
+Startup, through the store: say hello, join the ctrl group, build the stage (load its weights),
+post a status (KV blocks it can hold, or the error that stopped it), wait for the driver's verdict
+(the KV block count, or -1 to stop), allocate the KV cache, say ready, join the data group.
+
+Then the loop. The wait for the next plan is unbounded (idle is not failure) but ends at once if the
+driver goes away (its connections close); every other wait is bounded by the stage timeout. A
+worker exits when the driver says STOP, on any error (posted to the store for the driver to report),
+or when its parent process is gone. It ignores SIGINT: Ctrl-C reaches the driver, which stops it.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from pipespec.runtime import launch
+from pipespec.runtime.transport import (HEADER_LEN, IDLE_TIMEOUT, Link, Op, SendQueue, StageError,
+                                        activation_shape, payload_len, result_shape, unpack_plan)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """What every rank must agree on; built from the engine config on each rank."""
+
+    world_size: int
+    hidden_size: int
+    stage_timeout: float
+    startup_timeout: float
+    backend: str                    # "auto", "gloo" or "nccl" (resolved on the stage's device)
+    threads: int | None = None      # torch CPU threads of the stage
+    check: bool = False             # PIPESPEC_CHECK_COLLECTIVES: descriptors and symmetry reports
+    log_level: int = logging.WARNING
+
+
+def key(kind: str, rank: int, nonce: int | None = None) -> str:
+    return f"{kind}/{rank}" if nonce is None else f"{kind}/{nonce}/{rank}"
+
+
+def stage_status(stage, rank: int) -> dict:
+    """What a stage reports after loading: KV blocks it can hold and the size of what it loaded."""
+    params = sum(p.numel() for m in vars(stage).values() if isinstance(m, torch.nn.Module)
+                 for p in m.parameters())
+    return {"ok": True, "rank": rank, "pid": os.getpid(), "kv_blocks": int(stage.available_kv_blocks()),
+            "num_params": int(params), "device": str(stage.device), "dtype": str(stage.dtype)}
+
+
+def error_text(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    tb = traceback.extract_tb(exc.__traceback__)
+    if tb:
+        frame = tb[-1]
+        text += f" (at {os.path.basename(frame.filename)}:{frame.lineno} in {frame.name})"
+    return text
+
+
+# -- entry points ---------------------------------------------------------------------------------
+
+
+def spawn_entry(rank: int, host: str, port: int, make_stage: Callable, settings: WorkerSettings) -> None:
+    """Target of a spawned worker process."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _configure_logging(settings.log_level)
+    _exit_with_parent()
+    try:
+        store = launch.connect_store(host, port, settings.startup_timeout)
+    except Exception as e:  # the driver is gone before we could even reach it
+        logger.error("stage %d could not reach the driver's store: %s", rank, e)
+        sys.exit(1)
+    sys.exit(run_worker(rank, store, make_stage, settings))
+
+
+def run_torchrun_worker(make_stage: Callable, settings: WorkerSettings) -> int:
+    """A rank > 0 started by torchrun: serve until the driver (rank 0) says stop."""
+    env = launch.torchrun_env()
+    if env is None or env.rank == 0:
+        raise RuntimeError("run_torchrun_worker is for ranks > 0 of a torchrun launch")
+    if env.world_size != settings.world_size:
+        raise ValueError(f"torchrun started {env.world_size} processes, but pipeline_parallel_size is "
+                         f"{settings.world_size}; they must be equal")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    store = launch.torchrun_store(env, settings.startup_timeout)
+    return run_worker(env.rank, store, make_stage, settings)
+
+
+def run_worker(rank: int, store, make_stage: Callable, settings: WorkerSettings) -> int:
+    """Startup handshake, then the stage loop; returns the process exit code."""
+    try:
+        store.set(key("hello", rank), str(os.getpid()))
+        ctrl = launch.ctrl_group(store, rank, settings.world_size, settings.stage_timeout)
+        if settings.threads:
+            torch.set_num_threads(settings.threads)
+        try:
+            stage = make_stage()
+            status = stage_status(stage, rank)
+        except Exception as e:
+            logger.error("stage %d failed while loading: %s", rank, e)
+            store.set(key("status", rank), json.dumps({"ok": False, "rank": rank, "error": error_text(e)}))
+            store.get("num_blocks")                       # stay until the driver has read it
+            return 1
+        store.set(key("status", rank), json.dumps(status))
+        num_blocks = int(store.get("num_blocks"))        # waits for the driver (startup timeout)
+        if num_blocks < 0:                                # another stage failed: stop quietly
+            return 0
+        stage.allocate_kv_cache(num_blocks)
+        store.set(key("ready", rank), "1")
+        backend = launch.resolve_backend(settings.backend, stage.device.type)
+        data = launch.data_group(store, rank, settings.world_size, backend, stage.device,
+                                 settings.stage_timeout)
+        link = Link(rank, ctrl, data, stage.device, check=settings.check)
+        serve(rank, link, stage, settings, store)
+        return 0
+    except BaseException as e:   # noqa: BLE001 - everything ends here, reported to the driver
+        text = error_text(e)
+        logger.error("stage %d failed: %s", rank, text)
+        try:
+            store.set(key("error", rank), text)
+        except Exception:
+            pass
+        return 1
+
+
+@torch.inference_mode()
+def serve(rank: int, link: Link, stage, settings: WorkerSettings, store) -> None:
+    """The stage loop of rank > 0 (the driver runs stage 0 itself)."""
+    p = settings.world_size
+    last = rank == p - 1
+    timeout = settings.stage_timeout
+    k = int(getattr(stage, "num_spec_tokens", 0))
+    sends = SendQueue(depth=p, timeout=timeout)
+    busy = cpu = 0.0
+    steps, started = 0, time.perf_counter()
+    while True:
+        header = link.recv((HEADER_LEN,), torch.int64, 0, "plan.header", IDLE_TIMEOUT)
+        op = int(header[0])
+        if op == Op.STOP:
+            sends.drain()
+            return
+        if op == Op.SYMMETRY:
+            report = link.recorder.report() if link.check else {}
+            store.set(key("symmetry", rank, int(header[1])), json.dumps(report))
+            continue
+        if op == Op.STATS:
+            stats = {"busy_s": busy, "cpu_s": cpu, "steps": steps, "wall_s": time.perf_counter() - started}
+            store.set(key("stats", rank, int(header[1])), json.dumps(stats))
+            continue
+        if op != Op.PLAN:
+            raise StageError(f"unknown op {op} in a plan header")
+        payload = link.recv((payload_len(header),), torch.int64, 0, "plan.payload", timeout)
+        plan = unpack_plan(header, payload).to(stage.device)
+        acts = link.recv(activation_shape(plan, settings.hidden_size), stage.dtype, rank - 1,
+                         "activations", timeout)
+        t0, c0 = time.perf_counter(), time.thread_time()
+        hidden, residual = stage.forward(plan, acts[0], acts[1])
+        if last:
+            out, want, to, op_name = stage.sample(plan, hidden).data, result_shape(plan.num_reqs, k), 0, "result"
+        else:
+            out = torch.stack((hidden, residual))
+            want, to, op_name = activation_shape(plan, settings.hidden_size), rank + 1, "activations"
+        if tuple(out.shape) != want:   # I2: what we send is what the plan says
+            raise StageError(f"stage {rank} produced {op_name} of shape {tuple(out.shape)} for step "
+                             f"{plan.step_id}; the plan says {want}")
+        sends.add(link.send(out, to, op_name))
+        busy += time.perf_counter() - t0
+        cpu += time.thread_time() - c0
+        steps += 1
+
+
+# -- process hygiene ------------------------------------------------------------------------------
+
+
+def _configure_logging(level: int) -> None:
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
+
+
+def _exit_with_parent(interval: float = 0.5) -> None:
+    """Exit when the process that started us is gone (even if it was SIGKILLed mid-step)."""
+    parent = os.getppid()
+
+    def watch():
+        while True:
+            time.sleep(interval)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="pipespec-parent-watch", daemon=True).start()

@@ -1,0 +1,72 @@
+"""Finding and loading the MTP layers a last stage drafts with, and wiring them to the target."""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from pipespec.model.mtp import find_mtp_layers, load_mtp, load_mtp_file
+from pipespec.model.weights import load_weights
+from pipespec.spec.proposer import MTPProposer
+
+logger = logging.getLogger(__name__)
+
+
+class _EmbeddingCopy(nn.Module):
+    """The target's embedding matrix, loaded again on a last stage that is not stage 0 (I5)."""
+
+    def __init__(self, vocab: int, hidden: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab, hidden))
+
+    def checkpoint_names(self) -> dict[str, list[str]]:
+        return {"weight": ["model.embed_tokens.weight"]}
+
+
+def no_head_message(model: str | None) -> str:
+    name = model or "the default model"
+    return (f"speculative decoding with method 'mtp' needs MTP weights, and {name} ships none and has no "
+            f"bundled head; train one with `pipespec train-mtp --model {model or '<MODEL>'} --out head.safetensors` "
+            "and pass speculative_config={'method': 'mtp', 'num_speculative_tokens': K, 'model': 'head.safetensors'}")
+
+
+def build_proposer(runner, source, config, max_position: int) -> MTPProposer:
+    """MTP layers from speculative_config.model, else the checkpoint's own, else the bundled head."""
+    from pipespec.heads import bundled_head_path
+
+    arch, dtype, device = source.arch, runner.dtype, runner.device
+    spec = config.speculative
+    weights = source.weights()
+    if spec.model is not None:
+        layers = [load_mtp_file(spec.model, arch, dtype, device, max_position)[0]]
+        origin = spec.model
+    elif find_mtp_layers(weights.names(), arch.num_layers):
+        layers = [load_mtp(weights, arch, dtype, device, i, max_position)
+                  for i in find_mtp_layers(weights.names(), arch.num_layers)]
+        origin = "the checkpoint's own MTP layers"
+    else:
+        head = bundled_head_path(config.model.model)
+        if head is None:
+            raise ValueError(no_head_message(config.model.model))
+        layers = [load_mtp_file(head, arch, dtype, device, max_position)[0]]
+        origin = f"the bundled head {head.name}"
+    for layer in layers:
+        layer.eval()
+    logger.info("MTP drafting: %d layer(s) from %s, K=%d", len(layers), origin, spec.num_speculative_tokens)
+
+    target = runner.model
+    if target.model.is_first:
+        def embed():
+            return target.model.embed_tokens.weight
+    elif arch.tie_word_embeddings:
+        def embed():              # the last stage's tied head is a copy of the embedding matrix
+            return target.head_weight()
+    else:
+        copy = _EmbeddingCopy(arch.vocab_size, arch.hidden_size)
+        load_weights(copy, weights, dtype, device, desc="Loading embedding copy for MTP")
+        runner.mtp_embedding = copy
+
+        def embed():
+            return copy.weight
+    return MTPProposer(layers, spec.num_speculative_tokens, config.cache.block_size, embed, target.head_weight)
