@@ -290,8 +290,9 @@ def _wait(work, timeout: float, what: str, sending: bool = False) -> None:
 
 def _first_line(text: str) -> str:
     line = text.strip().splitlines()[0] if text.strip() else text
-    # gloo prefixes its messages with the source file: keep the part a user can act on
-    return line.split("] ", 1)[-1] if line.startswith("[") else line
+    # gloo prefixes its messages with the source file and appends generic advice: keep the fact
+    line = line.split("] ", 1)[-1] if line.startswith("[") else line
+    return line.split(". This is typically", 1)[0]
 
 
 def _is_nccl(pg) -> bool:
