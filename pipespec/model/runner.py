@@ -39,6 +39,17 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+def prefer_column_major(module: torch.nn.Module) -> None:
+    """Store every [out, in] matrix transposed in memory (same values, same shape).
+
+    On CPU, MKL's matrix-vector product reads such a layout ~1.3x faster, which is what decode is
+    made of (measured: 18.1 -> 20.6 tok/s at batch 1 on SmolLM2, batch 16 unchanged; RESULTS.md).
+    """
+    for m in module.modules():
+        if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)):
+            m.weight.data = m.weight.data.t().contiguous().t()
+
+
 class StageRunner:
     def __init__(self, source: ModelSource, config: EngineConfig, layer_range: tuple[int, int],
                  max_model_len: int, num_spec_tokens: int | None = None):
@@ -53,6 +64,8 @@ class StageRunner:
         load_weights(self.model, source.weights(), self.dtype, self.device,
                      desc=f"Loading layers {layer_range[0]}-{layer_range[1] - 1}")
         self.model.eval()
+        if self.device.type == "cpu":
+            prefer_column_major(self.model)
         self.backend = TorchReferenceBackend()
         self.kv_caches = None
         self.num_blocks = 0
@@ -60,6 +73,9 @@ class StageRunner:
         if self.is_last and self.num_spec_tokens:
             from pipespec.spec.mtp_loading import build_proposer
             self.proposer = build_proposer(self, source, config, max_position)
+            if self.device.type == "cpu":
+                for layer in self.proposer.layers:
+                    prefer_column_major(layer)
         self._step_ctx: tuple[int, ForwardContext] | None = None
 
     @property
