@@ -64,8 +64,6 @@ class StageRunner:
         load_weights(self.model, source.weights(), self.dtype, self.device,
                      desc=f"Loading layers {layer_range[0]}-{layer_range[1] - 1}")
         self.model.eval()
-        if self.device.type == "cpu":
-            prefer_column_major(self.model)
         self.backend = TorchReferenceBackend()
         self.kv_caches = None
         self.num_blocks = 0
@@ -73,9 +71,9 @@ class StageRunner:
         if self.is_last and self.num_spec_tokens:
             from pipespec.spec.mtp_loading import build_proposer
             self.proposer = build_proposer(self, source, config, max_position)
-            if self.device.type == "cpu":
-                for layer in self.proposer.layers:
-                    prefer_column_major(layer)
+        if self.device.type == "cpu":
+            for module in self._modules_with_weights():
+                prefer_column_major(module)
         self._step_ctx: tuple[int, ForwardContext] | None = None
 
     @property
@@ -111,11 +109,14 @@ class StageRunner:
             return max(int(budget // self._bytes_per_block()), 0)
         return max(int((cache.kv_cache_memory or _CPU_DEFAULT_KV_BYTES) // self._bytes_per_block()), 1)
 
-    def _all_parameters(self):
-        yield from self.model.parameters()
+    def _modules_with_weights(self):
+        yield self.model
         if self.proposer is not None:
-            for layer in self.proposer.layers:
-                yield from layer.parameters()
+            yield from self.proposer.layers
+
+    def _all_parameters(self):
+        for module in self._modules_with_weights():
+            yield from module.parameters()
 
     def _activation_reserve(self) -> int:
         # activations of the largest step: hidden, MLP intermediate and logits rows, with slack
@@ -175,8 +176,8 @@ class StageRunner:
             ctx = self._step_ctx[1] if same_step else self._context(plan)
             last = num_sampled - 1
             drafts = self.proposer.propose(self.backend, ctx, plan.input_ids, hidden, plan.block_tables,
-                                           plan.query_start_loc, plan.next_token_ids, rows[:, 0] + last, tokens.gather(1, last[:, None]).squeeze(1),
-                                           plan.sample_rows)
+                                           plan.query_start_loc, plan.next_token_ids, rows[:, 0] + last,
+                                           tokens.gather(1, last[:, None]).squeeze(1), plan.sample_rows)
         return StepResult.from_verification(plan.step_id, plan.num_reqs, k, plan.sample_rows, tokens,
                                             num_sampled, drafts)
 
