@@ -52,8 +52,12 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def prepare(self, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, positions: torch.Tensor,
-                block_tables: torch.Tensor, block_size: int):
-        """Build per-step metadata from the plan's tensors (called once per step)."""
+                block_tables: torch.Tensor, block_size: int, max_query_len: int | None = None):
+        """Build per-step metadata from the plan's tensors (called once per step).
+
+        `max_query_len`, when the caller knows it on the host, spares a device-to-host read; a
+        backend that may run inside a CUDA graph capture must not read device tensors here.
+        """
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
@@ -86,7 +90,7 @@ class TorchReferenceBackend(AttentionBackend):
     def __init__(self, short_query: int = 16):
         self.short_query = short_query
 
-    def prepare(self, query_start_loc, seq_lens, positions, block_tables, block_size):
+    def prepare(self, query_start_loc, seq_lens, positions, block_tables, block_size, max_query_len=None):
         qsl = query_start_loc.tolist()
         lens = seq_lens.tolist()
         q_lens = [qsl[i + 1] - qsl[i] for i in range(len(lens))]
@@ -146,7 +150,7 @@ class DenseCausalBackend(AttentionBackend):
     a later one.
     """
 
-    def prepare(self, query_start_loc, seq_lens, positions, block_tables, block_size):
+    def prepare(self, query_start_loc, seq_lens, positions, block_tables, block_size, max_query_len=None):
         q_lens = query_start_loc[1:] - query_start_loc[:-1]
         if q_lens.numel() == 0 or bool((q_lens != q_lens[0]).any()) or bool((seq_lens != q_lens).any()):
             raise ValueError("DenseCausalBackend needs equal-length sequences with no cached prefix")

@@ -1,11 +1,13 @@
 """Building blocks shared by decoder families: RMSNorm, rotary embedding, gated MLP."""
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 from torch import nn
 
+from pipespec import kernels
 from pipespec.model.arch import ArchConfig
 
 
@@ -18,6 +20,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if kernels.enabled(x):
+            from pipespec.kernels.fused_ops import rms_norm
+            return rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
             residual = x
@@ -60,13 +65,29 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", torch.cat((freqs.cos(), freqs.cos()), dim=-1), persistent=False)
         self.register_buffer("sin", torch.cat((-freqs.sin(), freqs.sin()), dim=-1), persistent=False)
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin) for the step's rows, [T, 1, D]; computed once per step, used by every layer."""
-        return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+    def forward(self, positions: torch.Tensor) -> "Rope":
+        """The rotation of the step's rows; made once per step, used by every layer."""
+        return Rope(self.cos, self.sin, positions)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, D] (q and k heads may be stacked together)."""
+class Rope:
+    """Sign-folded cos/sin tables [P, D] and the step's positions [T]."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor):
+        self.cos, self.sin, self.positions = cos, sin, positions
+
+    @functools.cached_property
+    def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) of each row, [T, 1, D], gathered once on first use."""
+        return self.cos[self.positions][:, None, :], self.sin[self.positions][:, None, :]
+
+
+def apply_rope(x: torch.Tensor, rope: Rope) -> torch.Tensor:
+    """x: [T, heads, D] (q and k heads may be stacked together). The fused kernel rotates in place."""
+    if kernels.enabled(x) and x.stride(-1) == 1:
+        from pipespec.kernels.fused_ops import rope_
+        return rope_(x, rope.cos, rope.sin, rope.positions)
+    cos, sin = rope.rows
     rolled = torch.roll(x, x.shape[-1] // 2, dims=-1)
     if x.dtype == torch.float32:
         return x * cos + rolled * sin
@@ -81,5 +102,8 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if kernels.enabled(x):
+            from pipespec.kernels.fused_ops import silu_mul
+            return self.down_proj(silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)

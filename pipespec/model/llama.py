@@ -11,7 +11,7 @@ from torch import nn
 
 from pipespec.model.arch import ArchConfig
 from pipespec.model.attention import ForwardContext, KVCache
-from pipespec.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope
+from pipespec.model.layers import GatedMLP, RMSNorm, Rope, RotaryEmbedding, apply_rope
 
 
 class Attention(nn.Module):
@@ -28,7 +28,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(d, arch.rms_norm_eps)
         self.qk_norm = arch.qk_norm
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache,
+    def forward(self, x: torch.Tensor, rope: Rope, cache: KVCache,
                 ctx: ForwardContext):
         t = x.shape[0]
         qkv = self.qkv_proj(x)
@@ -36,7 +36,7 @@ class Attention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             qk = torch.cat((self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])), dim=1)
-        qk = apply_rope(qk, *rope)            # q and k heads rotated in one go
+        qk = apply_rope(qk, rope)             # q and k heads rotated in one go
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         out = ctx.backend.forward(q, k, v, cache, ctx, self.head_dim ** -0.5)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))

@@ -183,8 +183,7 @@ class PipelineExecutor(Executor):
                 pending.append(self.link.send(header, rank, "plan.header"))
                 pending.append(self.link.send(payload, rank, "plan.payload"))
             t0, c0 = time.perf_counter(), time.thread_time()
-            dplan = plan.to(self.stage.device)
-            hidden, residual = self.stage.forward(dplan)
+            hidden, residual = self.stage.forward(plan)
             acts = torch.stack((hidden, residual))
             want = activation_shape(plan, self.settings.hidden_size)
             if tuple(acts.shape) != want:

@@ -159,7 +159,7 @@ def serve(rank: int, link: Link, stage, settings: WorkerSettings, store) -> None
         if op != Op.PLAN:
             raise StageError(f"unknown op {op} in a plan header")
         payload = link.recv((payload_len(header),), torch.int64, 0, "plan.payload", timeout)
-        plan = unpack_plan(header, payload).to(stage.device)
+        plan = unpack_plan(header, payload)     # on the host: the stage moves what it needs
         acts = link.recv(activation_shape(plan, settings.hidden_size), stage.dtype, rank - 1,
                          "activations", timeout)
         t0, c0 = time.perf_counter(), time.thread_time()

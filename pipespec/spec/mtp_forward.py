@@ -42,7 +42,7 @@ class ChainedMTPBackend(AttentionBackend):
     step k runs in inference.
     """
 
-    def prepare(self, query_start_loc, seq_lens, positions, block_tables, block_size):
+    def prepare(self, query_start_loc, seq_lens, positions, block_tables, block_size, max_query_len=None):
         raise NotImplementedError("ChainedMTPBackend is driven by chained_mtp(), not by a StepPlan")
 
     def forward(self, q, k, v, cache: ChainKV, ctx, scale):

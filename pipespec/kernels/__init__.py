@@ -1,0 +1,20 @@
+"""Triton kernels for the GPU path: paged attention, KV writes and the fused elementwise ops.
+
+Nothing here runs on CPU: callers ask `enabled(x)` and fall back to plain PyTorch. The kernels have
+no backward, so they serve inference only (training keeps the differentiable PyTorch ops).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+# TRITON_INTERPRET=1 runs the kernels on CPU tensors (slowly): how they are developed without a GPU
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def enabled(x: torch.Tensor) -> bool:
+    """Whether the fused kernels serve this tensor: Triton present, a CUDA tensor, no autograd."""
+    return (HAVE_TRITON and (x.is_cuda or _INTERPRET) and torch.is_inference_mode_enabled())

@@ -1,0 +1,117 @@
+"""Fused elementwise kernels for the decoder: residual add + RMSNorm, RoPE, SiLU-and-multiply, KV write.
+
+Each replaces several PyTorch launches with one, which is what a small model's decode step is made
+of once CUDA graphs remove the launch overhead. Numerics follow the PyTorch path in `model.layers`:
+float32 inside, rounded to the tensor's dtype where the PyTorch ops round.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, out_ptr, res_out_ptr, w_ptr, n_cols, eps,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        x = (x.to(tl.float32) + tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32))
+        x = x.to(res_out_ptr.dtype.element_ty)      # the sum is rounded to the model dtype, as in torch
+        tl.store(res_out_ptr + row * n_cols + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
+    normed = (xf * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * n_cols + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """RMSNorm of x (of x + residual when given, also returning that sum as the new residual)."""
+    x = x.contiguous()
+    n = x.shape[-1]
+    out = torch.empty_like(x)
+    res_out = torch.empty_like(x) if residual is not None else out
+    rows = x.numel() // n
+    if rows == 0:
+        return out if residual is None else (out, res_out)
+    _rms_norm_kernel[(rows,)](x, residual.contiguous() if residual is not None else x, out, res_out,
+                              weight, n, eps, HAS_RESIDUAL=residual is not None,
+                              BLOCK=triton.next_power_of_2(n))
+    return out if residual is None else (out, res_out)
+
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    gate = tl.load(x_ptr + row * 2 * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * 2 * n_cols + n_cols + cols, mask=mask, other=0.0)
+    act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * n_cols + cols, act * up, mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up = cat[gate, up] along the last dim."""
+    gate_up = gate_up.contiguous()
+    n = gate_up.shape[-1] // 2
+    out = torch.empty(*gate_up.shape[:-1], n, dtype=gate_up.dtype, device=gate_up.device)
+    rows = gate_up.numel() // (2 * n)
+    block = min(1024, triton.next_power_of_2(n))
+    if rows == 0:
+        return out
+    _silu_mul_kernel[(rows, triton.cdiv(n, block))](gate_up, out, n, BLOCK=block)
+    return out
+
+
+@triton.jit
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, stride_t, stride_h,
+                 HEAD_DIM: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    d = tl.arange(0, HEAD_DIM)
+    pos = tl.load(pos_ptr + t)
+    base = x_ptr + t * stride_t + h * stride_h
+    x = tl.load(base + d).to(tl.float32)
+    rolled = tl.load(base + (d + HEAD_DIM // 2) % HEAD_DIM).to(tl.float32)
+    cos = tl.load(cos_ptr + pos * HEAD_DIM + d)
+    sin = tl.load(sin_ptr + pos * HEAD_DIM + d)
+    tl.debug_barrier()      # every lane has read its rolled partner before any lane writes
+    tl.store(base + d, (x * cos + rolled * sin).to(x_ptr.dtype.element_ty))
+
+
+def rope_(x: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, heads, D] in place with the sign-folded tables of `RotaryEmbedding` ([P, D])."""
+    t, heads, d = x.shape
+    assert x.stride(-1) == 1 and d & (d - 1) == 0, "rope_ needs unit-stride, power-of-two head_dim"
+    if t:
+        _rope_kernel[(t, heads)](x, cos_table, sin_table, positions, x.stride(0), x.stride(1), HEAD_DIM=d,
+                                 num_warps=1)
+    return x
+
+
+@triton.jit
+def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_kt, stride_vt,
+                     ROW: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t)
+    if slot >= 0:            # padding rows (slot -1) of a captured batch write nothing
+        cols = tl.arange(0, BLOCK)
+        mask = cols < ROW
+        tl.store(kc_ptr + slot * ROW + cols, tl.load(k_ptr + t * stride_kt + cols, mask=mask), mask=mask)
+        tl.store(vc_ptr + slot * ROW + cols, tl.load(v_ptr + t * stride_vt + cols, mask=mask), mask=mask)
+
+
+def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store k/v [T, KVH, D] (heads contiguous within a row) at their slots, in one launch."""
+    row = k.shape[1] * k.shape[2]
+    if k.shape[0] == 0:
+        return
+    assert k.stride(1) == k.shape[2] and v.stride(1) == v.shape[2] and k.stride(2) == 1 and v.stride(2) == 1
+    _write_kv_kernel[(k.shape[0],)](k, v, key_cache, value_cache, slot_mapping, k.stride(0), v.stride(0),
+                                    ROW=row, BLOCK=triton.next_power_of_2(row))
