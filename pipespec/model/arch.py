@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mimo")    # mimo: a Qwen2 decoder (+ MTP layers)
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ class ArchConfig:
             rope_theta=float(theta),
             max_position=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            qkv_bias=model_type in ("qwen2", "mimo") or bool(cfg.get("attention_bias", False)),
             o_bias=model_type == "llama" and bool(cfg.get("attention_bias", False)),
             qk_norm=model_type == "qwen3",
             rope_scaling=_rope_scaling(rope),

@@ -101,7 +101,7 @@ def shifted(x: torch.Tensor, k: int, length: int, fill=0) -> torch.Tensor:
 
 
 def chained_mtp(mtp, target, ids: torch.Tensor, hidden: torch.Tensor, num_steps: int) -> list[torch.Tensor]:
-    """The MTP module's outputs (before shared_head.norm) at steps 1..K, each [B, N-1, H].
+    """The MTP module's outputs (what each next step takes as hidden) at steps 1..K, each [B, N-1, H].
 
     The target's embedding is resolved here, at call time, through its owner (I5).
     """

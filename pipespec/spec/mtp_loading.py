@@ -6,7 +6,7 @@ import logging
 import torch
 from torch import nn
 
-from pipespec.model.mtp import find_mtp_layers, load_mtp, load_mtp_file
+from pipespec.model.mtp import declared_mtp_layers, detect_mtp, load_mtp_file, load_mtp_layers
 from pipespec.model.weights import load_weights
 from pipespec.spec.proposer import MTPProposer
 
@@ -31,29 +31,31 @@ def no_head_message(model: str | None) -> str:
             "and pass speculative_config={'method': 'mtp', 'num_speculative_tokens': K, 'model': 'head.safetensors'}")
 
 
-def build_proposer(runner, source, config, max_position: int) -> MTPProposer:
+def _load_layers(source, config, dtype, device, max_position: int) -> tuple[list[nn.Module], str]:
     """MTP layers from speculative_config.model, else the checkpoint's own, else the bundled head."""
     from pipespec.heads import bundled_head_path
 
-    arch, dtype, device = source.arch, runner.dtype, runner.device
-    spec = config.speculative
-    weights = source.weights()
+    arch, spec, weights = source.arch, config.speculative, source.weights()
     if spec.model is not None:
-        layers = [load_mtp_file(spec.model, arch, dtype, device, max_position)[0]]
-        origin = spec.model
-    elif find_mtp_layers(weights.names(), arch.num_layers):
-        layers = [load_mtp(weights, arch, dtype, device, i, max_position)
-                  for i in find_mtp_layers(weights.names(), arch.num_layers)]
-        origin = "the checkpoint's own MTP layers"
-    else:
-        head = bundled_head_path(config.model.model)
-        if head is None:
-            raise ValueError(no_head_message(config.model.model))
-        layers = [load_mtp_file(head, arch, dtype, device, max_position)[0]]
-        origin = f"the bundled head {head.name}"
+        return [load_mtp_file(spec.model, arch, dtype, device, max_position)[0]], spec.model
+    hit = detect_mtp(weights.names(), arch.num_layers)
+    if hit is not None:
+        layers = load_mtp_layers(weights, arch, dtype, device, max_position,
+                                 declared=declared_mtp_layers(source.folder))
+        return layers, f"the checkpoint's own {hit[0].family} MTP layers"
+    head = bundled_head_path(config.model.model)
+    if head is None:
+        raise ValueError(no_head_message(config.model.model))
+    return [load_mtp_file(head, arch, dtype, device, max_position)[0]], f"the bundled head {head.name}"
+
+
+def build_proposer(runner, source, config, max_position: int) -> MTPProposer:
+    arch, dtype, device = source.arch, runner.dtype, runner.device
+    layers, origin = _load_layers(source, config, dtype, device, max_position)
     for layer in layers:
         layer.eval()
-    logger.info("MTP drafting: %d layer(s) from %s, K=%d", len(layers), origin, spec.num_speculative_tokens)
+    k = config.speculative.num_speculative_tokens
+    logger.info("MTP drafting: %d layer(s) from %s, K=%d", len(layers), origin, k)
 
     target = runner.model
     if target.model.is_first:
@@ -64,9 +66,9 @@ def build_proposer(runner, source, config, max_position: int) -> MTPProposer:
             return target.head_weight()
     else:
         copy = _EmbeddingCopy(arch.vocab_size, arch.hidden_size)
-        load_weights(copy, weights, dtype, device, desc="Loading embedding copy for MTP")
+        load_weights(copy, source.weights(), dtype, device, desc="Loading embedding copy for MTP")
         runner.mtp_embedding = copy
 
         def embed():
             return copy.weight
-    return MTPProposer(layers, spec.num_speculative_tokens, config.cache.block_size, embed, target.head_weight)
+    return MTPProposer(layers, k, config.cache.block_size, embed, target.head_weight)
