@@ -112,7 +112,7 @@ class StageRunner:
     def _modules_with_weights(self):
         yield self.model
         if self.proposer is not None:
-            yield from self.proposer.layers
+            yield self.proposer        # its MTP layers and, where it has one, its embedding copy
 
     def _all_parameters(self):
         for module in self._modules_with_weights():

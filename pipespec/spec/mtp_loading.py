@@ -13,12 +13,12 @@ from pipespec.spec.proposer import MTPProposer
 logger = logging.getLogger(__name__)
 
 
-class _EmbeddingCopy(nn.Module):
-    """The target's embedding matrix, loaded again on a last stage that is not stage 0 (I5)."""
+class EmbeddingCopy(nn.Embedding):
+    """The target's embedding matrix, loaded again for the proposer of a last stage that is not
+    stage 0 (I5); an nn.Embedding, so it gets the CPU column-major layout like the target's."""
 
     def __init__(self, vocab: int, hidden: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab, hidden))
+        super().__init__(vocab, hidden, _weight=torch.empty(vocab, hidden))   # no random init: it is loaded
 
     def checkpoint_names(self) -> dict[str, list[str]]:
         return {"weight": ["model.embed_tokens.weight"]}
@@ -50,6 +50,8 @@ def _load_layers(source, config, dtype, device, max_position: int) -> tuple[list
 
 
 def build_proposer(runner, source, config, max_position: int) -> MTPProposer:
+    """The last stage's proposer, reaching the target's tensors through their owner (I5); on a stage
+    without the target's embedding (and no tied head holding a copy) it owns an embedding copy."""
     arch, dtype, device = source.arch, runner.dtype, runner.device
     layers, origin = _load_layers(source, config, dtype, device, max_position)
     for layer in layers:
@@ -58,6 +60,7 @@ def build_proposer(runner, source, config, max_position: int) -> MTPProposer:
     logger.info("MTP drafting: %d layer(s) from %s, K=%d", len(layers), origin, k)
 
     target = runner.model
+    copy = None
     if target.model.is_first:
         def embed():
             return target.model.embed_tokens.weight
@@ -65,10 +68,8 @@ def build_proposer(runner, source, config, max_position: int) -> MTPProposer:
         def embed():              # the last stage's tied head is a copy of the embedding matrix
             return target.head_weight()
     else:
-        copy = _EmbeddingCopy(arch.vocab_size, arch.hidden_size)
-        load_weights(copy, source.weights(), dtype, device, desc="Loading embedding copy for MTP")
-        runner.mtp_embedding = copy
-
-        def embed():
-            return copy.weight
-    return MTPProposer(layers, k, config.cache.block_size, embed, target.head_weight)
+        embed = None
+        if any(layer.own_embedding() is None for layer in layers):
+            copy = EmbeddingCopy(arch.vocab_size, arch.hidden_size)
+            load_weights(copy, source.weights(), dtype, device, desc="Loading embedding copy for MTP")
+    return MTPProposer(layers, k, config.cache.block_size, embed, target.head_weight, embedding=copy)

@@ -8,30 +8,48 @@ position, feeding back the module's own output hidden; step i uses MTP layer i %
 module's argmax, so the verifier treats the draft distribution as one-hot (DESIGN.md I1: nothing the
 stage computes reaches its next step except the draft ids, through the driver).
 
+The proposer is a module owning every weight it drafts with: the MTP layers and, on a last stage
+that does not hold the target's embedding (PP > 1, untied head), its own copy of that embedding.
+The target's tensors it uses are resolved at call time through their owner (I5).
+
 The module's KV cache shares the target's block ids and slots. Rows past the accepted prefix and the
 chained rows write MTP KV at positions the next step's step 0 rewrites before anything reads them.
+Each MTP layer has its own cache, so with n > 1 layers every step also runs, over its rows and on
+its input, each other layer that a later step uses (only for the KV it writes): a chained step then
+attends to KV at every earlier position, as in training (spec/mtp_forward.py), never to a slot
+nobody wrote.
 """
 from __future__ import annotations
 
 from typing import Callable
 
 import torch
+from torch import nn
 
 from pipespec.model.attention import AttentionBackend, ForwardContext, KVCache
 
 
-class MTPProposer:
-    def __init__(self, layers: list[torch.nn.Module], num_spec_tokens: int, block_size: int,
-                 embed_weight: Callable[[], torch.Tensor], head_weight: Callable[[], torch.Tensor]):
+class MTPProposer(nn.Module):
+    def __init__(self, layers: list[nn.Module], num_spec_tokens: int, block_size: int,
+                 embed_weight: Callable[[], torch.Tensor] | None, head_weight: Callable[[], torch.Tensor],
+                 embedding: nn.Module | None = None):
+        """`embed_weight`: the target's embedding, through its owner; None with `embedding` (a
+        copy this proposer owns) or when every layer holds its own."""
+        super().__init__()
         if not layers:
             raise ValueError("the MTP proposer needs at least one MTP layer")
-        self.layers = layers
+        self.layers = nn.ModuleList(layers)
+        self.embedding = embedding
         self.k = num_spec_tokens
         self.block_size = block_size
-        self._embed_weight = embed_weight      # resolved at call time through the owner (I5)
+        self._target_embed = embed_weight      # resolved at call time through the owner (I5)
         self._head_weight = head_weight
         self.kv_caches: list[KVCache] = []
 
+    def _embed_weight(self) -> torch.Tensor | None:
+        if self.embedding is not None:
+            return self.embedding.weight
+        return None if self._target_embed is None else self._target_embed()
 
     @torch.inference_mode()
     def propose(self, backend: AttentionBackend, target_ctx: ForwardContext, input_ids: torch.Tensor,
@@ -50,8 +68,8 @@ class MTPProposer:
         shifted[last_rows] = last_tokens
         ctx = ForwardContext(target_ctx.positions, target_ctx.slot_mapping, backend, target_ctx.attn,
                              [self.kv_caches[0]])
-        out = self.layers[0](ctx, shifted, hidden, embed_weight=self._embed_weight(), cache=self.kv_caches[0])
-        h = out[last_rows]
+        embed = self._embed_weight()
+        h = self._step(0, ctx, shifted, hidden, embed)[last_rows]
         drafts = [self._argmax(self.layers[0], h)]
         pos = target_ctx.positions[last_rows]
         tables = block_tables[sample_rows]
@@ -59,15 +77,22 @@ class MTPProposer:
         qsl = torch.arange(s + 1, device=hidden.device)
         bs = self.block_size
         for i in range(1, self.k):
-            layer_idx = i % len(self.layers)
             p = pos + i
             slots = tables.gather(1, (p // bs)[:, None]).squeeze(1) * bs + p % bs
             attn = backend.prepare(qsl, p + 1, p, tables, bs)
-            step_ctx = ForwardContext(p, slots, backend, attn, [self.kv_caches[layer_idx]])
-            h = self.layers[layer_idx](step_ctx, drafts[-1], h, embed_weight=self._embed_weight(),
-                                       cache=self.kv_caches[layer_idx])
-            drafts.append(self._argmax(self.layers[layer_idx], h))
+            step_ctx = ForwardContext(p, slots, backend, attn, [self.kv_caches[i % len(self.layers)]])
+            h = self._step(i, step_ctx, drafts[-1], h, embed)
+            drafts.append(self._argmax(self.layers[i % len(self.layers)], h))
         return torch.stack(drafts, dim=1)
+
+    def _step(self, i: int, ctx: ForwardContext, tokens: torch.Tensor, hidden: torch.Tensor,
+              embed: torch.Tensor | None) -> torch.Tensor:
+        """Step i's output, from layer i % n. Every other layer that a later step uses writes its KV
+        at these rows from the same input, so no layer ever attends to a slot nobody wrote."""
+        n = len(self.layers)
+        for j in sorted({later % n for later in range(i + 1, self.k)} - {i % n}):
+            self.layers[j](ctx, tokens, hidden, embed_weight=embed, cache=self.kv_caches[j])
+        return self.layers[i % n](ctx, tokens, hidden, embed_weight=embed, cache=self.kv_caches[i % n])
 
     def _argmax(self, layer, h: torch.Tensor) -> torch.Tensor:
         return layer.compute_logits(h, self._head_weight()).argmax(dim=-1)
