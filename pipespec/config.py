@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _ATTENTION_BACKENDS = ("auto", "torch", "triton")
+_LOAD_FORMATS = ("auto", "dummy")
 
 
 def _require(cond: bool, message: str) -> None:
@@ -27,11 +28,14 @@ class ModelConfig:
     seed: int = 0                     # seeds requests that do not bring their own seed
     attention_backend: str = "auto"   # auto: triton on CUDA (when installed), torch elsewhere
     enforce_eager: bool = False       # True: never replay CUDA graphs (GPU decode runs op by op)
+    load_format: str = "auto"         # dummy: random weights of the checkpoint's shapes (benchmarks)
 
     def __post_init__(self):
         _require(self.dtype in _DTYPES, f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         _require(self.attention_backend in _ATTENTION_BACKENDS,
                  f"attention_backend must be one of {_ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        _require(self.load_format in _LOAD_FORMATS,
+                 f"load_format must be one of {_LOAD_FORMATS}, got {self.load_format!r}")
         _require(isinstance(self.enforce_eager, bool), f"enforce_eager must be a bool, got {self.enforce_eager!r}")
         _require(self.max_model_len is None or self.max_model_len >= 2,
                  f"max_model_len must be >= 2, got {self.max_model_len}")

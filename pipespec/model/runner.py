@@ -6,15 +6,17 @@ on the last stage. It keeps weights and KV cache and nothing derived from earlie
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
+from pipespec import kernels
 from pipespec.config import EngineConfig
-from pipespec.model.attention import (ForwardContext, TorchReferenceBackend, allocate_kv_caches,
-                                      kv_bytes_per_block)
+from pipespec.model.attention import (AttentionBackend, ForwardContext, TorchReferenceBackend,
+                                      allocate_kv_caches, kv_bytes_per_block)
 from pipespec.model.llama import LlamaForCausalLM
 from pipespec.model.source import ModelSource
-from pipespec.model.weights import load_weights
+from pipespec.model.weights import init_dummy_weights, load_weights
 from pipespec.plan import StepPlan, StepResult
 from pipespec.spec.rejection import rejection_sample
 
@@ -39,6 +41,32 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+def choose_backend(choice: str, device: torch.device) -> AttentionBackend:
+    """The attention backend for `choice` ("auto", "torch", "triton") on `device`."""
+    can_triton = device.type == "cuda" and kernels.HAVE_TRITON
+    if choice == "triton" and not can_triton:
+        raise ValueError(f"attention_backend='triton' needs a CUDA device and the triton package; "
+                         f"this stage runs on {device} (triton installed: {kernels.HAVE_TRITON})")
+    if choice == "triton" or (choice == "auto" and can_triton):
+        from pipespec.model.triton_backend import TritonPagedBackend
+        return TritonPagedBackend()
+    return TorchReferenceBackend()
+
+
+def max_query_len(plan: StepPlan) -> int:
+    qsl = plan.query_start_loc
+    return int((qsl[1:] - qsl[:-1]).max()) if plan.num_reqs else 0
+
+
+@dataclass
+class _Step:
+    """What `forward` leaves for `sample` in the same step."""
+
+    step_id: int
+    plan: StepPlan | None            # on this stage's device (None: replayed from a CUDA graph)
+    ctx: ForwardContext | None
+
+
 def prefer_column_major(module: torch.nn.Module) -> None:
     """Store every [out, in] matrix transposed in memory (same values, same shape).
 
@@ -57,14 +85,19 @@ class StageRunner:
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.block_size = config.cache.block_size
+        self.max_model_len = max_model_len
         self.num_spec_tokens = config.num_spec_tokens if num_spec_tokens is None else num_spec_tokens
         # drafted positions run up to 2K past the last verified one
         max_position = max_model_len + 2 * self.num_spec_tokens
         self.model = LlamaForCausalLM(source.arch, layer_range, max_position=max_position)
-        load_weights(self.model, source.weights(), self.dtype, self.device,
-                     desc=f"Loading layers {layer_range[0]}-{layer_range[1] - 1}")
+        if config.model.load_format == "dummy":
+            init_dummy_weights(self.model, self.dtype, self.device, seed=layer_range[0])
+        else:
+            load_weights(self.model, source.weights(), self.dtype, self.device,
+                         desc=f"Loading layers {layer_range[0]}-{layer_range[1] - 1}")
         self.model.eval()
-        self.backend = TorchReferenceBackend()
+        self.backend = choose_backend(config.model.attention_backend, self.device)
+        self.graphs = None
         self.kv_caches = None
         self.num_blocks = 0
         self.proposer = None
@@ -74,7 +107,7 @@ class StageRunner:
         if self.device.type == "cpu":
             for module in self._modules_with_weights():
                 prefer_column_major(module)
-        self._step_ctx: tuple[int, ForwardContext] | None = None
+        self._step: _Step | None = None
 
     @property
     def is_first(self) -> bool:
@@ -127,9 +160,16 @@ class StageRunner:
         logits = self.config.scheduler.max_num_seqs * (self.num_spec_tokens + 1) * arch.vocab_size * 4 * 4
         return 2 * (tokens * per_token + logits) + (256 << 20)
 
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        from pipespec.model.triton_backend import TritonPagedBackend
+        return isinstance(self.backend, TritonPagedBackend) and not self.config.model.enforce_eager
+
     def allocate_kv_cache(self, num_blocks: int) -> None:
         arch = self.model.arch
-        caches = allocate_kv_caches(self._num_cache_layers, num_blocks, self.block_size,
+        graphs = self.uses_cuda_graphs
+        # with CUDA graphs one more block, never handed out, takes the writes of padding requests
+        caches = allocate_kv_caches(self._num_cache_layers, num_blocks + graphs, self.block_size,
                                     arch.num_kv_heads, arch.head_dim, self.dtype, self.device)
         n = self.model.num_local_layers
         self.kv_caches = caches[:n]
@@ -138,19 +178,31 @@ class StageRunner:
         self.num_blocks = num_blocks
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB) on %s", num_blocks, self.block_size,
                     num_blocks * self._bytes_per_block() / 2**20, self.device)
+        if graphs:
+            from pipespec.model.cuda_graphs import DecodeGraphs
+            max_blocks = -(-(self.max_model_len + 2 * self.num_spec_tokens) // self.block_size)
+            self.graphs = DecodeGraphs(self, self.config.scheduler.max_num_seqs, num_blocks, max_blocks)
+            self.graphs.capture()
 
-    def _context(self, plan: StepPlan) -> ForwardContext:
-        attn = self.backend.prepare(plan.query_start_loc, plan.seq_lens, plan.positions,
-                                    plan.block_tables, self.block_size)
+    def _context(self, plan: StepPlan, host_plan: StepPlan) -> ForwardContext:
+        attn = self.backend.prepare(plan.query_start_loc, plan.seq_lens, plan.positions, plan.block_tables,
+                                    self.block_size, max_query_len=max_query_len(host_plan))
         return ForwardContext(plan.positions, plan.slot_mapping, self.backend, attn, self.kv_caches)
+
+    def _begin(self, plan: StepPlan) -> _Step:
+        dplan = plan.to(self.device)
+        self._step = _Step(plan.step_id, dplan, self._context(dplan, plan))
+        return self._step
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan, hidden: torch.Tensor | None = None,
                 residual: torch.Tensor | None = None):
-        """Run this stage's layers; `plan` must already be on this stage's device."""
-        ctx = self._context(plan)
-        self._step_ctx = (plan.step_id, ctx)     # the proposer reuses it in this step's `sample`
-        return self.model(ctx, input_ids=plan.input_ids if self.is_first else None,
+        """Run this stage's layers for `plan` (best passed on the host: it is moved here as needed)."""
+        if self.graphs is not None and self.graphs.fits(plan):
+            self._step = _Step(plan.step_id, None, None)
+            return self.graphs.forward(plan, hidden, residual)
+        step = self._begin(plan)
+        return self.model(step.ctx, input_ids=step.plan.input_ids if self.is_first else None,
                           hidden=hidden, residual=residual)
 
     @torch.inference_mode()
@@ -160,29 +212,44 @@ class StageRunner:
         Logits are computed only at each sampling request's last real row and its draft rows.
         """
         k = self.num_spec_tokens
-        s = int(plan.sample_rows.shape[0])
-        if s == 0:
-            empty = torch.empty((0, k + 1), dtype=torch.int64, device=hidden.device)
-            return StepResult.from_verification(plan.step_id, plan.num_reqs, k, plan.sample_rows, empty,
-                                                empty[:, 0], None)
-        rows, num_drafts = plan.verify_rows(k + 1)                       # [S, K+1], [S]
-        logits = self.model.compute_logits(hidden[rows.reshape(-1)]).view(s, k + 1, -1)
-        draft_ids = plan.input_ids[rows[:, 1:]]
-        tokens, num_sampled = rejection_sample(logits, draft_ids, num_drafts, plan.sampling,
-                                               plan.positions[rows[:, 0]] + 1)
+        step = self._step if self._step is not None and self._step.step_id == plan.step_id else self._begin(plan)
+        if step.plan is None:                      # a steady step replayed from a CUDA graph
+            g = self.graphs
+            logits = g.logits()                                            # [B, K+1, V]
+            b = logits.shape[0]
+            ids = g.ints["input_ids"][:b * (k + 1)].view(b, k + 1)
+            first_rows = g.query_start_loc[:b]
+            num_drafts = torch.full((b,), k, dtype=torch.int64, device=self.device)
+            first_pos = g.ints["positions"][first_rows]
+            sample_rows = g.sample_rows[:b]
+            draft_ids = ids[:, 1:]
+        else:
+            dplan = step.plan
+            s = int(dplan.sample_rows.shape[0])
+            if s == 0:
+                empty = torch.empty((0, k + 1), dtype=torch.int64, device=hidden.device)
+                return StepResult.from_verification(plan.step_id, plan.num_reqs, k, dplan.sample_rows, empty,
+                                                    empty[:, 0], None)
+            rows, num_drafts = dplan.verify_rows(k + 1)                    # [S, K+1], [S]
+            logits = self.model.compute_logits(hidden[rows.reshape(-1)]).view(s, k + 1, -1)
+            first_rows, first_pos = rows[:, 0], dplan.positions[rows[:, 0]]
+            sample_rows, draft_ids = dplan.sample_rows, dplan.input_ids[rows[:, 1:]]
+        tokens, num_sampled = rejection_sample(logits, draft_ids, num_drafts, plan.sampling.to(self.device),
+                                               first_pos + 1)
         drafts = None
         if self.proposer is not None:
-            same_step = self._step_ctx is not None and self._step_ctx[0] == plan.step_id
-            ctx = self._step_ctx[1] if same_step else self._context(plan)
             last = num_sampled - 1
-            drafts = self.proposer.propose(self.backend, ctx, plan.input_ids, hidden, plan.block_tables,
-                                           plan.query_start_loc, plan.next_token_ids, rows[:, 0] + last,
-                                           tokens.gather(1, last[:, None]).squeeze(1), plan.sample_rows)
-        return StepResult.from_verification(plan.step_id, plan.num_reqs, k, plan.sample_rows, tokens,
+            last_rows, last_tokens = first_rows + last, tokens.gather(1, last[:, None]).squeeze(1)
+            if step.plan is None:
+                drafts = self.graphs.propose(last_rows, last_tokens)
+            else:
+                drafts = self.proposer.propose(self.backend, step.ctx, step.plan.input_ids, hidden,
+                                               step.plan.block_tables, step.plan.query_start_loc,
+                                               step.plan.next_token_ids, last_rows, last_tokens, sample_rows)
+        return StepResult.from_verification(plan.step_id, plan.num_reqs, k, sample_rows, tokens,
                                             num_sampled, drafts)
 
     def execute(self, plan: StepPlan) -> StepResult:
         """The whole step on a single stage (PP = 1)."""
-        plan = plan.to(self.device)
         hidden, _ = self.forward(plan)
         return self.sample(plan, hidden)

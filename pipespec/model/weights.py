@@ -79,3 +79,17 @@ def load_weights(model: torch.nn.Module, source: WeightSource, dtype: torch.dtyp
                              + (" in total along dim 0" if len(parts) > 1 else ""))
         with torch.no_grad():
             param.copy_(tensor.to(dtype))
+
+
+@torch.no_grad()
+def init_dummy_weights(model: torch.nn.Module, dtype: torch.dtype, device, seed: int = 0) -> None:
+    """Random weights of the right shapes, made on the device (`load_format="dummy"`): norms 1,
+    everything else N(0, 0.02), so activations stay finite through any depth."""
+    model.to(device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        param.data = torch.empty(param.shape, dtype=dtype, device=device)
+        if "norm" in name.rsplit(".", 2)[-2]:
+            param.data.fill_(1.0)
+        else:
+            param.data.normal_(0.0, 0.02, generator=gen)

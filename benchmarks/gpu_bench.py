@@ -1,0 +1,221 @@
+"""pipespec against transformers on one GPU, in one run: decode tokens/s by model, batch and K.
+
+Rows: SmolLM2-135M-Instruct bf16 (real weights, bundled MTP head: real acceptance), pipespec with
+CUDA graphs (and eager, for the graphs' share) at K = 0..3, against transformers `generate` eager and
+with a static cache + torch.compile; a Llama-3-8B-shaped model with random bf16 weights against the
+memory-bandwidth roofline (weight bytes per step over the copy bandwidth measured in this run).
+
+Usage (GPU machine): python benchmarks/gpu_bench.py [--new-tokens 128] [--repeats 3] [--skip-compile]
+       [--skip-8b] [--json out.json]
+Tokens/s counts generated tokens over the wall time of a whole `generate` (prefill included), median
+over repeats, engines interleaved per repeat so drift hits all alike.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from spec_decode import PROMPTS  # noqa: E402  (the same held-out-style chat prompts)
+
+from pipespec import LLM, SamplingParams  # noqa: E402
+
+LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                 num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, rms_norm_eps=1e-5,
+                 max_position_embeddings=8192, tie_word_embeddings=False)
+
+
+def _sync_time(fn) -> float:
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second (median of 20)."""
+    src = torch.randn(1 << 30, device="cuda", dtype=torch.bfloat16)       # 2 GiB
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(20):
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * (1 << 30) * 2 / statistics.median(times)
+
+
+class PipespecRunner:
+    def __init__(self, name: str, k: int, **kw):
+        spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
+        self.name, self.k = name, k
+        self.llm = LLM(device="cuda", speculative_config=spec, **kw)
+
+    def run(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, float | None]:
+        params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+        before = dict(self.llm.stats().get("spec_decode", {}))
+        secs = _sync_time(lambda: self.llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                    use_tqdm=False))
+        after = self.llm.stats().get("spec_decode")
+        accept = None
+        if after:
+            drafts = after["num_drafts"] - before.get("num_drafts", 0)
+            accept = 1 + (after["num_accepted_tokens"] - before.get("num_accepted_tokens", 0)) / max(drafts, 1)
+        return len(prompts) * new_tokens / secs, accept
+
+    def close(self):
+        self.llm.shutdown()
+
+
+class TransformersRunner:
+    def __init__(self, name: str, model, pad_id: int, compiled: bool = False):
+        self.name, self.k, self.model, self.pad_id = name, 0, model, pad_id
+        self.compiled = compiled
+
+    def run(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, None]:
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts], device="cuda")
+        mask = (torch.arange(width, device="cuda")[None, :] >= torch.tensor(
+            [width - len(p) for p in prompts], device="cuda")[:, None]).long()
+        kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=self.pad_id)
+        if self.compiled:
+            kw["cache_implementation"] = "static"
+        with torch.inference_mode():
+            secs = _sync_time(lambda: self.model.generate(input_ids=ids, attention_mask=mask, **kw))
+        return len(prompts) * new_tokens / secs, None
+
+    def close(self):
+        pass
+
+
+def measure(runners, prompts, new_tokens, repeats, table, model, batch, peer_name):
+    for r in runners:                     # warm-up (and compile) outside the timed runs
+        r.run(prompts[:1], 8)
+        r.run(prompts, 8)
+    speed = {r.name: [] for r in runners}
+    accept = {r.name: [] for r in runners}
+    for _ in range(repeats):
+        for r in runners:
+            tps, acc = r.run(prompts, new_tokens)
+            speed[r.name].append(tps)
+            if acc is not None:
+                accept[r.name].append(acc)
+    peer = statistics.median(speed[peer_name]) if peer_name in speed else None
+    for r in runners:
+        tps = statistics.median(speed[r.name])
+        row = {"model": model, "batch": batch, "engine": r.name, "k": r.k, "tokens_per_s": round(tps, 1),
+               "acceptance_length": round(statistics.median(accept[r.name]), 2) if accept[r.name] else None,
+               "vs_" + peer_name: round(tps / peer, 2) if peer else None}
+        table.append(row)
+        print(json.dumps(row), flush=True)
+
+
+def smollm2(args, table):
+    from transformers import AutoModelForCausalLM
+
+    from pipespec.model.source import default_model_path
+
+    share = dict(gpu_memory_utilization=0.12, max_num_seqs=64)
+    engines = {k: PipespecRunner(f"pipespec K={k}" if k else "pipespec", k, **share) for k in (0, 1, 2, 3)}
+    eager = PipespecRunner("pipespec eager", 0, enforce_eager=True, **share)
+    tok = engines[0].llm.get_tokenizer()
+    chats = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]), add_special_tokens=False)
+             for p in PROMPTS]
+    path = default_model_path()
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                              dtype=torch.bfloat16).cuda().eval()
+    pad = tok.eos_token_ids[0] if hasattr(tok, "eos_token_ids") else 0
+    hf_eager = TransformersRunner("transformers eager", hf, pad)
+    for batch in args.batch:
+        prompts = [chats[i % len(chats)] for i in range(batch)]
+        runners = [hf_eager, eager, *engines.values()] if batch == 1 else [hf_eager, engines[0], engines[2]]
+        measure(runners, prompts, args.new_tokens, args.repeats, table, "SmolLM2-135M", batch,
+                "transformers eager")
+    if not args.skip_compile:
+        hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
+        compiled = TransformersRunner("transformers static+compile", hf, pad, compiled=True)
+        measure([compiled, engines[0], engines[2], engines[3]], [chats[0]], args.new_tokens, args.repeats,
+                table, "SmolLM2-135M", 1, "transformers static+compile")
+    for r in [eager, *engines.values()]:
+        r.close()
+    del hf
+    torch.cuda.empty_cache()
+
+
+def llama8b(args, table):
+    from tokenizers import Tokenizer, models
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    folder = Path(tempfile.mkdtemp(prefix="llama3-8b-shape-"))
+    cfg = LlamaConfig(**LLAMA3_8B, bos_token_id=1, eos_token_id=2)
+    cfg.save_pretrained(folder)
+    vocab = {f"t{i}": i for i in range(LLAMA3_8B["vocab_size"])}
+    Tokenizer(models.WordLevel(vocab, unk_token="t0")).save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "t2", "bos_token": "t1"}))
+
+    bandwidth = copy_bandwidth()
+    engine = PipespecRunner("pipespec", 0, model=str(folder), load_format="dummy", gpu_memory_utilization=0.45,
+                            max_num_seqs=64, max_model_len=2048)
+    weight_bytes = sum(p.numel() * p.element_size() for p in engine.llm.engine.executor.stage.model.parameters())
+    with torch.device("cuda"):
+        hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    hf_eager = TransformersRunner("transformers eager", hf, 0)
+    g = torch.Generator().manual_seed(0)
+    for batch in args.batch:
+        prompts = [torch.randint(3, 32000, (64,), generator=g).tolist() for _ in range(batch)]
+        measure([hf_eager, engine], prompts, args.new_tokens // 2, args.repeats, table,
+                "Llama-3-8B-shape (random)", batch, "transformers eager")
+    roofline = bandwidth / weight_bytes          # steps (= tokens at batch 1) per second
+    row = next(r for r in table if r["model"].startswith("Llama") and r["batch"] == 1 and r["engine"] == "pipespec")
+    info = {"copy_bandwidth_TBps": round(bandwidth / 1e12, 2), "weight_GB": round(weight_bytes / 1e9, 2),
+            "roofline_tokens_per_s_batch1": round(roofline, 1),
+            "pipespec_fraction_of_roofline": round(row["tokens_per_s"] / roofline, 3)}
+    print(json.dumps(info), flush=True)
+    engine.close()
+    return info
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--skip-compile", action="store_true")
+    ap.add_argument("--skip-8b", action="store_true")
+    ap.add_argument("--skip-smollm2", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    table: list[dict] = []
+    out = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+           "new_tokens": args.new_tokens, "repeats": args.repeats}
+    if not args.skip_smollm2:
+        smollm2(args, table)
+    if not args.skip_8b:
+        out["roofline"] = llama8b(args, table)
+    out["rows"] = table
+    print("\n| model | batch | engine | K | tokens/s | acceptance length | vs peer |")
+    print("|---|---|---|---|---|---|---|")
+    for r in table:
+        peer = next((v for key, v in r.items() if key.startswith("vs_")), None)
+        print(f"| {r['model']} | {r['batch']} | {r['engine']} | {r['k']} | {r['tokens_per_s']} | "
+              f"{r['acceptance_length'] or '-'} | {peer} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""Fused elementwise kernels against the PyTorch ops they replace (GPU only)."""
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rms_norm_with_and_without_residual(dtype):
+    from pipespec.kernels.fused_ops import rms_norm
+    from pipespec.model.layers import RMSNorm
+    x = torch.randn(37, 576, device="cuda", dtype=dtype)
+    res = torch.randn_like(x)
+    norm = RMSNorm(576, 1e-5).cuda().to(dtype)
+    norm.weight.data.normal_(1.0, 0.2)
+    want, want_res = norm(x, res)           # grad mode: the PyTorch path
+    got, got_res = rms_norm(x, norm.weight, 1e-5, res)
+    assert torch.equal(got_res, want_res)
+    assert _rel(got, want) < (1e-2 if dtype == torch.bfloat16 else 1e-6)
+    assert _rel(rms_norm(x, norm.weight, 1e-5), norm(x)) < (1e-2 if dtype == torch.bfloat16 else 1e-6)
+
+
+def test_silu_mul():
+    from pipespec.kernels.fused_ops import silu_mul
+    x = torch.randn(9, 2 * 1536, device="cuda", dtype=torch.bfloat16)
+    want = torch.nn.functional.silu(x[:, :1536]) * x[:, 1536:]
+    assert _rel(silu_mul(x), want) < 1e-2
+
+
+def test_rope_in_place_matches_reference():
+    from pipespec.kernels.fused_ops import rope_
+    from pipespec.model.layers import Rope, apply_rope
+    cos, sin = torch.randn(300, 64, device="cuda"), torch.randn(300, 64, device="cuda")
+    pos = torch.tensor([0, 5, 299, 17], device="cuda")
+    qkv = torch.randn(4, 15, 64, device="cuda")
+    want = apply_rope(qkv[:, :12].clone(), Rope(cos, sin, pos))    # grad mode: the PyTorch path
+    rope_(qkv[:, :12], cos, sin, pos)                                # rotates a strided view in place
+    assert _rel(qkv[:, :12], want) < 1e-6
+
+
+def test_write_kv_skips_padding_slots():
+    from pipespec.kernels.fused_ops import write_kv
+    kc = torch.zeros(64, 3, 64, device="cuda")
+    vc = torch.zeros_like(kc)
+    k, v = torch.randn(3, 3, 64, device="cuda"), torch.randn(3, 3, 64, device="cuda")
+    write_kv(kc, vc, k, v, torch.tensor([5, -1, 40], device="cuda"))
+    assert torch.equal(kc[5], k[0]) and torch.equal(vc[40], v[2])
+    kc[5] = 0
+    kc[40] = 0
+    assert kc.abs().sum() == 0                                      # the -1 row wrote nothing
