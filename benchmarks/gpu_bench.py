@@ -59,23 +59,39 @@ def copy_bandwidth() -> float:
     return 2 * (1 << 30) * 2 / statistics.median(times)
 
 
+def gemv_bandwidth(model) -> dict[str, float]:
+    """Weight bytes per second of one batch-1 F.linear per distinct weight shape (the roofline's
+    building block, as cuBLAS serves it)."""
+    from triton.testing import do_bench
+    out = {}
+    for name, p in model.named_parameters():
+        shape = tuple(p.shape)
+        if p.dim() != 2 or str(shape) in out or "embed" in name:
+            continue
+        x = torch.randn(1, shape[1], device="cuda", dtype=p.dtype)
+        ms = do_bench(lambda: torch.nn.functional.linear(x, p))
+        out[str(shape)] = round(p.numel() * p.element_size() / ms / 1e9, 2)
+    return out
+
+
 class PipespecRunner:
     def __init__(self, name: str, k: int, **kw):
         spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
         self.name, self.k = name, k
         self.llm = LLM(device="cuda", speculative_config=spec, **kw)
+        self.graphs = self.llm.engine.executor.stage.graphs
 
-    def run(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, float | None]:
+    def run(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, int, int]:
+        """(seconds, drafts, accepted draft tokens) of one generate call."""
         params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
         before = dict(self.llm.stats().get("spec_decode", {}))
         secs = _sync_time(lambda: self.llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                                     use_tqdm=False))
         after = self.llm.stats().get("spec_decode")
-        accept = None
-        if after:
-            drafts = after["num_drafts"] - before.get("num_drafts", 0)
-            accept = 1 + (after["num_accepted_tokens"] - before.get("num_accepted_tokens", 0)) / max(drafts, 1)
-        return len(prompts) * new_tokens / secs, accept
+        if not after:
+            return secs, 0, 0
+        return (secs, after["num_drafts"] - before.get("num_drafts", 0),
+                after["num_accepted_tokens"] - before.get("num_accepted_tokens", 0))
 
     def close(self):
         self.llm.shutdown()
@@ -86,40 +102,47 @@ class TransformersRunner:
         self.name, self.k, self.model, self.pad_id = name, 0, model, pad_id
         self.compiled = compiled
 
-    def run(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, None]:
+    def run(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, int, int]:
         width = max(len(p) for p in prompts)
         ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts], device="cuda")
         mask = (torch.arange(width, device="cuda")[None, :] >= torch.tensor(
             [width - len(p) for p in prompts], device="cuda")[:, None]).long()
         kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=self.pad_id)
-        if self.compiled:
+        if self.compiled:   # a static cache makes generate compile the decode step (CUDA graphs included)
             kw["cache_implementation"] = "static"
         with torch.inference_mode():
             secs = _sync_time(lambda: self.model.generate(input_ids=ids, attention_mask=mask, **kw))
-        return len(prompts) * new_tokens / secs, None
+        return secs, 0, 0
 
     def close(self):
         pass
 
 
-def measure(runners, prompts, new_tokens, repeats, table, model, batch, peer_name):
-    for r in runners:                     # warm-up (and compile) outside the timed runs
-        r.run(prompts[:1], 8)
-        r.run(prompts, 8)
+def measure(runners, groups, new_tokens, repeats, table, model, peer_name):
+    """Each runner generates every group of prompts in turn (a group is one batch); tokens/s is all
+    tokens over all time, median over repeats."""
+    batch = len(groups[0])
+    for r in runners:                     # warm-up (and compile) on the timed shapes
+        for g in groups:
+            r.run(g, new_tokens)
     speed = {r.name: [] for r in runners}
     accept = {r.name: [] for r in runners}
     for _ in range(repeats):
         for r in runners:
-            tps, acc = r.run(prompts, new_tokens)
-            speed[r.name].append(tps)
-            if acc is not None:
-                accept[r.name].append(acc)
-    peer = statistics.median(speed[peer_name]) if peer_name in speed else None
+            runs = [r.run(g, new_tokens) for g in groups]
+            secs, drafts, accepted = (sum(x) for x in zip(*runs))
+            speed[r.name].append(sum(len(g) for g in groups) * new_tokens / secs)
+            if drafts:
+                accept[r.name].append(1 + accepted / drafts)
+    peer = statistics.median(speed[peer_name])
     for r in runners:
         tps = statistics.median(speed[r.name])
         row = {"model": model, "batch": batch, "engine": r.name, "k": r.k, "tokens_per_s": round(tps, 1),
                "acceptance_length": round(statistics.median(accept[r.name]), 2) if accept[r.name] else None,
-               "vs_" + peer_name: round(tps / peer, 2) if peer else None}
+               "vs_" + peer_name: round(tps / peer, 2)}
+        graphs = getattr(r, "graphs", None)
+        if graphs is not None:         # the device's share of a step: graph replays alone
+            row.update(graphs.time_replay(batch))
         table.append(row)
         print(json.dumps(row), flush=True)
 
@@ -141,15 +164,15 @@ def smollm2(args, table):
     pad = tok.eos_token_ids[0] if hasattr(tok, "eos_token_ids") else 0
     hf_eager = TransformersRunner("transformers eager", hf, pad)
     for batch in args.batch:
-        prompts = [chats[i % len(chats)] for i in range(batch)]
+        # batch 1: four prompts one after another (acceptance varies by prompt); else one batch
+        groups = [[c] for c in chats[:4]] if batch == 1 else [[chats[i % len(chats)] for i in range(batch)]]
         runners = [hf_eager, eager, *engines.values()] if batch == 1 else [hf_eager, engines[0], engines[2]]
-        measure(runners, prompts, args.new_tokens, args.repeats, table, "SmolLM2-135M", batch,
-                "transformers eager")
+        measure(runners, groups, args.new_tokens, args.repeats, table, "SmolLM2-135M", "transformers eager")
     if not args.skip_compile:
-        hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
+        # one prompt: each new prompt length would make the static-cache graph recompile
         compiled = TransformersRunner("transformers static+compile", hf, pad, compiled=True)
-        measure([compiled, engines[0], engines[2], engines[3]], [chats[0]], args.new_tokens, args.repeats,
-                table, "SmolLM2-135M", 1, "transformers static+compile")
+        measure([compiled, engines[0], engines[2], engines[3]], [[chats[0]]], args.new_tokens, args.repeats,
+                table, "SmolLM2-135M", "transformers static+compile")
     for r in [eager, *engines.values()]:
         r.close()
     del hf
@@ -177,13 +200,16 @@ def llama8b(args, table):
     g = torch.Generator().manual_seed(0)
     for batch in args.batch:
         prompts = [torch.randint(3, 32000, (64,), generator=g).tolist() for _ in range(batch)]
-        measure([hf_eager, engine], prompts, args.new_tokens // 2, args.repeats, table,
-                "Llama-3-8B-shape (random)", batch, "transformers eager")
+        measure([hf_eager, engine], [prompts], args.new_tokens // 2, args.repeats, table,
+                "Llama-3-8B-shape (random)", "transformers eager")
     roofline = bandwidth / weight_bytes          # steps (= tokens at batch 1) per second
+    gemv = gemv_bandwidth(engine.llm.engine.executor.stage.model)
     row = next(r for r in table if r["model"].startswith("Llama") and r["batch"] == 1 and r["engine"] == "pipespec")
     info = {"copy_bandwidth_TBps": round(bandwidth / 1e12, 2), "weight_GB": round(weight_bytes / 1e9, 2),
             "roofline_tokens_per_s_batch1": round(roofline, 1),
-            "pipespec_fraction_of_roofline": round(row["tokens_per_s"] / roofline, 3)}
+            "pipespec_fraction_of_roofline": round(row["tokens_per_s"] / roofline, 3),
+            "graph_replay_fraction_of_roofline": round(1e3 / roofline / row["forward_gpu_ms"], 3),
+            "cublas_batch1_matmul_TBps": gemv}
     print(json.dumps(info), flush=True)
     engine.close()
     return info

@@ -35,20 +35,30 @@ class DecodeGraphs:
         self.drafting = runner.proposer is not None
         nb, q, dev = self.buckets[-1], self.q, runner.device
         i64 = dict(dtype=torch.int64, device=dev)
-        pad_positions = torch.arange(q, **i64).repeat(nb)
-        # static inputs; every slot beyond the live batch holds padding values
-        self.ints = {
-            "input_ids": torch.zeros(nb * q, **i64),
-            "positions": pad_positions.clone(),
+        pad_positions = torch.arange(q, dtype=torch.int64).repeat(nb)
+        # The static integer inputs are views of one flat buffer, so a step uploads them in one copy
+        # (from a pinned mirror, without blocking). It starts as, and beyond the live batch is reset
+        # to, padding values. The block tables come last: a batch of b uploads a prefix.
+        pad = {
+            "input_ids": torch.zeros(nb * q, dtype=torch.int64),
+            "positions": pad_positions,
             "slots": pad_block * runner.block_size + pad_positions,
-            "seq_lens": torch.full((nb,), q, **i64),
-            "block_tables": torch.full((nb, max_blocks_per_seq), pad_block, **i64),
+            "seq_lens": torch.full((nb,), q, dtype=torch.int64),
+            "block_tables": torch.full((nb, max_blocks_per_seq), pad_block, dtype=torch.int64),
         }
-        # pinned host copies, so each step uploads without blocking; and the padding values
-        self.pad = {name: t.cpu() for name, t in self.ints.items()}
-        self.host = {name: t.clone().pin_memory() for name, t in self.pad.items()}
+        self._pad_flat = torch.cat([t.reshape(-1) for t in pad.values()])
+        self._host_flat = self._pad_flat.clone().pin_memory()
+        self._flat = self._pad_flat.to(dev)
+        self.pad, self.host, self.ints = ({}, {}, {})
+        offset = 0
+        for name, t in pad.items():
+            for views, flat in ((self.pad, self._pad_flat), (self.host, self._host_flat), (self.ints, self._flat)):
+                views[name] = flat[offset:offset + t.numel()].view(t.shape)
+            offset += t.numel()
+        self._tables_offset = offset - pad["block_tables"].numel()
         self.query_start_loc = torch.arange(nb + 1, **i64) * q       # every request has q rows
         self.sample_rows = torch.arange(nb, **i64)
+        self.num_drafts = torch.full((nb,), self.k, **i64)
         if not runner.is_first:
             h = runner.model.arch.hidden_size
             self.hidden_in = torch.zeros(nb * q, h, dtype=runner.dtype, device=dev)
@@ -139,7 +149,7 @@ class DecodeGraphs:
         n = n_req * q
         per_token = {"input_ids": plan.input_ids, "positions": plan.positions, "slots": plan.slot_mapping}
         per_request = {"seq_lens": plan.seq_lens, "block_tables": plan.block_tables}
-        self._uploaded.synchronize()          # the last step's uploads have left the pinned buffers
+        self._uploaded.synchronize()          # the last step's upload has left the pinned buffer
         for fields, live, used in ((per_token, n, b * q), (per_request, n_req, b)):
             for name, value in fields.items():
                 host = self.host[name]
@@ -148,7 +158,8 @@ class DecodeGraphs:
                     host[:live, :value.shape[1]].copy_(value)
                 else:
                     host[:live].copy_(value)
-                self.ints[name][:used].copy_(host[:used], non_blocking=True)
+        end = self._tables_offset + b * self.ints["block_tables"].shape[1]
+        self._flat[:end].copy_(self._host_flat[:end], non_blocking=True)
         self._uploaded.record()
         if hidden is not None:
             self.hidden_in[:n].copy_(hidden)
@@ -177,3 +188,25 @@ class DecodeGraphs:
         entry = self._graphs[b]
         entry["draft"].replay()
         return entry["drafts"][:n_req]
+
+    @torch.inference_mode()
+    def time_replay(self, batch: int, iters: int = 50) -> dict[str, float]:
+        """Median GPU milliseconds of one replay of each graph of `batch`'s bucket, on padding inputs
+        (for benchmarks: the device's share of a step, without the host's)."""
+        self._flat.copy_(self._pad_flat.to(self._flat.device))
+        if self.drafting:
+            self.last_rows.copy_(self.pad_last_rows)
+        out = {}
+        for name, graph in self._graphs[self._bucket(batch)].items():
+            if not isinstance(graph, torch.cuda.CUDAGraph):
+                continue
+            times = []
+            for _ in range(iters):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                graph.replay()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            out[f"{name}_gpu_ms"] = round(sorted(times)[len(times) // 2], 3)
+        return out

@@ -217,16 +217,16 @@ class StageRunner:
             g = self.graphs
             logits = g.logits()                                            # [B, K+1, V]
             b = logits.shape[0]
-            ids = g.ints["input_ids"][:b * (k + 1)].view(b, k + 1)
-            first_rows = g.query_start_loc[:b]
-            num_drafts = torch.full((b,), k, dtype=torch.int64, device=self.device)
-            first_pos = g.ints["positions"][first_rows]
-            sample_rows = g.sample_rows[:b]
-            draft_ids = ids[:, 1:]
+            first_rows, sample_rows, num_drafts = g.query_start_loc[:b], g.sample_rows[:b], g.num_drafts[:b]
+            draft_ids = g.ints["input_ids"][:b * (k + 1)].view(b, k + 1)[:, 1:]
+            first_pos = g.ints["positions"][:b * (k + 1)].view(b, k + 1)[:, 0]
         else:
             dplan = step.plan
             s = int(dplan.sample_rows.shape[0])
             if s == 0:
+                if self.proposer is not None:
+                    self.proposer.write_kv(self.backend, step.ctx, dplan.input_ids, hidden,
+                                           dplan.query_start_loc, dplan.next_token_ids)
                 empty = torch.empty((0, k + 1), dtype=torch.int64, device=hidden.device)
                 return StepResult.from_verification(plan.step_id, plan.num_reqs, k, dplan.sample_rows, empty,
                                                     empty[:, 0], None)
@@ -234,8 +234,9 @@ class StageRunner:
             logits = self.model.compute_logits(hidden[rows.reshape(-1)]).view(s, k + 1, -1)
             first_rows, first_pos = rows[:, 0], dplan.positions[rows[:, 0]]
             sample_rows, draft_ids = dplan.sample_rows, dplan.input_ids[rows[:, 1:]]
-        tokens, num_sampled = rejection_sample(logits, draft_ids, num_drafts, plan.sampling.to(self.device),
-                                               first_pos + 1)
+        # greedy verification reads no sampling tensor: spare their upload
+        st = plan.sampling if plan.sampling.all_greedy else plan.sampling.to(self.device)
+        tokens, num_sampled = rejection_sample(logits, draft_ids, num_drafts, st, first_pos + 1)
         drafts = None
         if self.proposer is not None:
             last = num_sampled - 1

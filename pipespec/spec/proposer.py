@@ -62,9 +62,7 @@ class MTPProposer(nn.Module):
         the known token after each request's last row (-1: sampled now); last_rows: [S] flat row of
         each sampling request's last accepted token; last_tokens: [S] the token sampled after it.
         """
-        shifted = torch.roll(input_ids, -1)
-        ends = query_start_loc[1:] - 1
-        shifted[ends] = torch.where(next_token_ids >= 0, next_token_ids, shifted[ends])
+        shifted = self._shifted(input_ids, query_start_loc, next_token_ids)
         shifted[last_rows] = last_tokens
         ctx = ForwardContext(target_ctx.positions, target_ctx.slot_mapping, backend, target_ctx.attn,
                              [self.kv_caches[0]])
@@ -79,11 +77,29 @@ class MTPProposer(nn.Module):
         for i in range(1, self.k):
             p = pos + i
             slots = tables.gather(1, (p // bs)[:, None]).squeeze(1) * bs + p % bs
-            attn = backend.prepare(qsl, p + 1, p, tables, bs)
+            attn = backend.prepare(qsl, p + 1, p, tables, bs, max_query_len=1)
             step_ctx = ForwardContext(p, slots, backend, attn, [self.kv_caches[i % len(self.layers)]])
             h = self._step(i, step_ctx, drafts[-1], h, embed)
             drafts.append(self._argmax(self.layers[i % len(self.layers)], h))
         return torch.stack(drafts, dim=1)
+
+    @torch.inference_mode()
+    def write_kv(self, backend: AttentionBackend, target_ctx: ForwardContext, input_ids: torch.Tensor,
+                 hidden: torch.Tensor, query_start_loc: torch.Tensor, next_token_ids: torch.Tensor) -> None:
+        """A step where no request samples (middle prefill chunks): run step 0 over its rows for the
+        MTP KV alone, so later steps attend to written slots there too."""
+        ctx = ForwardContext(target_ctx.positions, target_ctx.slot_mapping, backend, target_ctx.attn,
+                             [self.kv_caches[0]])
+        self._step(0, ctx, self._shifted(input_ids, query_start_loc, next_token_ids), hidden,
+                   self._embed_weight())
+
+    @staticmethod
+    def _shifted(input_ids: torch.Tensor, query_start_loc: torch.Tensor, next_token_ids: torch.Tensor):
+        """Row t's next token: the row after it, or at a request's last row the known next token."""
+        shifted = torch.roll(input_ids, -1)
+        ends = query_start_loc[1:] - 1
+        shifted[ends] = torch.where(next_token_ids >= 0, next_token_ids, shifted[ends])
+        return shifted
 
     def _step(self, i: int, ctx: ForwardContext, tokens: torch.Tensor, hidden: torch.Tensor,
               embed: torch.Tensor | None) -> torch.Tensor:

@@ -42,7 +42,7 @@ def prompts():
 
 
 def _generate(llm: LLM, prompts) -> list[list[int]]:
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS[:len(prompts)]]
     return [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
 
 
@@ -87,9 +87,9 @@ def test_greedy_lossless_with_the_checkpoints_own_mtp_layers(family, pp, k, echo
         assert len(order) % k == 0 and order == [i % NUM_MTP[family] for i in range(k)] * (len(order) // k)
 
 
-def _mtp_outputs(folder: str, prompts, fill: float) -> list[torch.Tensor]:
+def _mtp_outputs(folder: str, prompts, fill: float, budget: int) -> list[torch.Tensor]:
     """Every MTP layer output of a run whose MTP KV cache starts filled with `fill`."""
-    kwargs = dict(KWARGS, max_num_batched_tokens=256)        # no prompt split across steps
+    kwargs = dict(KWARGS, max_num_batched_tokens=budget)
     with LLM(model=folder, speculative_config=_spec(3), **kwargs) as llm:
         proposer = llm.engine.executor.stage.proposer
         for cache in proposer.kv_caches:
@@ -102,9 +102,13 @@ def _mtp_outputs(folder: str, prompts, fill: float) -> list[torch.Tensor]:
     return outs
 
 
-@pytest.mark.parametrize("family", ["mimo", "qwen3_next"])
-def test_no_mtp_layer_reads_a_kv_slot_nobody_wrote(family, echo_models, prompts):
-    clean, dirty = (_mtp_outputs(echo_models[family], prompts, fill) for fill in (0.0, 30.0))
+# budget 256: no prompt is split. budget 16, the 40-token prompt alone: its first chunks are steps
+# where nothing samples, and their MTP KV must be written all the same
+@pytest.mark.parametrize("budget", [256, 16])
+@pytest.mark.parametrize("family", tf.FAMILIES)
+def test_no_mtp_layer_reads_a_kv_slot_nobody_wrote(family, budget, echo_models, prompts):
+    chosen = prompts if budget == 256 else [prompts[LENGTHS.index(40)]]
+    clean, dirty = (_mtp_outputs(echo_models[family], chosen, fill, budget) for fill in (0.0, 30.0))
     assert len(clean) == len(dirty) > 0
     for a, b in zip(clean, dirty):
         torch.testing.assert_close(a, b)
