@@ -60,8 +60,8 @@ def copy_bandwidth() -> float:
 
 
 def gemv_bandwidth(model) -> dict[str, float]:
-    """Weight bytes per second of one batch-1 F.linear per distinct weight shape (the roofline's
-    building block, as cuBLAS serves it)."""
+    """Weight TB/s of one batch-1 F.linear (cuBLAS) per distinct weight shape: the roofline's
+    building blocks, as the engine runs them."""
     from triton.testing import do_bench
     out = {}
     for name, p in model.named_parameters():
@@ -69,8 +69,8 @@ def gemv_bandwidth(model) -> dict[str, float]:
         if p.dim() != 2 or str(shape) in out or "embed" in name:
             continue
         x = torch.randn(1, shape[1], device="cuda", dtype=p.dtype)
-        ms = do_bench(lambda: torch.nn.functional.linear(x, p))
-        out[str(shape)] = round(p.numel() * p.element_size() / ms / 1e9, 2)
+        out[str(shape)] = round(p.numel() * p.element_size() / do_bench(lambda: torch.nn.functional.linear(x, p))
+                                / 1e9, 2)
     return out
 
 
@@ -94,7 +94,10 @@ class PipespecRunner:
                 after["num_accepted_tokens"] - before.get("num_accepted_tokens", 0))
 
     def close(self):
+        self.graphs = None           # the graphs hold the stage, and with it the KV cache
         self.llm.shutdown()
+        self.llm = None
+        torch.cuda.empty_cache()
 
 
 class TransformersRunner:
@@ -115,7 +118,7 @@ class TransformersRunner:
         return secs, 0, 0
 
     def close(self):
-        pass
+        self.model = None
 
 
 def measure(runners, groups, new_tokens, repeats, table, model, peer_name):
@@ -173,6 +176,8 @@ def smollm2(args, table):
         compiled = TransformersRunner("transformers static+compile", hf, pad, compiled=True)
         measure([compiled, engines[0], engines[2], engines[3]], [[chats[0]]], args.new_tokens, args.repeats,
                 table, "SmolLM2-135M", "transformers static+compile")
+        compiled.close()
+    hf_eager.close()
     for r in [eager, *engines.values()]:
         r.close()
     del hf
@@ -200,8 +205,19 @@ def llama8b(args, table):
     g = torch.Generator().manual_seed(0)
     for batch in args.batch:
         prompts = [torch.randint(3, 32000, (64,), generator=g).tolist() for _ in range(batch)]
-        measure([hf_eager, engine], [prompts], args.new_tokens // 2, args.repeats, table,
+        measure([hf_eager, engine], [prompts], args.new_tokens, args.repeats, table,
                 "Llama-3-8B-shape (random)", "transformers eager")
+        if batch == 1 and args.profile:     # where a batch-1 step's host time goes
+            import cProfile
+            import io
+            import pstats
+            prof = cProfile.Profile()
+            prof.enable()
+            engine.run(prompts, args.new_tokens)
+            prof.disable()
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+            print(text.getvalue(), flush=True)
     roofline = bandwidth / weight_bytes          # steps (= tokens at batch 1) per second
     gemv = gemv_bandwidth(engine.llm.engine.executor.stage.model)
     row = next(r for r in table if r["model"].startswith("Llama") and r["batch"] == 1 and r["engine"] == "pipespec")
@@ -209,7 +225,7 @@ def llama8b(args, table):
             "roofline_tokens_per_s_batch1": round(roofline, 1),
             "pipespec_fraction_of_roofline": round(row["tokens_per_s"] / roofline, 3),
             "graph_replay_fraction_of_roofline": round(1e3 / roofline / row["forward_gpu_ms"], 3),
-            "cublas_batch1_matmul_TBps": gemv}
+            "batch1_matmul_TBps": gemv}
     print(json.dumps(info), flush=True)
     engine.close()
     return info
@@ -223,6 +239,7 @@ def main():
     ap.add_argument("--skip-compile", action="store_true")
     ap.add_argument("--skip-8b", action="store_true")
     ap.add_argument("--skip-smollm2", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="cProfile one batch-1 8B run (host time)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     table: list[dict] = []

@@ -172,9 +172,7 @@ class Scheduler:
                 sample_rows.append(b)
                 samplers.append(req)
         width = max(len(t) for t in tables)
-        block_tables = torch.zeros((len(picked), width), dtype=torch.int64)
-        for b, t in enumerate(tables):
-            block_tables[b, :len(t)] = torch.tensor(t, dtype=torch.int64)
+        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
         return StepPlan(
             step_id=self._step_id,
             req_ids=[r.request_id for r, _, _ in picked],
