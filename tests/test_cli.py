@@ -48,3 +48,12 @@ def test_unparsable_flag_is_a_usage_error():
 def test_help():
     proc = run_cli("generate", "--help", timeout=120)
     assert proc.returncode == 0 and "--max-tokens" in proc.stdout and "--temperature" in proc.stdout
+
+
+def test_gpu_flags_reach_the_engine():
+    """--attention-backend is passed through: asking for the Triton kernels on CPU names the problem."""
+    proc = run_cli("generate", "--device", "cpu", "--attention-backend", "triton", "--enforce-eager",
+                   "--max-tokens", "2", "Hello", timeout=120)
+    assert proc.returncode != 0
+    assert "attention_backend='triton' needs a CUDA device" in proc.stderr
+    assert "Traceback" not in proc.stderr

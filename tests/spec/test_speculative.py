@@ -57,7 +57,7 @@ def reference(chat_prompts, mixed_params):
         return _run_staggered(llm, chat_prompts, mixed_params)
 
 
-@pytest.mark.parametrize("pp,k", [(1, 1), (1, 2), (1, 3), (2, 1), (2, 2), (2, 3)])
+@pytest.mark.parametrize("pp,k", [(1, 1), (1, 2), (1, 3), (1, 8), (2, 1), (2, 2), (2, 3)])
 def test_greedy_lossless(pp, k, chat_prompts, mixed_params, reference):
     with LLM(**DEFAULT_LLM_KWARGS, pipeline_parallel_size=pp, speculative_config=_spec(k)) as llm:
         got = _run_staggered(llm, chat_prompts, mixed_params)
