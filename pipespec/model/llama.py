@@ -11,7 +11,7 @@ from torch import nn
 
 from pipespec.model.arch import ArchConfig
 from pipespec.model.attention import ForwardContext, KVCache
-from pipespec.model.layers import GatedMLP, RMSNorm, Rope, RotaryEmbedding, apply_rope
+from pipespec.model.layers import GatedMLP, LMHead, RMSNorm, Rope, RotaryEmbedding, apply_rope, head_logits
 
 
 class Attention(nn.Module):
@@ -88,7 +88,7 @@ class LlamaForCausalLM(nn.Module):
         # A tied head on a stage without the embedding loads its own copy of the embedding matrix.
         self.owns_head = self.model.is_last and not (arch.tie_word_embeddings and self.model.is_first)
         if self.owns_head:
-            self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+            self.lm_head = LMHead(arch.hidden_size, arch.vocab_size, bias=False)
 
     @property
     def num_local_layers(self) -> int:
@@ -130,4 +130,4 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head.weight if self.owns_head else self.model.embed_tokens.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(hidden, self.head_weight())
+        return head_logits(hidden, self.head_weight())

@@ -20,7 +20,7 @@ from torch import nn
 
 from pipespec.model.arch import ArchConfig
 from pipespec.model.attention import ForwardContext, KVCache
-from pipespec.model.layers import RMSNorm, RotaryEmbedding
+from pipespec.model.layers import RMSNorm, RotaryEmbedding, head_logits
 from pipespec.model.llama import DecoderLayer
 
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -144,4 +144,4 @@ class MTPLayer(nn.Module):
             weight = head_weight
         if weight is None:
             raise ValueError("this MTP module has no LM head of its own; pass the target's head_weight")
-        return nn.functional.linear(self.head_norm(out).to(weight.dtype), weight)
+        return head_logits(self.head_norm(out).to(weight.dtype), weight)

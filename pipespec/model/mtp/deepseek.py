@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from pipespec.model.arch import ArchConfig
-from pipespec.model.layers import RMSNorm
+from pipespec.model.layers import LMHead, RMSNorm
 from pipespec.model.mtp.base import MTPLayer, dense_block
 
 FAMILY_DEEPSEEK = "deepseek_v3"
@@ -25,7 +25,7 @@ class _SharedHead(nn.Module):
         super().__init__()
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         if own_head:
-            self.head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+            self.head = LMHead(arch.hidden_size, arch.vocab_size, bias=False)
 
 
 class DeepSeekMTP(MTPLayer):
