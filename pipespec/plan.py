@@ -44,6 +44,14 @@ class StepPlan:
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
 
+    def query_lens(self) -> torch.Tensor:
+        """int64 [B] query rows of each request."""
+        return self.query_start_loc[1:] - self.query_start_loc[:-1]
+
+    def max_query_len(self) -> int:
+        """The longest request's query rows (a host read when the plan is on a device)."""
+        return int(self.query_lens().max()) if self.num_reqs else 0
+
     def logits_rows(self) -> torch.Tensor:
         """Flat row index of the last query row of each sampling request."""
         return self.query_start_loc[self.sample_rows + 1] - 1

@@ -26,5 +26,6 @@ def test_plan_logits_rows_and_to():
     plan = sched.schedule().plan
     assert plan.num_reqs == 2 and plan.num_tokens == 10
     assert plan.logits_rows().tolist() == [6, 9]
+    assert plan.query_lens().tolist() == [7, 3] and plan.max_query_len() == 7
     moved = plan.to("cpu")
     assert torch.equal(moved.input_ids, plan.input_ids) and moved.sampling.all_greedy

@@ -133,7 +133,7 @@ class DecodeGraphs:
             return False
         if plan.block_tables.shape[1] > self.ints["block_tables"].shape[1]:
             return False
-        if not bool(((plan.query_start_loc[1:] - plan.query_start_loc[:-1]) == q).all()):
+        if not bool((plan.query_lens() == q).all()):
             return False
         if self.runner.is_last:   # every request samples, verifying all K drafts
             return plan.sample_rows.shape[0] == b and bool((plan.num_drafts == self.k).all())
@@ -193,7 +193,7 @@ class DecodeGraphs:
     def time_replay(self, batch: int, iters: int = 50) -> dict[str, float]:
         """Median GPU milliseconds of one replay of each graph of `batch`'s bucket, on padding inputs
         (for benchmarks: the device's share of a step, without the host's)."""
-        self._flat.copy_(self._pad_flat.to(self._flat.device))
+        self._flat.copy_(self._pad_flat)
         if self.drafting:
             self.last_rows.copy_(self.pad_last_rows)
         out = {}

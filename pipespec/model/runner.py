@@ -54,11 +54,6 @@ def choose_backend(choice: str, device: torch.device) -> AttentionBackend:
     return TorchReferenceBackend()
 
 
-def max_query_len(plan: StepPlan) -> int:
-    qsl = plan.query_start_loc
-    return int((qsl[1:] - qsl[:-1]).max()) if plan.num_reqs else 0
-
-
 @dataclass
 class _Step:
     """What `forward` leaves for `sample` in the same step."""
@@ -189,7 +184,7 @@ class StageRunner:
 
     def _context(self, plan: StepPlan, host_plan: StepPlan) -> ForwardContext:
         attn = self.backend.prepare(plan.query_start_loc, plan.seq_lens, plan.positions, plan.block_tables,
-                                    self.block_size, max_query_len=max_query_len(host_plan))
+                                    self.block_size, max_query_len=host_plan.max_query_len())
         return ForwardContext(plan.positions, plan.slot_mapping, self.backend, attn, self.kv_caches)
 
     def _begin(self, plan: StepPlan) -> _Step:
