@@ -15,10 +15,10 @@ from pipespec.model.arch import ArchConfig
 from pipespec.model.attention import ForwardContext, TorchReferenceBackend, allocate_kv_caches
 from pipespec.model.llama import LlamaForCausalLM
 from pipespec.model.mtp import DeepSeekMTP
-from pipespec.spec.mtp_data import Batcher, Sample
-from pipespec.spec.mtp_eval import agreement
-from pipespec.spec.mtp_forward import target_pass
-from pipespec.spec.mtp_train import TrainConfig, train
+from pipespec.train.data import Batcher, Sample
+from pipespec.train.evaluate import agreement
+from pipespec.train.forward import target_pass
+from pipespec.train.loop import TrainConfig, train
 
 SMOLLM2_135M = ArchConfig(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
                           num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5,

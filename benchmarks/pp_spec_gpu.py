@@ -35,19 +35,24 @@ def acceptance(before: dict, after: dict) -> float:
 
 
 def timed(llm: LLM, prompts, params) -> dict:
+    """tokens/s of one generate call; with a pipeline, each stage's busy fraction and the driver's
+    share of the wall time spent waiting for results; acceptance and preemptions."""
     executor = llm.engine.executor
     before = executor.stats() if hasattr(executor, "stats") else None
     spec_before = dict(llm.stats().get("spec_decode", {}))
+    preempted = llm.engine.scheduler.num_preemptions
     torch.cuda.synchronize()
     t = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     torch.cuda.synchronize()
     wall = time.perf_counter() - t
     run = {"tokens_per_s": sum(len(o.outputs[0].token_ids) for o in outs) / wall,
-           "outputs": [o.outputs[0].token_ids for o in outs]}
+           "outputs": [o.outputs[0].token_ids for o in outs],
+           "preemptions": llm.engine.scheduler.num_preemptions - preempted}
     if before is not None:
         after = executor.stats()
         run["busy"] = [(a["busy_s"] - b["busy_s"]) / wall for a, b in zip(after, before)]
+        run["driver_wait"] = (after[0]["wait_s"] - before[0]["wait_s"]) / wall
     spec_after = llm.stats().get("spec_decode")
     if spec_after:
         run["acceptance_length"] = acceptance(spec_before, spec_after)

@@ -7,11 +7,19 @@ the checkpoint into `pipespec.model.arch.ArchConfig`.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _ATTENTION_BACKENDS = ("auto", "torch", "triton")
 _LOAD_FORMATS = ("auto", "dummy")
+
+
+CHECK_COLLECTIVES_ENV = "PIPESPEC_CHECK_COLLECTIVES"
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
 def _require(cond: bool, message: str) -> None:
@@ -85,6 +93,9 @@ class ParallelConfig:
     distributed_backend: str = "auto"    # activations between stages: auto = nccl on CUDA, gloo on CPU
     threads_per_stage: int | None = None  # CPU threads of each stage; None: torch's default for PP = 1,
                                           # cores / PP for PP > 1
+    # debug: every message checked against its receiver's expectation, per-channel and draft-trace
+    # reports compared at shutdown (I3, I4); slower. PIPESPEC_CHECK_COLLECTIVES=1 sets the default.
+    check_collectives: bool = field(default_factory=lambda: _env_flag(CHECK_COLLECTIVES_ENV))
 
     def __post_init__(self):
         p = self.pipeline_parallel_size

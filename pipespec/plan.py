@@ -1,11 +1,18 @@
-"""The two messages of a step: StepPlan (driver -> stages) and StepResult (last stage -> driver).
+"""The two messages of a step: StepPlan (driver -> stages) and StepResult (last stage -> driver),
+and the shapes every message of a step has.
 
 A plan carries everything any stage needs for one step and nothing else; a result has a shape that
 depends only on the plan and the config (DESIGN.md, I2), never on what was sampled.
+
+K (`num_spec_tokens`) is the number of draft tokens per request. A verifying request runs 1 + K query
+rows (its last accepted token, then its drafts); after verification the MTP chain drafts K more
+positions past the last accepted one. So a step touches positions up to 2K past a request's last
+known token (`position_margin`), and writes MTP KV up to K - 1 slots past a sampling request's last
+query row (`draft_chain_overrun`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
@@ -15,7 +22,6 @@ from pipespec.sampling import SamplingTensors
 @dataclass
 class StepPlan:
     step_id: int
-    req_ids: list[str]            # driver bookkeeping only; stages never need it
     input_ids: torch.Tensor       # int64 [T] token ids of all query rows, request after request
     positions: torch.Tensor       # int64 [T]
     slot_mapping: torch.Tensor    # int64 [T] KV slot each query row writes
@@ -52,24 +58,26 @@ class StepPlan:
         """The longest request's query rows (a host read when the plan is on a device)."""
         return int(self.query_lens().max()) if self.num_reqs else 0
 
-    def logits_rows(self) -> torch.Tensor:
-        """Flat row index of the last query row of each sampling request."""
-        return self.query_start_loc[self.sample_rows + 1] - 1
 
-    def verify_rows(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """For each sampling request: its last non-draft row followed by its draft rows, [S, width]
-        (padded by repeating the last row), and its number of drafts [S]."""
-        drafts = self.num_drafts[self.sample_rows]
-        first = self.logits_rows() - drafts
-        offsets = torch.arange(width, device=first.device)[None, :]
-        return first[:, None] + torch.minimum(offsets, drafts[:, None]), drafts
+def position_margin(num_spec_tokens: int) -> int:
+    """Positions past a request's last known token that a step may touch: K verify rows, then up to
+    K more drafted by the MTP chain (rotary tables and block tables are sized with it)."""
+    return 2 * num_spec_tokens
 
-    def to(self, device) -> "StepPlan":
-        moved = {f.name: getattr(self, f.name) for f in fields(self)}
-        for name, value in moved.items():
-            if isinstance(value, (torch.Tensor, SamplingTensors)):
-                moved[name] = value.to(device)
-        return StepPlan(**moved)
+
+def draft_chain_overrun(num_spec_tokens: int) -> int:
+    """KV slots the MTP chain writes past a sampling request's last query row (steps 1..K-1)."""
+    return max(num_spec_tokens - 1, 0)
+
+
+def activation_shape(plan: StepPlan, hidden_size: int) -> tuple[int, int, int]:
+    """Stage r -> r + 1: hidden and residual of every query row."""
+    return (2, plan.num_tokens, hidden_size)
+
+
+def result_shape(num_reqs: int, num_spec_tokens: int) -> tuple[int, int]:
+    """Last stage -> driver: one StepResult row per request."""
+    return (num_reqs, result_width(num_spec_tokens))
 
 
 def result_width(num_spec_tokens: int) -> int:
@@ -84,11 +92,11 @@ class StepResult:
     num_spec_tokens: int = 0
 
     @classmethod
-    def build(cls, step_id: int, num_reqs: int, num_spec_tokens: int, sample_rows: torch.Tensor,
-              sampled: torch.Tensor) -> "StepResult":
-        """One token for each request in `sample_rows`, no drafts."""
-        ones = torch.ones_like(sampled)
-        return cls.from_verification(step_id, num_reqs, num_spec_tokens, sample_rows, sampled[:, None], ones)
+    def empty(cls, step_id: int, num_reqs: int, num_spec_tokens: int) -> "StepResult":
+        """A step where no request samples."""
+        data = torch.full((num_reqs, result_width(num_spec_tokens)), -1, dtype=torch.int64)
+        data[:, num_spec_tokens + 1] = 0
+        return cls(step_id, data, num_spec_tokens)
 
     @classmethod
     def from_verification(cls, step_id: int, num_reqs: int, num_spec_tokens: int, sample_rows: torch.Tensor,
@@ -102,7 +110,7 @@ class StepResult:
         data[sample_rows, k + 1] = num_sampled
         if drafts is not None and k:
             data[sample_rows, k + 2:] = drafts
-        return cls(step_id, data.cpu(), k)
+        return cls(step_id, data.cpu(), k)   # the step's one host sync
 
     def tokens(self, row: int) -> list[int]:
         k = self.num_spec_tokens

@@ -144,3 +144,15 @@ def tiny_models(tmp_path_factory, tokenizer):
         out[family] = (folder, model)
     assert (out["llama"][0] / "model.safetensors.index.json").exists()
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_head(tiny_models, tmp_path_factory):
+    """(folder, head file): the tiny llama and a random DeepSeek-style MTP head for it."""
+    from pipespec.model.mtp import save_mtp
+    from pipespec.model.source import resolve_model
+    from tests.speculative.mtp_tiny import tiny_head
+    folder = tiny_models["llama"][0]
+    head = tmp_path_factory.mktemp("tiny_head") / "head.safetensors"
+    save_mtp(head, tiny_head(resolve_model(str(folder)).arch, seed=5), "tiny-llama")
+    return folder, head

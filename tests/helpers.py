@@ -15,12 +15,12 @@ def make_request(request_id: str, prompt_ids: list[int], max_tokens: int = 16,
                  params: SamplingParams | None = None, seed: int = 0, arrival: int = 0,
                  eos_ids: frozenset[int] = frozenset()) -> Request:
     params = params or SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    return Request(request_id, None, list(prompt_ids), params, seed, max_tokens, eos_ids, arrival)
+    return Request(request_id, None, list(prompt_ids), params, seed, max_tokens, eos_ids)
 
 
 @torch.inference_mode()
 def engine_logits(llm, token_ids: list[int], chunk: int | None = None) -> torch.Tensor:
-    """float32 logits at every position of `token_ids`, through the engine's own stage runner.
+    """float32 logits at every position of `token_ids`, through the engine's own stage.
 
     The prompt is scheduled by a private Scheduler (its own block allocator over the engine's KV
     cache, which must hold no live request) with a step budget of `chunk` tokens, so a chunk smaller
@@ -37,12 +37,12 @@ def engine_logits(llm, token_ids: list[int], chunk: int | None = None) -> torch.
     rows, num_plans = [], 0
     while req.num_computed_tokens < len(token_ids):
         batch = sched.schedule()
-        plan = batch.plan.to(stage.device)
+        plan = batch.plan
         assert plan.positions.tolist() == list(range(req.num_computed_tokens,
                                                      req.num_computed_tokens + plan.num_tokens))
-        hidden, residual = stage.forward(plan)
-        assert residual is None
-        rows.append(stage.model.compute_logits(hidden).float())
+        fwd = stage.forward(plan)
+        assert fwd.residual is None
+        rows.append(stage.model.compute_logits(fwd.hidden).float())
         sched.complete(batch)
         num_plans += 1
     expected_plans = -(-len(token_ids) // (chunk or len(token_ids)))

@@ -1,21 +1,33 @@
-"""StepPlan / StepResult: the messages of a step."""
+"""StepPlan / StepResult: the messages of a step, and the shapes they give every message (I2)."""
 from __future__ import annotations
 
 import torch
 
-from pipespec.plan import StepResult, result_width
+from pipespec.plan import (StepResult, activation_shape, draft_chain_overrun, position_margin, result_shape,
+                           result_width)
 
 
 def test_step_result_rows():
     # 3 requests, rows 0 and 2 sample; row 1 is a prefill chunk that does not
-    res = StepResult.build(step_id=4, num_reqs=3, num_spec_tokens=0, sample_rows=torch.tensor([0, 2]),
-                           sampled=torch.tensor([11, 33]))
+    res = StepResult.from_verification(4, 3, 0, torch.tensor([0, 2]), torch.tensor([[11], [33]]),
+                                       torch.tensor([1, 1]))
     assert res.step_id == 4 and res.data.shape == (3, result_width(0)) == (3, 2)
     assert res.tokens(0) == [11] and res.tokens(1) == [] and res.tokens(2) == [33]
     assert res.data.device.type == "cpu"
 
 
-def test_plan_logits_rows_and_to():
+def test_step_result_with_drafts_and_empty():
+    k = 2
+    res = StepResult.from_verification(1, 2, k, torch.tensor([1]), torch.tensor([[7, 8, -1]]), torch.tensor([2]),
+                                       torch.tensor([[40, 41]]))
+    assert res.data.shape == result_shape(2, k) == (2, 6)
+    assert res.tokens(1) == [7, 8] and res.drafts(1) == [40, 41]
+    assert res.tokens(0) == [] and res.drafts(0) == []
+    empty = StepResult.empty(3, 4, k)
+    assert empty.data.shape == (4, 6) and all(empty.tokens(r) == [] for r in range(4))
+
+
+def test_plan_query_lengths_and_shapes():
     from pipespec.config import SchedulerConfig
     from pipespec.engine.scheduler import Scheduler
     from tests.helpers import make_request
@@ -25,7 +37,11 @@ def test_plan_logits_rows_and_to():
     sched.add(b)
     plan = sched.schedule().plan
     assert plan.num_reqs == 2 and plan.num_tokens == 10
-    assert plan.logits_rows().tolist() == [6, 9]
     assert plan.query_lens().tolist() == [7, 3] and plan.max_query_len() == 7
-    moved = plan.to("cpu")
-    assert torch.equal(moved.input_ids, plan.input_ids) and moved.sampling.all_greedy
+    assert activation_shape(plan, 64) == (2, 10, 64)
+
+
+def test_draft_margins():
+    # K verify rows, then K more drafted past the last accepted token; the chain's KV K-1 past the query
+    assert [position_margin(k) for k in (0, 1, 3)] == [0, 2, 6]
+    assert [draft_chain_overrun(k) for k in (0, 1, 3)] == [0, 0, 2]

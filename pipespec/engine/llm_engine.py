@@ -7,15 +7,10 @@ finish_reason "abort" and an error, every process stops, and `step` raises Engin
 """
 from __future__ import annotations
 
-import dataclasses
-import functools
 import itertools
 import logging
-import os
 import time
 from collections import deque
-
-import torch
 
 from pipespec.config import EngineConfig
 from pipespec.engine.detokenizer import IncrementalDetokenizer
@@ -23,13 +18,11 @@ from pipespec.engine.outputs import CompletionOutput, RequestOutput
 from pipespec.engine.request import Request
 from pipespec.engine.scheduler import ScheduledBatch, Scheduler
 from pipespec.engine.spec_stats import SpecDecodeStats
-from pipespec.model.runner import StageRunner
-from pipespec.model.source import ModelSource, resolve_model
-from pipespec.runtime import launch, symmetry
-from pipespec.runtime.executor import Executor, LocalExecutor
+from pipespec.engine.stages import build_executor, check_max_model_len
+from pipespec.model.source import resolve_model
+from pipespec.plan import position_margin
 from pipespec.runtime.pipeline_executor import PipelineExecutor
 from pipespec.runtime.transport import StageError
-from pipespec.runtime.worker import WorkerSettings, run_torchrun_worker
 from pipespec.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -45,107 +38,6 @@ class EngineDeadError(RuntimeError):
         self.outputs = list(outputs)
 
 
-# -- stages and executors -------------------------------------------------------------------------
-
-
-def _max_model_len(asked: int | None, model_max: int) -> int:
-    if asked is None:
-        return model_max
-    if asked > model_max:
-        raise ValueError(f"max_model_len={asked} exceeds the model's context length {model_max}")
-    return asked
-
-
-def _stage_config(config: EngineConfig, rank: int, env: launch.TorchrunEnv | None) -> EngineConfig:
-    """Stage `rank`'s config: with PP > 1 on CUDA every stage gets its own GPU (cuda:rank on one
-    machine, cuda:LOCAL_RANK under torchrun)."""
-    p = config.parallel.pipeline_parallel_size
-    device = config.model.device
-    if p == 1:
-        return config
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu":
-        return config if config.model.device == "cpu" else _with_device(config, "cpu")
-    if device != "cuda":
-        raise ValueError(f"with pipeline_parallel_size > 1 give device='cuda' (stage i then runs on "
-                         f"cuda:i, or cuda:LOCAL_RANK under torchrun) or 'cpu', not {device!r}")
-    if env is not None:
-        return _with_device(config, f"cuda:{env.local_rank}")
-    count = torch.cuda.device_count()
-    if count == 0:
-        raise ValueError("device 'cuda' was asked for, but CUDA is not available")
-    if count < p:
-        if config.parallel.distributed_backend != "gloo":
-            raise ValueError(f"pipeline_parallel_size={p} on CUDA needs {p} GPUs, found {count} "
-                             "(distributed_backend='gloo' lets stages share GPUs, for testing)")
-        logger.warning("%d stages share %d GPU(s)", p, count)
-    return _with_device(config, f"cuda:{rank % count}")
-
-
-def _with_device(config: EngineConfig, device: str) -> EngineConfig:
-    return dataclasses.replace(config, model=dataclasses.replace(config.model, device=device))
-
-
-def _worker_settings(config: EngineConfig, hidden_size: int, env: launch.TorchrunEnv | None) -> WorkerSettings:
-    par = config.parallel
-    p = par.pipeline_parallel_size
-    threads = par.threads_per_stage
-    on_cpu = config.model.device == "cpu" or (config.model.device == "auto" and not torch.cuda.is_available())
-    if threads is None and on_cpu:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        threads = max(1, cores // (env.local_world_size if env is not None else p))
-    return WorkerSettings(world_size=p, hidden_size=hidden_size, stage_timeout=par.stage_timeout,
-                          startup_timeout=par.startup_timeout, backend=par.distributed_backend,
-                          threads=threads, check=symmetry.enabled_from_env(),
-                          log_level=logging.getLogger("pipespec").getEffectiveLevel())
-
-
-def _torchrun_env(config: EngineConfig) -> launch.TorchrunEnv | None:
-    env = launch.torchrun_env()
-    p = config.parallel.pipeline_parallel_size
-    if env is not None and env.world_size != p:
-        raise ValueError(f"launched by torchrun with WORLD_SIZE={env.world_size}, but "
-                         f"pipeline_parallel_size is {p}; they must be equal")
-    return env
-
-
-def build_executor(config: EngineConfig, source: ModelSource, max_model_len: int) -> Executor:
-    """LocalExecutor for one stage, PipelineExecutor (spawned workers or a torchrun world) for more."""
-    par = config.parallel
-    ranges = par.layer_ranges(source.arch.num_layers)
-    if par.pipeline_parallel_size == 1:
-        if par.threads_per_stage:
-            torch.set_num_threads(par.threads_per_stage)
-        return LocalExecutor(functools.partial(StageRunner, source, config, ranges[0], max_model_len))
-    env = _torchrun_env(config)
-    if env is not None and env.rank != 0:
-        raise RuntimeError(f"rank {env.rank} of a torchrun launch runs a stage worker, not an engine; "
-                           "start it with `python -m pipespec ...` (or pipespec.engine.llm_engine.run_stage_worker)")
-    ranks = [0] if env is not None else range(par.pipeline_parallel_size)
-    factories = [None] * par.pipeline_parallel_size
-    for r in ranks:
-        factories[r] = functools.partial(StageRunner, source, _stage_config(config, r, env), ranges[r],
-                                         max_model_len)
-    logger.info("pipeline of %d stages, layers %s", par.pipeline_parallel_size,
-                ", ".join(f"{a}-{b - 1}" for a, b in ranges))
-    return PipelineExecutor(factories, _worker_settings(config, source.arch.hidden_size, env),
-                            num_spec_tokens=config.num_spec_tokens, torchrun=env)
-
-
-def run_stage_worker(config: EngineConfig) -> int:
-    """Rank > 0 of a torchrun launch: build this rank's stage and serve it until the driver stops."""
-    env = _torchrun_env(config)
-    if env is None or env.rank == 0:
-        raise RuntimeError("run_stage_worker is for ranks > 0 of a torchrun launch")
-    source = resolve_model(config.model.model)
-    max_model_len = _max_model_len(config.model.max_model_len, source.arch.max_position)
-    ranges = config.parallel.layer_ranges(source.arch.num_layers)
-    make_stage = functools.partial(StageRunner, source, _stage_config(config, env.rank, env), ranges[env.rank],
-                                   max_model_len)
-    return run_torchrun_worker(make_stage, _worker_settings(config, source.arch.hidden_size, env))
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -154,7 +46,7 @@ class LLMEngine:
         self.model_name = source.name
         self.arch = source.arch
         self.tokenizer = source.tokenizer()
-        self.max_model_len = _max_model_len(config.model.max_model_len, source.arch.max_position)
+        self.max_model_len = check_max_model_len(config.model.max_model_len, source.arch.max_position)
         self.layer_ranges = config.parallel.layer_ranges(source.arch.num_layers)
         self._dead: str | None = None
         self.executor = build_executor(config, source, self.max_model_len)
@@ -162,7 +54,7 @@ class LLMEngine:
             num_blocks = self.executor.available_kv_blocks()
             block_size = config.cache.block_size
             # one request alone must always fit, drafted positions (up to 2K past the end) included
-            margin = 2 * config.num_spec_tokens
+            margin = position_margin(config.num_spec_tokens)
             if num_blocks * block_size < self.max_model_len + margin:
                 if config.model.max_model_len is not None or num_blocks * block_size <= margin + 1:
                     raise ValueError(f"the KV cache holds {num_blocks * block_size} tokens, fewer than "
@@ -192,10 +84,6 @@ class LLMEngine:
         logger.info("engine ready: %s, %d layers, max_model_len=%d, %d KV blocks, in %.1fs",
                     self.model_name, source.arch.num_layers, self.max_model_len, num_blocks,
                     time.perf_counter() - t0)
-
-    @staticmethod
-    def _max_model_len(asked: int | None, model_max: int) -> int:
-        return _max_model_len(asked, model_max)
 
     # -- admission --------------------------------------------------------------------------
 
@@ -250,8 +138,7 @@ class LLMEngine:
             max_tokens = params.max_tokens
         arrival = next(self._arrivals)
         seed = params.seed if params.seed is not None else (self.config.model.seed * _SEED_MIX + arrival) % 2**63
-        req = Request(request_id, text, ids, params, seed, max_tokens,
-                      frozenset(self.tokenizer.eos_token_ids), arrival)
+        req = Request(request_id, text, ids, params, seed, max_tokens, frozenset(self.tokenizer.eos_token_ids))
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         return req
 
@@ -377,7 +264,7 @@ class LLMEngine:
         s = self.scheduler
         stats = {"num_running": len(s.running), "num_waiting": len(s.waiting),
                  "kv_cache_usage": s.allocator.usage, "num_preemptions": s.num_preemptions}
-        if self.spec_stats.k:
+        if self.spec_stats.num_spec_tokens:
             stats["spec_decode"] = self.spec_stats.as_dict()
         return stats
 

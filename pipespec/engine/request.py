@@ -15,11 +15,10 @@ class RequestStatus(enum.Enum):
 class Request:
     __slots__ = ("request_id", "prompt", "token_ids", "num_prompt_tokens", "params", "seed",
                  "max_tokens", "stop_ids", "eos_ids", "status", "num_computed_tokens", "block_ids",
-                 "in_flight", "draft_ids", "finish_reason", "stop_reason", "detokenizer", "arrival_index")
+                 "in_flight", "draft_ids", "finish_reason", "stop_reason", "detokenizer")
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                 params: SamplingParams, seed: int, max_tokens: int, eos_ids: frozenset[int],
-                 arrival_index: int):
+                 params: SamplingParams, seed: int, max_tokens: int, eos_ids: frozenset[int]):
         self.request_id = request_id
         self.prompt = prompt
         self.token_ids = list(prompt_token_ids)     # prompt, then every generated token
@@ -37,7 +36,6 @@ class Request:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.detokenizer = None
-        self.arrival_index = arrival_index
 
     @property
     def num_tokens(self) -> int:

@@ -20,7 +20,7 @@ import torch
 from pipespec.config import SchedulerConfig
 from pipespec.engine.block_allocator import BlockAllocator
 from pipespec.engine.request import Request, RequestStatus
-from pipespec.plan import StepPlan, StepResult
+from pipespec.plan import StepPlan, StepResult, draft_chain_overrun
 from pipespec.sampling import SamplingTensors
 
 logger = logging.getLogger(__name__)
@@ -154,7 +154,7 @@ class Scheduler:
     def _tokens_with_draft_room(self, req: Request, n: int) -> int:
         # the MTP chain after a sampling step writes KV up to K - 1 positions past the query
         samples = req.num_computed_tokens + n >= req.num_tokens
-        return req.num_computed_tokens + n + (self.num_spec_tokens - 1 if samples and self.num_spec_tokens else 0)
+        return req.num_computed_tokens + n + (draft_chain_overrun(self.num_spec_tokens) if samples else 0)
 
     def _build_plan(self, picked: list[tuple[Request, int, int]]) -> StepPlan:
         bs = self.block_size
@@ -175,7 +175,6 @@ class Scheduler:
         block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
         return StepPlan(
             step_id=self._step_id,
-            req_ids=[r.request_id for r, _, _ in picked],
             input_ids=torch.tensor(input_ids, dtype=torch.int64),
             positions=torch.tensor(positions, dtype=torch.int64),
             slot_mapping=torch.tensor(slots, dtype=torch.int64),

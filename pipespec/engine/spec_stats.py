@@ -4,7 +4,7 @@ from __future__ import annotations
 
 class SpecDecodeStats:
     def __init__(self, num_spec_tokens: int):
-        self.k = num_spec_tokens
+        self.num_spec_tokens = num_spec_tokens
         self.num_drafts = 0                 # verification rounds (request-steps with drafts)
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0

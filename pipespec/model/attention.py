@@ -48,7 +48,14 @@ class ForwardContext:
 
 
 class AttentionBackend(ABC):
-    """Computes causal attention of the step's query rows against each request's cached KV."""
+    """Computes causal attention of the step's query rows against each request's cached KV.
+
+    A backend whose `prepare` reads no device tensor when given `max_query_len` may say
+    `supports_cuda_graphs`; graph capture then builds its metadata over the graph's static buffers
+    with `capture_metadata`, and calls `before_replay` before each replay.
+    """
+
+    supports_cuda_graphs = False
 
     @abstractmethod
     def prepare(self, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, positions: torch.Tensor,
@@ -58,6 +65,17 @@ class AttentionBackend(ABC):
         `max_query_len`, when the caller knows it on the host, spares a device-to-host read; a
         backend that may run inside a CUDA graph capture must not read device tensors here.
         """
+
+    def capture_metadata(self, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, positions: torch.Tensor,
+                         block_tables: torch.Tensor, block_size: int, max_query_len: int):
+        """Metadata over a CUDA graph's static input buffers, built once per captured batch size;
+        each replay reads whatever those buffers hold then."""
+        if not self.supports_cuda_graphs:
+            raise NotImplementedError(f"{type(self).__name__} does not run inside CUDA graphs")
+        return self.prepare(query_start_loc, seq_lens, positions, block_tables, block_size, max_query_len)
+
+    def before_replay(self, meta) -> None:
+        """Refresh whatever of `meta` a replay cannot read from the static buffers (default: nothing)."""
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,

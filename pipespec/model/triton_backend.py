@@ -22,6 +22,8 @@ class PagedMeta:
 
 
 class TritonPagedBackend(AttentionBackend):
+    supports_cuda_graphs = True     # its metadata are views of the plan's tensors
+
     def prepare(self, query_start_loc, seq_lens, positions, block_tables, block_size, max_query_len=None):
         if max_query_len is None:       # off the hot path (callers that know it pass it)
             max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if seq_lens.numel() else 0

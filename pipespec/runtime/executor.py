@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import deque
-from typing import Callable, Protocol
+from typing import Callable
 
 from pipespec.plan import StepPlan, StepResult
+from pipespec.runtime.step import Stage, run_stage_step
 
 
 def release_device_memory() -> None:
@@ -21,14 +22,6 @@ def release_device_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-
-
-class SingleStage(Protocol):
-    """What a PP = 1 executor needs from the stage it runs."""
-
-    def available_kv_blocks(self) -> int: ...
-    def allocate_kv_cache(self, num_blocks: int) -> None: ...
-    def execute(self, plan: StepPlan) -> StepResult: ...
 
 
 class Executor(ABC):
@@ -56,8 +49,9 @@ class LocalExecutor(Executor):
 
     max_in_flight = 1
 
-    def __init__(self, make_stage: Callable[[], SingleStage]):
+    def __init__(self, make_stage: Callable[[], Stage], hidden_size: int, num_spec_tokens: int):
         self.stage = make_stage()
+        self.hidden_size, self.num_spec_tokens = hidden_size, num_spec_tokens
         self._results: deque[StepResult] = deque()
 
     def available_kv_blocks(self) -> int:
@@ -67,7 +61,8 @@ class LocalExecutor(Executor):
         self.stage.allocate_kv_cache(num_blocks)
 
     def submit(self, plan: StepPlan) -> None:
-        self._results.append(self.stage.execute(plan))
+        data = run_stage_step(self.stage, 0, True, plan, None, self.hidden_size, self.num_spec_tokens)
+        self._results.append(StepResult(plan.step_id, data, self.num_spec_tokens))
 
     def receive(self, timeout: float) -> StepResult:
         # runs synchronously in submit, so a result is always ready; the timeout has nothing to wait on

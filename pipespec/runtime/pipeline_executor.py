@@ -25,13 +25,13 @@ from typing import Callable
 
 import torch
 
-from pipespec.plan import StepPlan, StepResult
+from pipespec.plan import StepPlan, StepResult, result_shape
 from pipespec.runtime import launch
 from pipespec.runtime.executor import Executor, release_device_memory
 from pipespec.runtime.symmetry import CollectiveMismatch, compare_reports
-from pipespec.runtime.transport import (Link, Op, StageError, activation_shape, control_header,
-                                        pack_plan, result_shape)
-from pipespec.runtime.worker import WorkerSettings, error_text, key, spawn_entry, stage_status
+from pipespec.runtime.step import run_stage_step
+from pipespec.runtime.transport import Link, Op, StageError, control_header, pack_plan
+from pipespec.runtime.worker import WorkerSettings, debug_report, error_text, key, spawn_entry, stage_status
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class PipelineExecutor(Executor):
     """Stage 0 in this process, stages 1..P-1 in workers (spawned here, or started by torchrun)."""
 
     def __init__(self, stage_factories: list[Callable | None], settings: WorkerSettings,
-                 num_spec_tokens: int = 0, torchrun: launch.TorchrunEnv | None = None):
+                 torchrun: launch.TorchrunEnv | None = None):
         """`stage_factories[r]` builds stage r (picklable for r > 0 when spawning; with torchrun
         only `stage_factories[0]` is used, each rank builds its own)."""
         p = settings.world_size
@@ -54,7 +54,7 @@ class PipelineExecutor(Executor):
             raise ValueError(f"{len(stage_factories)} stage factories for {p} stages")
         self.max_in_flight = p
         self.settings = settings
-        self.num_spec_tokens = num_spec_tokens
+        self.num_spec_tokens = settings.num_spec_tokens
         self.timeout = settings.stage_timeout
         self.torchrun = torchrun
         self.stage = None
@@ -183,12 +183,8 @@ class PipelineExecutor(Executor):
                 pending.append(self.link.send(header, rank, "plan.header"))
                 pending.append(self.link.send(payload, rank, "plan.payload"))
             t0, c0 = time.perf_counter(), time.thread_time()
-            hidden, residual = self.stage.forward(plan)
-            acts = torch.stack((hidden, residual))
-            want = activation_shape(plan, self.settings.hidden_size)
-            if tuple(acts.shape) != want:
-                raise StageError(f"stage 0 produced activations of shape {tuple(acts.shape)} for step "
-                                 f"{plan.step_id}; the plan says {want}")
+            acts = run_stage_step(self.stage, 0, False, plan, None, self.settings.hidden_size,
+                                  self.num_spec_tokens)
             pending.append(self.link.send(acts, 1, "activations"))
             self._busy += time.perf_counter() - t0
             self._cpu += time.thread_time() - c0
@@ -243,9 +239,10 @@ class PipelineExecutor(Executor):
         Returns {rank: report}; raises CollectiveMismatch naming the channel where two ends disagree.
         """
         if not self.settings.check:
-            raise RuntimeError("the symmetry check is off; set PIPESPEC_CHECK_COLLECTIVES=1 before starting")
+            raise RuntimeError("the symmetry check is off; start the engine with check_collectives=True "
+                               "(or PIPESPEC_CHECK_COLLECTIVES=1)")
         workers = self._ask_workers(Op.SYMMETRY, "symmetry")
-        reports = {0: self.link.recorder.report()}
+        reports = {0: debug_report(self.link, self.stage)}
         reports.update({r + 1: rep for r, rep in enumerate(workers)})
         problems = compare_reports(reports)
         if problems:

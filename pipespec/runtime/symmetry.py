@@ -1,6 +1,6 @@
 """The I3 debug check: every message between two ranks is sent and received as the same (op, shape, dtype).
 
-Turned on with `PIPESPEC_CHECK_COLLECTIVES=1`. Then each point-to-point message is preceded by a
+Turned on with `check_collectives=True` (or `PIPESPEC_CHECK_COLLECTIVES=1`, the config's default). Then each point-to-point message is preceded by a
 fixed-width descriptor `[seq, op, dtype, ndim, d0..d3]`, and the receiver compares it with what it is
 about to receive, before receiving it: a disagreement fails loudly on the spot, naming both sides,
 instead of hanging or silently reading garbage (gloo accepts a short message into a longer buffer).
@@ -10,12 +10,10 @@ received; `compare_reports` checks that the two ends of every channel saw the sa
 from __future__ import annotations
 
 import hashlib
-import os
 from collections import deque
 
 import torch
 
-ENV_FLAG = "PIPESPEC_CHECK_COLLECTIVES"
 DESCRIPTOR_LEN = 8
 _MAX_DIMS = DESCRIPTOR_LEN - 4
 
@@ -24,10 +22,6 @@ _OP_CODE = {name: i + 1 for i, name in enumerate(OPS)}
 _DTYPES = (torch.int64, torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.uint8,
            torch.float64)
 _DTYPE_CODE = {dt: i + 1 for i, dt in enumerate(_DTYPES)}
-
-
-def enabled_from_env() -> bool:
-    return os.environ.get(ENV_FLAG, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
 class CollectiveMismatch(RuntimeError):
@@ -91,9 +85,27 @@ class SymmetryRecorder:
                 for (d, g, p), log in sorted(self._logs.items())}
 
 
+def _channels(report: dict) -> dict:
+    return {k: v for k, v in report.items() if "|" in k}
+
+
+def compare_draft_traces(reports: dict[int, dict]) -> list[str]:
+    """I4: at every step with drafts, the draft ids the first stage embedded are the ones the last
+    stage verified (each stage digests the draft rows of the plan it ran)."""
+    first, last = min(reports), max(reports)
+    embedded = reports[first].get("drafts", {}).get("embedded", {})
+    verified = reports[last].get("drafts", {}).get("verified", {})
+    problems = [f"step {step}: stage {first} embedded drafts {embedded.get(step, 'none')}, stage {last} "
+                f"verified {verified.get(step, 'none')}"
+                for step in sorted(set(embedded) | set(verified), key=int) if embedded.get(step) != verified.get(step)]
+    return [f"I4 broken: {p}" for p in problems[:5]] + ([f"... {len(problems) - 5} more"] if len(problems) > 5 else [])
+
+
 def compare_reports(reports: dict[int, dict]) -> list[str]:
-    """Problems found between the ends of every channel (empty when all ranks agree)."""
-    problems = []
+    """Problems found between the ends of every channel, and in the draft traces (empty when all
+    ranks agree)."""
+    problems = compare_draft_traces(reports)
+    reports = {rank: _channels(report) for rank, report in reports.items()}
     for rank, report in sorted(reports.items()):
         for key, (count, digest, last) in report.items():
             direction, group, peer = key.split("|")

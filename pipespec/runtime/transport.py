@@ -22,7 +22,7 @@ from dataclasses import fields
 
 import torch
 
-from pipespec.plan import StepPlan, result_width
+from pipespec.plan import StepPlan
 from pipespec.runtime import symmetry
 from pipespec.runtime.symmetry import CollectiveMismatch
 from pipespec.sampling import SamplingTensors
@@ -56,13 +56,13 @@ _NONE, _TENSOR, _BOOL, _INT = 0, 1, 2, 3
 _WIRE_DTYPES = (torch.int64, torch.float32, torch.int32, torch.bool)
 _DTYPE_CODE = {dt: i for i, dt in enumerate(_WIRE_DTYPES)}
 _NESTED = {"sampling": SamplingTensors}       # plan fields that are dataclasses of their own
-_DRIVER_ONLY = ("step_id", "req_ids")         # step_id travels in the prefix; req_ids stay home
+_PREFIXED = ("step_id",)                     # travels in the header prefix
 
 
 def _plan_slots() -> list[str]:
     slots = []
     for f in fields(StepPlan):
-        if f.name in _DRIVER_ONLY:
+        if f.name in _PREFIXED:
             continue
         if f.name in _NESTED:
             slots += [f"{f.name}.{g.name}" for g in fields(_NESTED[f.name])]
@@ -108,7 +108,7 @@ def payload_len(header: torch.Tensor) -> int:
 
 
 def pack_plan(plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
-    """(header, payload) of a plan; stages get everything but the request ids (driver bookkeeping)."""
+    """(header, payload) of a plan."""
     header = control_header(Op.PLAN)
     header[1] = plan.step_id
     header[2] = len(_SLOTS)
@@ -157,7 +157,7 @@ def unpack_plan(header: torch.Tensor, payload: torch.Tensor) -> StepPlan:
             elif dtype != torch.int64:
                 chunk = chunk.to(dtype)
             values[name] = chunk.reshape(shape)
-    kwargs = {"step_id": int(header[1]), "req_ids": []}
+    kwargs = {"step_id": int(header[1])}
     for name, value in values.items():
         if "." not in name:
             kwargs[name] = value
@@ -165,14 +165,6 @@ def unpack_plan(header: torch.Tensor, payload: torch.Tensor) -> StepPlan:
         prefix = field_name + "."
         kwargs[field_name] = klass(**{k[len(prefix):]: v for k, v in values.items() if k.startswith(prefix)})
     return StepPlan(**kwargs)
-
-
-def activation_shape(plan: StepPlan, hidden_size: int) -> tuple[int, int, int]:
-    return (2, plan.num_tokens, hidden_size)
-
-
-def result_shape(num_reqs: int, num_spec_tokens: int) -> tuple[int, int]:
-    return (num_reqs, result_width(num_spec_tokens))
 
 
 # -- the link ------------------------------------------------------------------------------------
@@ -272,9 +264,6 @@ class SendQueue:
     def drain(self, timeout: float | None = None) -> None:
         while self._q:
             self._q.popleft().wait(self.timeout if timeout is None else timeout)
-
-    def clear(self) -> None:
-        self._q.clear()
 
 
 def _wait(work, timeout: float, what: str, sending: bool = False) -> None:

@@ -25,8 +25,10 @@ from typing import Callable
 import torch
 
 from pipespec.runtime import launch
-from pipespec.runtime.transport import (HEADER_LEN, IDLE_TIMEOUT, Link, Op, SendQueue, StageError,
-                                        activation_shape, payload_len, result_shape, unpack_plan)
+from pipespec.plan import activation_shape
+from pipespec.runtime.step import run_stage_step
+from pipespec.runtime.transport import (HEADER_LEN, IDLE_TIMEOUT, Link, Op, SendQueue, StageError, payload_len,
+                                        unpack_plan)
 
 logger = logging.getLogger(__name__)
 
@@ -37,16 +39,27 @@ class WorkerSettings:
 
     world_size: int
     hidden_size: int
+    num_spec_tokens: int            # K: the width of a result row
     stage_timeout: float
     startup_timeout: float
     backend: str                    # "auto", "gloo" or "nccl" (resolved on the stage's device)
     threads: int | None = None      # torch CPU threads of the stage
-    check: bool = False             # PIPESPEC_CHECK_COLLECTIVES: descriptors and symmetry reports
+    check: bool = False             # check_collectives: descriptors, symmetry and draft-trace reports
     log_level: int = logging.WARNING
 
 
 def key(kind: str, rank: int, nonce: int | None = None) -> str:
     return f"{kind}/{rank}" if nonce is None else f"{kind}/{nonce}/{rank}"
+
+
+def debug_report(link: Link, stage) -> dict:
+    """What this rank reports to the symmetry check: its messages and, where the stage keeps one,
+    its draft trace (I4)."""
+    report = link.recorder.report() if link.check else {}
+    trace = getattr(stage, "trace", None)
+    if trace is not None:
+        report["drafts"] = trace.report()
+    return report
 
 
 def stage_status(stage, rank: int) -> dict:
@@ -138,7 +151,6 @@ def serve(rank: int, link: Link, stage, settings: WorkerSettings, store) -> None
     p = settings.world_size
     last = rank == p - 1
     timeout = settings.stage_timeout
-    k = int(getattr(stage, "num_spec_tokens", 0))
     sends = SendQueue(depth=p, timeout=timeout)
     busy = cpu = 0.0
     steps, started = 0, time.perf_counter()
@@ -149,8 +161,7 @@ def serve(rank: int, link: Link, stage, settings: WorkerSettings, store) -> None
             sends.drain()
             return
         if op == Op.SYMMETRY:
-            report = link.recorder.report() if link.check else {}
-            store.set(key("symmetry", rank, int(header[1])), json.dumps(report))
+            store.set(key("symmetry", rank, int(header[1])), json.dumps(debug_report(link, stage)))
             continue
         if op == Op.STATS:
             stats = {"busy_s": busy, "cpu_s": cpu, "steps": steps, "wall_s": time.perf_counter() - started}
@@ -163,16 +174,8 @@ def serve(rank: int, link: Link, stage, settings: WorkerSettings, store) -> None
         acts = link.recv(activation_shape(plan, settings.hidden_size), stage.dtype, rank - 1,
                          "activations", timeout)
         t0, c0 = time.perf_counter(), time.thread_time()
-        hidden, residual = stage.forward(plan, acts[0], acts[1])
-        if last:
-            out, want, to, op_name = stage.sample(plan, hidden).data, result_shape(plan.num_reqs, k), 0, "result"
-        else:
-            out = torch.stack((hidden, residual))
-            want, to, op_name = activation_shape(plan, settings.hidden_size), rank + 1, "activations"
-        if tuple(out.shape) != want:   # I2: what we send is what the plan says
-            raise StageError(f"stage {rank} produced {op_name} of shape {tuple(out.shape)} for step "
-                             f"{plan.step_id}; the plan says {want}")
-        sends.add(link.send(out, to, op_name))
+        out = run_stage_step(stage, rank, last, plan, acts, settings.hidden_size, settings.num_spec_tokens)
+        sends.add(link.send(out, 0, "result") if last else link.send(out, rank + 1, "activations"))
         busy += time.perf_counter() - t0
         cpu += time.thread_time() - c0
         steps += 1

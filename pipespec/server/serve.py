@@ -24,7 +24,7 @@ def add_serve_parser(sub, add_engine_args) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from pipespec.cli import engine_kwargs
+    from pipespec.engine.args import engine_kwargs
     from pipespec.config import EngineConfig
     from pipespec.engine.llm_engine import LLMEngine
     from pipespec.server.app import build_app

@@ -27,7 +27,6 @@ import torch
 from pipespec import LLM, SamplingParams
 from pipespec.engine.llm_engine import EngineDeadError
 from pipespec.runtime.launch import pid_alive
-from pipespec.runtime.symmetry import ENV_FLAG
 from pipespec.runtime.transport import StageError
 from tests.conftest import DEFAULT_LLM_KWARGS
 
@@ -99,15 +98,7 @@ def spawned_children() -> set[int]:
 
 
 def make_llm(model, pp: int, check: bool = False, **kwargs) -> LLM:
-    old = os.environ.get(ENV_FLAG)
-    os.environ[ENV_FLAG] = "1" if check else "0"
-    try:
-        return LLM(model=model, pipeline_parallel_size=pp, **kwargs)
-    finally:
-        if old is None:
-            del os.environ[ENV_FLAG]
-        else:
-            os.environ[ENV_FLAG] = old
+    return LLM(model=model, pipeline_parallel_size=pp, check_collectives=check, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -249,7 +240,7 @@ def test_stage_parameter_counts(llm, smol_pp2, smol_pp3):
 
 def test_each_stage_reads_only_its_tensors(tiny_llama, monkeypatch):
     from pipespec.config import EngineConfig
-    from pipespec.model.runner import StageRunner
+    from pipespec.stage import Stage
     from pipespec.model.source import resolve_model
     from pipespec.model.weights import SafetensorsSource
 
@@ -261,7 +252,7 @@ def test_each_stage_reads_only_its_tensors(tiny_llama, monkeypatch):
     per_stage = []
     for layers in ((0, 1), (1, 2), (2, 3)):
         read.clear()
-        StageRunner(source, config, layers, 64)
+        Stage(source, config, layers, 64)
         per_stage.append(set(read))
     everything = set(source.weights().names())
     assert set().union(*per_stage) == everything

@@ -8,8 +8,8 @@ from pipespec.model.attention import (DenseCausalBackend, ForwardContext, TorchR
                                       allocate_kv_caches)
 from pipespec.model.mtp import DeepSeekMTP, find_mtp_layers, load_mtp
 from pipespec.model.weights import SafetensorsSource
-from pipespec.spec.mtp_forward import chained_mtp, target_pass
-from tests.spec.mtp_tiny import tiny_arch, tiny_head, tiny_target
+from pipespec.train.forward import chained_mtp, target_pass
+from tests.speculative.mtp_tiny import tiny_arch, tiny_head, tiny_target
 
 DEEPSEEK_NAMES = ["enorm.weight", "hnorm.weight", "eh_proj.weight", "input_layernorm.weight",
                   "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",

@@ -1,37 +1,63 @@
-"""LocalExecutor (PP = 1) hands plans to its stage and results back in order."""
+"""LocalExecutor (PP = 1): a real stage in the driver's process, and the I2 check at its boundary."""
 from __future__ import annotations
 
-import torch
+import functools
 
-from pipespec.plan import StepResult
+import pytest
+
+from pipespec.config import EngineConfig
+from pipespec.engine.scheduler import Scheduler
+from pipespec.model.source import resolve_model
 from pipespec.runtime.executor import LocalExecutor
+from pipespec.runtime.transport import StageError
+from pipespec.stage import Stage
+from tests.helpers import make_request
+
+MAX_LEN = 64
 
 
-class FakeStage:
-    def __init__(self):
-        self.allocated = None
-        self.seen = []
-
-    def available_kv_blocks(self):
-        return 7
-
-    def allocate_kv_cache(self, n):
-        self.allocated = n
-
-    def execute(self, plan):
-        self.seen.append(plan)
-        return StepResult.build(plan, 1, 0, torch.tensor([0]), torch.tensor([100 + plan]))
+def _executor(folder, driver_k: int, stage_config: EngineConfig) -> LocalExecutor:
+    source = resolve_model(str(folder))
+    return LocalExecutor(functools.partial(Stage, source, stage_config, (0, source.arch.num_layers), MAX_LEN),
+                         source.arch.hidden_size, driver_k)
 
 
-def test_local_executor_round_trip():
-    ex = LocalExecutor(FakeStage)
-    assert ex.max_in_flight == 1
-    assert ex.available_kv_blocks() == 7
-    ex.allocate_kv_cache(5)
-    assert ex.stage.allocated == 5
-    for step in (1, 2):
-        ex.submit(step)
-        res = ex.receive(timeout=1.0)
-        assert res.step_id == step and res.tokens(0) == [100 + step]
-    assert ex.stage.seen == [1, 2]
+def _config(folder, head=None, k: int = 0) -> EngineConfig:
+    spec = {"method": "mtp", "num_speculative_tokens": k, "model": str(head)} if k else None
+    return EngineConfig.from_kwargs(model=str(folder), dtype="float32", device="cpu", num_kv_blocks=8,
+                                    max_model_len=MAX_LEN, speculative_config=spec)
+
+
+def test_local_executor_runs_the_stage_in_order(tiny_models):
+    folder = tiny_models["llama"][0]
+    config = _config(folder)
+    ex = _executor(folder, 0, config)
+    assert ex.max_in_flight == 1 and ex.available_kv_blocks() == 8
+    ex.allocate_kv_cache(8)
+    sched = Scheduler(config.scheduler, config.cache.block_size, 8, MAX_LEN)
+    req = make_request("a", [5, 6, 7, 8, 9], max_tokens=3)
+    sched.add(req)
+    for _ in range(3):
+        batch = sched.schedule()
+        ex.submit(batch.plan)
+        res = ex.receive(timeout=5.0)
+        assert res.step_id == batch.plan.step_id
+        (token,) = res.tokens(0)
+        sched.complete(batch, res)
+        req.token_ids.append(token)
+    assert req.num_computed_tokens == 7 and len(req.token_ids) == 8
+    ex.shutdown()
+
+
+def test_a_result_of_the_wrong_width_is_refused(tiny_llama_head):
+    """I2: a stage configured with K = 2 behind a driver that plans for K = 1 produces result rows of
+    width 6 where the driver reads 4: refused by name before anything reads them."""
+    folder, head = tiny_llama_head
+    ex = _executor(folder, 1, _config(folder, head, k=2))
+    ex.allocate_kv_cache(8)
+    config = _config(folder, head, k=1)
+    sched = Scheduler(config.scheduler, config.cache.block_size, 8, MAX_LEN, num_spec_tokens=1)
+    sched.add(make_request("a", [5, 6, 7], max_tokens=3))
+    with pytest.raises(StageError, match=r"stage 0 produced a result of shape \(1, 6\) .* say \(1, 4\)"):
+        ex.submit(sched.schedule().plan)
     ex.shutdown()

@@ -12,12 +12,12 @@ import pytest
 
 from pipespec.config import EngineConfig
 from pipespec.engine.scheduler import Scheduler
-from pipespec.model.runner import StageRunner
 from pipespec.model.source import resolve_model
 from pipespec.runtime.launch import pid_alive
 from pipespec.runtime.pipeline_executor import PipelineExecutor
 from pipespec.runtime.transport import StageError
 from pipespec.runtime.worker import WorkerSettings
+from pipespec.stage import Stage
 from tests.helpers import make_request
 
 MAX_LEN = 128
@@ -32,9 +32,9 @@ def test_symmetry_check_catches_mismatched_stages(tiny_models):
     folder = tiny_models["llama"][0]
     source = resolve_model(str(folder))
     f32, bf16 = _config(folder, "float32"), _config(folder, "bfloat16")
-    factories = [functools.partial(StageRunner, source, f32, (0, 2), MAX_LEN),
-                 functools.partial(StageRunner, source, bf16, (2, 3), MAX_LEN)]
-    settings = WorkerSettings(world_size=2, hidden_size=source.arch.hidden_size, stage_timeout=20,
+    factories = [functools.partial(Stage, source, f32, (0, 2), MAX_LEN),
+                 functools.partial(Stage, source, bf16, (2, 3), MAX_LEN)]
+    settings = WorkerSettings(world_size=2, hidden_size=source.arch.hidden_size, num_spec_tokens=0, stage_timeout=20,
                               startup_timeout=120, backend="gloo", threads=1, check=True)
     executor = PipelineExecutor(factories, settings)
     pids = executor.worker_pids

@@ -1,12 +1,13 @@
 """The MTP proposer: drafts K tokens per request on the last stage, right after verification.
 
 Step 0 runs the MTP module over the same rows as the step just verified (same positions, slots,
-block tables and attention metadata), with token ids shifted left by one: row t takes the target's
-final hidden h_t and the token at t+1, which for the row of the last accepted token is the token just
-sampled. Its output at that row gives draft 1. Steps 1..K-1 run one row per request at the next
-position, feeding back the module's own output hidden; step i uses MTP layer i % n. Drafts are the
-module's argmax, so the verifier treats the draft distribution as one-hot (DESIGN.md I1: nothing the
-stage computes reaches its next step except the draft ids, through the driver).
+block tables and attention metadata), with token ids shifted left by one (`StepLayout.mtp_input_ids`):
+row t takes the target's final hidden h_t and the token at t+1, which for the row of the last
+accepted token is the token just sampled. Its output at that row gives draft 1. Steps 1..K-1 run one
+row per request at the next position, feeding back the module's own output hidden; step i uses MTP
+layer i % n. Drafts are the module's argmax, so the verifier treats the draft distribution as one-hot
+(DESIGN.md I1: nothing the stage computes reaches its next step except the draft ids, through the
+driver).
 
 The proposer is a module owning every weight it drafts with: the MTP layers and, on a last stage
 that does not hold the target's embedding (PP > 1, untied head), its own copy of that embedding.
@@ -16,7 +17,7 @@ The module's KV cache shares the target's block ids and slots. Rows past the acc
 chained rows write MTP KV at positions the next step's step 0 rewrites before anything reads them.
 Each MTP layer has its own cache, so with n > 1 layers every step also runs, over its rows and on
 its input, each other layer that a later step uses (only for the KV it writes): a chained step then
-attends to KV at every earlier position, as in training (spec/mtp_forward.py), never to a slot
+attends to KV at every earlier position, as in training (train/mtp_forward.py), never to a slot
 nobody wrote.
 """
 from __future__ import annotations
@@ -26,7 +27,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from pipespec.model.attention import AttentionBackend, ForwardContext, KVCache
+from pipespec.layout import StepLayout
+from pipespec.model.attention import ForwardContext, KVCache
 
 
 class MTPProposer(nn.Module):
@@ -40,7 +42,7 @@ class MTPProposer(nn.Module):
             raise ValueError("the MTP proposer needs at least one MTP layer")
         self.layers = nn.ModuleList(layers)
         self.embedding = embedding
-        self.k = num_spec_tokens
+        self.num_spec_tokens = num_spec_tokens
         self.block_size = block_size
         self._target_embed = embed_weight      # resolved at call time through the owner (I5)
         self._head_weight = head_weight
@@ -51,30 +53,28 @@ class MTPProposer(nn.Module):
             return self.embedding.weight
         return None if self._target_embed is None else self._target_embed()
 
+    def _step0_context(self, target_ctx: ForwardContext) -> ForwardContext:
+        return ForwardContext(target_ctx.positions, target_ctx.slot_mapping, target_ctx.backend,
+                              target_ctx.attn, [self.kv_caches[0]])
+
     @torch.inference_mode()
-    def propose(self, backend: AttentionBackend, target_ctx: ForwardContext, input_ids: torch.Tensor,
-                hidden: torch.Tensor, block_tables: torch.Tensor, query_start_loc: torch.Tensor,
-                next_token_ids: torch.Tensor, last_rows: torch.Tensor, last_tokens: torch.Tensor,
-                sample_rows: torch.Tensor) -> torch.Tensor:
+    def propose(self, target_ctx: ForwardContext, layout: StepLayout, hidden: torch.Tensor,
+                last_rows: torch.Tensor, last_tokens: torch.Tensor) -> torch.Tensor:
         """Drafts [S, K] for the S requests that sampled this step.
 
-        input_ids: [T] the step's query ids; hidden: [T, H] target final hidden; next_token_ids: [B]
-        the known token after each request's last row (-1: sampled now); last_rows: [S] flat row of
-        each sampling request's last accepted token; last_tokens: [S] the token sampled after it.
+        hidden: [T, H] the target's final hidden; last_rows: [S] flat row of each sampling request's
+        last accepted token; last_tokens: [S] the token sampled after it.
         """
-        shifted = self._shifted(input_ids, query_start_loc, next_token_ids)
+        shifted = layout.mtp_input_ids.clone()
         shifted[last_rows] = last_tokens
-        ctx = ForwardContext(target_ctx.positions, target_ctx.slot_mapping, backend, target_ctx.attn,
-                             [self.kv_caches[0]])
         embed = self._embed_weight()
-        h = self._step(0, ctx, shifted, hidden, embed)[last_rows]
+        h = self._step(0, self._step0_context(target_ctx), shifted, hidden, embed)[last_rows]
         drafts = [self._argmax(self.layers[0], h)]
         pos = target_ctx.positions[last_rows]
-        tables = block_tables[sample_rows]
-        s = last_rows.shape[0]
-        qsl = torch.arange(s + 1, device=hidden.device)
-        bs = self.block_size
-        for i in range(1, self.k):
+        tables = layout.block_tables[layout.sample_rows]
+        qsl = torch.arange(last_rows.shape[0] + 1, device=hidden.device)
+        bs, backend = self.block_size, target_ctx.backend
+        for i in range(1, self.num_spec_tokens):
             p = pos + i
             slots = tables.gather(1, (p // bs)[:, None]).squeeze(1) * bs + p % bs
             attn = backend.prepare(qsl, p + 1, p, tables, bs, max_query_len=1)
@@ -84,29 +84,17 @@ class MTPProposer(nn.Module):
         return torch.stack(drafts, dim=1)
 
     @torch.inference_mode()
-    def write_kv(self, backend: AttentionBackend, target_ctx: ForwardContext, input_ids: torch.Tensor,
-                 hidden: torch.Tensor, query_start_loc: torch.Tensor, next_token_ids: torch.Tensor) -> None:
+    def write_kv(self, target_ctx: ForwardContext, layout: StepLayout, hidden: torch.Tensor) -> None:
         """A step where no request samples (middle prefill chunks): run step 0 over its rows for the
         MTP KV alone, so later steps attend to written slots there too."""
-        ctx = ForwardContext(target_ctx.positions, target_ctx.slot_mapping, backend, target_ctx.attn,
-                             [self.kv_caches[0]])
-        self._step(0, ctx, self._shifted(input_ids, query_start_loc, next_token_ids), hidden,
-                   self._embed_weight())
-
-    @staticmethod
-    def _shifted(input_ids: torch.Tensor, query_start_loc: torch.Tensor, next_token_ids: torch.Tensor):
-        """Row t's next token: the row after it, or at a request's last row the known next token."""
-        shifted = torch.roll(input_ids, -1)
-        ends = query_start_loc[1:] - 1
-        shifted[ends] = torch.where(next_token_ids >= 0, next_token_ids, shifted[ends])
-        return shifted
+        self._step(0, self._step0_context(target_ctx), layout.mtp_input_ids, hidden, self._embed_weight())
 
     def _step(self, i: int, ctx: ForwardContext, tokens: torch.Tensor, hidden: torch.Tensor,
               embed: torch.Tensor | None) -> torch.Tensor:
         """Step i's output, from layer i % n. Every other layer that a later step uses writes its KV
         at these rows from the same input, so no layer ever attends to a slot nobody wrote."""
         n = len(self.layers)
-        for j in sorted({later % n for later in range(i + 1, self.k)} - {i % n}):
+        for j in sorted({later % n for later in range(i + 1, self.num_spec_tokens)} - {i % n}):
             self.layers[j](ctx, tokens, hidden, embed_weight=embed, cache=self.kv_caches[j])
         return self.layers[i % n](ctx, tokens, hidden, embed_weight=embed, cache=self.kv_caches[i % n])
 

@@ -9,7 +9,7 @@ from pipespec import LLM, SamplingParams
 from pipespec.heads import bundled_head_path
 from pipespec.model.mtp import load_mtp_file
 from pipespec.plan import result_width
-from pipespec.spec.mtp_forward import chained_mtp, target_pass
+from pipespec.train.forward import chained_mtp, target_pass
 from tests.conftest import DEFAULT_LLM_KWARGS, assert_engine_clean
 
 CHATS = ["Write a short poem about the sea.", "Explain what a CPU does.", "List three fruits and their colours.",
@@ -150,7 +150,7 @@ def test_draft_sees_the_targets_current_tensors():
     """The proposer resolves the embedding and head through the target at call time (I5)."""
     with LLM(**DEFAULT_LLM_KWARGS, speculative_config=_spec(2)) as llm:
         runner = llm.engine.executor.stage
-        proposer = runner.proposer
+        proposer = runner.drafter
         old = runner.model.model.embed_tokens.weight
         new = torch.nn.Parameter(old.detach().clone() * 2)
         runner.model.model.embed_tokens.weight = new

@@ -7,12 +7,12 @@ import torch
 from pipespec.model.attention import ForwardContext, TorchReferenceBackend, allocate_kv_caches
 from pipespec.model.mtp import (META_BASE_CONFIG, META_BASE_MODEL, DeepSeekMTP, load_mtp_file, read_mtp_metadata,
                                 save_mtp)
-from pipespec.spec.mtp_data import Batcher, Sample, collate
-from pipespec.spec.mtp_eval import agreement
-from pipespec.spec.mtp_forward import chained_mtp, step_mask, target_pass
-from pipespec.spec import mtp_prompts as mp
-from pipespec.spec.mtp_train import TrainConfig, lr_at, train
-from tests.spec.mtp_tiny import tiny_arch, tiny_head, tiny_target
+from pipespec.train.data import Batcher, Sample, collate
+from pipespec.train.evaluate import agreement
+from pipespec.train.forward import chained_mtp, step_mask, target_pass
+from pipespec.train import prompts as mp
+from pipespec.train.loop import TrainConfig, lr_at, train
+from tests.speculative.mtp_tiny import tiny_arch, tiny_head, tiny_target
 
 
 def _random_samples(n: int, length: int, seed: int, vocab: int = 64) -> list[Sample]:

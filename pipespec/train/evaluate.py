@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pipespec.spec.mtp_data import Sample, collate
-from pipespec.spec.mtp_forward import chained_mtp, step_mask, target_pass
+from pipespec.train.data import Sample, collate
+from pipespec.train.forward import chained_mtp, step_mask, target_pass
 
 
 @dataclass

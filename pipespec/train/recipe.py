@@ -12,13 +12,13 @@ import torch
 
 from pipespec.model.llama import LlamaForCausalLM
 from pipespec.model.mtp import DeepSeekMTP, load_mtp_file, read_mtp_metadata, save_mtp
-from pipespec.model.runner import resolve_device, resolve_dtype
+from pipespec.stage.device import resolve_device, resolve_dtype
 from pipespec.model.source import resolve_model
 from pipespec.model.weights import load_weights
-from pipespec.spec.mtp_data import Batcher, Sample, load_samples, plain_text_samples, save_samples, self_generate
-from pipespec.spec.mtp_eval import agreement, as_dict, format_table
-from pipespec.spec.mtp_prompts import chat_prompts
-from pipespec.spec.mtp_train import TrainConfig, train
+from pipespec.train.data import Batcher, Sample, load_samples, plain_text_samples, save_samples, self_generate
+from pipespec.train.evaluate import agreement, as_dict, format_table
+from pipespec.train.prompts import chat_prompts
+from pipespec.train.loop import TrainConfig, train
 
 logger = logging.getLogger(__name__)
 

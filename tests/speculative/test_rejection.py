@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from pipespec.sampling import SamplingTensors, processed_probs, sample
-from pipespec.spec.rejection import rejection_sample
+from pipespec.speculative.rejection import rejection_sample
 
 V = 8
 

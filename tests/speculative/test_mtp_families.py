@@ -73,7 +73,7 @@ def test_greedy_lossless_with_the_checkpoints_own_mtp_layers(family, pp, k, echo
     with LLM(model=echo_models[family], pipeline_parallel_size=pp, speculative_config=_spec(k), **KWARGS) as llm:
         order = None
         if pp == 1:
-            proposer = llm.engine.executor.stage.proposer
+            proposer = llm.engine.executor.stage.drafter
             assert [layer.family for layer in proposer.layers] == [tf.FAMILY_NAME[family]] * NUM_MTP[family]
             order = _spy_on_drafting_layers(proposer)
         got = _generate(llm, prompts)
@@ -91,7 +91,7 @@ def _mtp_outputs(folder: str, prompts, fill: float, budget: int) -> list[torch.T
     """Every MTP layer output of a run whose MTP KV cache starts filled with `fill`."""
     kwargs = dict(KWARGS, max_num_batched_tokens=budget)
     with LLM(model=folder, speculative_config=_spec(3), **kwargs) as llm:
-        proposer = llm.engine.executor.stage.proposer
+        proposer = llm.engine.executor.stage.drafter
         for cache in proposer.kv_caches:
             cache.key.fill_(fill)
             cache.value.fill_(fill)
@@ -116,7 +116,7 @@ def test_no_mtp_layer_reads_a_kv_slot_nobody_wrote(family, budget, echo_models, 
 
 def test_untied_last_stage_proposer_owns_its_embedding_copy(echo_models):
     from pipespec.config import EngineConfig
-    from pipespec.model.runner import StageRunner
+    from pipespec.stage import Stage
     from pipespec.model.source import resolve_model
 
     folder = echo_models["mimo"]
@@ -124,18 +124,18 @@ def test_untied_last_stage_proposer_owns_its_embedding_copy(echo_models):
     assert not source.arch.tie_word_embeddings
     config = EngineConfig.from_kwargs(model=folder, dtype="float32", device="cpu", num_kv_blocks=4,
                                       speculative_config=_spec(2))
-    last = StageRunner(source, config, (1, tf.LAYERS), 64)          # the last of two stages
-    copy = last.proposer.embedding
+    last = Stage(source, config, (1, tf.LAYERS), 64)          # the last of two stages
+    copy = last.drafter.embedding
     assert copy is not None and not hasattr(last, "mtp_embedding")
     assert torch.equal(copy.weight, source.weights().get("model.embed_tokens.weight"))
-    assert last.proposer._embed_weight() is copy.weight
-    held = [m for top in last._modules_with_weights() for m in top.modules()]
-    assert any(m is copy for m in held) and all(any(m is layer for m in held) for layer in last.proposer.layers)
-    assert sum(p is copy.weight for p in last._all_parameters()) == 1    # counted once for the KV budget
+    assert last.drafter._embed_weight() is copy.weight
+    held = [m for top in last.modules_with_weights() for m in top.modules()]
+    assert any(m is copy for m in held) and all(any(m is layer for m in held) for layer in last.drafter.layers)
+    assert sum(p is copy.weight for m in last.modules_with_weights() for p in m.parameters()) == 1    # counted once for the KV budget
     assert copy.weight.is_contiguous()              # embeddings stay row-major on CPU (lookups read rows)
-    assert all(not m.weight.is_contiguous() for layer in last.proposer.layers        # the layers' linears
+    assert all(not m.weight.is_contiguous() for layer in last.drafter.layers        # the layers' linears
                for m in layer.modules() if type(m) is torch.nn.Linear)            # are column-major
     # a stage that holds the target's embedding drafts with it, and holds no copy
-    whole = StageRunner(source, config, (0, tf.LAYERS), 64)
-    assert whole.proposer.embedding is None
-    assert whole.proposer._embed_weight() is whole.model.model.embed_tokens.weight
+    whole = Stage(source, config, (0, tf.LAYERS), 64)
+    assert whole.drafter.embedding is None
+    assert whole.drafter._embed_weight() is whole.model.model.embed_tokens.weight

@@ -52,3 +52,18 @@ def test_padding_requests_leave_live_kv_alone():
 def _greedy_one(llm, prompt, n=48):
     params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
     return llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("k", [0, 2])
+def test_pp2_replays_graphs_on_two_devices(k):
+    """Stage 1 on cuda:1 captures and replays its graphs there (it used to launch on cuda:0 and
+    fail), over NCCL, with the same greedy output as one stage."""
+    spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
+    with LLM(speculative_config=spec, **KW) as one:
+        want = _greedy(one)
+    with LLM(speculative_config=spec, pipeline_parallel_size=2, distributed_backend="nccl", **KW) as two:
+        assert [st["device"] for st in two.engine.executor.stage_info] == ["cuda:0", "cuda:1"]
+        got = _greedy(two)
+        assert two.engine.executor.stage.graphs.replays > 20
+    assert got == want

@@ -6,9 +6,11 @@ import logging
 import torch
 from torch import nn
 
+from pipespec.heads import bundled_head_path
+from pipespec.model.llama import LlamaForCausalLM
 from pipespec.model.mtp import declared_mtp_layers, detect_mtp, load_mtp_file, load_mtp_layers
 from pipespec.model.weights import load_weights
-from pipespec.spec.proposer import MTPProposer
+from pipespec.speculative.proposer import MTPProposer
 
 logger = logging.getLogger(__name__)
 
@@ -33,8 +35,6 @@ def no_head_message(model: str | None) -> str:
 
 def _load_layers(source, config, dtype, device, max_position: int) -> tuple[list[nn.Module], str]:
     """MTP layers from speculative_config.model, else the checkpoint's own, else the bundled head."""
-    from pipespec.heads import bundled_head_path
-
     arch, spec, weights = source.arch, config.speculative, source.weights()
     if spec.model is not None:
         return [load_mtp_file(spec.model, arch, dtype, device, max_position)[0]], spec.model
@@ -49,17 +49,17 @@ def _load_layers(source, config, dtype, device, max_position: int) -> tuple[list
     return [load_mtp_file(head, arch, dtype, device, max_position)[0]], f"the bundled head {head.name}"
 
 
-def build_proposer(runner, source, config, max_position: int) -> MTPProposer:
+def build_proposer(target: LlamaForCausalLM, source, config, dtype: torch.dtype, device: torch.device,
+                   max_position: int) -> MTPProposer:
     """The last stage's proposer, reaching the target's tensors through their owner (I5); on a stage
     without the target's embedding (and no tied head holding a copy) it owns an embedding copy."""
-    arch, dtype, device = source.arch, runner.dtype, runner.device
+    arch = source.arch
     layers, origin = _load_layers(source, config, dtype, device, max_position)
     for layer in layers:
         layer.eval()
-    k = config.speculative.num_speculative_tokens
+    k = config.num_spec_tokens
     logger.info("MTP drafting: %d layer(s) from %s, K=%d", len(layers), origin, k)
 
-    target = runner.model
     copy = None
     if target.model.is_first:
         def embed():

@@ -7,8 +7,8 @@ import torch
 
 from pipespec.heads import bundled_head_path, default_model_head_path
 from pipespec.model.mtp import load_mtp_file
-from pipespec.spec.mtp_data import load_samples
-from pipespec.spec.mtp_eval import agreement
+from pipespec.train.data import load_samples
+from pipespec.train.evaluate import agreement
 
 CHECK_SET = Path(__file__).parent / "data" / "smollm2_mtp_check.json"
 
@@ -32,7 +32,7 @@ def test_bundled_head_is_the_default_models_and_is_packaged():
 
 
 def test_bundled_head_reaches_its_recorded_agreement_on_held_out_text(default_source):
-    from pipespec.spec.mtp_recipe import load_target
+    from pipespec.train.recipe import load_target
 
     head, meta = load_mtp_file(bundled_head_path(), default_source.arch, torch.float32, "cpu")
     assert meta["pipespec.mtp_family"] == "deepseek_v3" and meta["pipespec.layer_index"] == "30"

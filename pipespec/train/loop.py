@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from pipespec.spec.mtp_data import Batcher
-from pipespec.spec.mtp_forward import chained_mtp, step_mask, target_pass
+from pipespec.train.data import Batcher
+from pipespec.train.forward import chained_mtp, step_mask, target_pass
 
 logger = logging.getLogger(__name__)
 

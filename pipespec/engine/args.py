@@ -1,0 +1,62 @@
+"""Engine flags of the CLI and the server, named as vLLM names them, and the keyword arguments of
+`LLM(...)` / `EngineConfig.from_kwargs` they become."""
+from __future__ import annotations
+
+import argparse
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine flags shared by every command, named as vLLM names them."""
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="Hugging Face folder or GGUF file (default: SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
+                   help="auto: Triton paged-attention kernels on CUDA, PyTorch reference elsewhere")
+    g.add_argument("--enforce-eager", action="store_true", help="do not capture or replay CUDA graphs")
+    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: random weights of the model's shapes, nothing read (for benchmarks)")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-kv-blocks", type=int, default=None)
+    g.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    g.add_argument("--no-chunked-prefill", action="store_true")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='MTP speculative decoding, e.g. \'{"method": "mtp", "num_speculative_tokens": 3}\' '
+                        '(add "model": PATH for a head file)')
+    pp = p.add_argument_group("pipeline parallelism")
+    pp.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None,
+                    help="pipeline stages, one process each (default: 1, or WORLD_SIZE under torchrun)")
+    pp.add_argument("--pp-layer-partition", default=None, metavar="N,N,...",
+                    help="layers of each stage, e.g. 10,10,10 (default: as even as possible)")
+    pp.add_argument("--stage-timeout", type=float, default=30.0,
+                    help="seconds a stage may stay silent before the engine fails (default: 30)")
+    pp.add_argument("--distributed-backend", default="auto", choices=["auto", "gloo", "nccl"],
+                    help="activations between stages: auto = nccl on CUDA, gloo on CPU")
+    pp.add_argument("--threads-per-stage", type=int, default=None,
+                    help="CPU threads of each stage (default: torch's for one stage, cores / stages for more)")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
+                load_format=args.load_format,
+                block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+                kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                enable_chunked_prefill=not args.no_chunked_prefill,
+                pipeline_parallel_size=_pipeline_size(args.pipeline_parallel_size),
+                pp_layer_partition=args.pp_layer_partition, stage_timeout=args.stage_timeout,
+                distributed_backend=args.distributed_backend, threads_per_stage=args.threads_per_stage,
+                speculative_config=args.speculative_config)
+
+
+def _pipeline_size(asked: int | None) -> int:
+    if asked is not None:
+        return asked
+    from pipespec.runtime.launch import torchrun_env
+    env = torchrun_env()
+    return env.world_size if env is not None else 1

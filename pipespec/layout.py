@@ -1,0 +1,94 @@
+"""StepLayout: the geometry of one step, worked out once from the plan and read by every part of a stage.
+
+The target slice reads the query rows; the verifier reads which rows make logits and the draft ids
+they check; the drafter reads the ids shifted left by one and each sampling request's block table.
+Nothing else in the stage derives rows from the plan, so the verify/draft geometry lives here alone.
+
+K (`num_spec_tokens`) is the number of draft tokens; a verifying request runs 1 + K query rows: its
+last accepted token, then its K drafts (fewer near max_model_len, then padded by repeating a row).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from pipespec.plan import StepPlan
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    num_spec_tokens: int
+    # the query rows, as the target slice reads them
+    input_ids: torch.Tensor        # int64 [T]
+    positions: torch.Tensor        # int64 [T]
+    slot_mapping: torch.Tensor     # int64 [T]
+    query_start_loc: torch.Tensor  # int64 [B + 1]
+    seq_lens: torch.Tensor         # int64 [B]
+    block_tables: torch.Tensor     # int64 [B, W]
+    max_query_len: int             # known on the host, so attention metadata needs no device read
+    # the verifier's view: one line of 1 + K rows per sampling request
+    sample_rows: torch.Tensor      # int64 [S] requests (indices into B) that sample
+    verify_rows: torch.Tensor      # int64 [S, 1 + K] last non-draft row, then its draft rows
+    num_drafts: torch.Tensor       # int64 [S] real drafts in each line
+    draft_ids: torch.Tensor        # int64 [S, K] the draft ids those rows embedded
+    # the drafter's view
+    mtp_input_ids: torch.Tensor    # int64 [T] each row's next token where known (the sampled one is
+                                   # filled in after verification)
+
+    @property
+    def num_reqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def num_samplers(self) -> int:
+        return int(self.sample_rows.shape[0])
+
+    @property
+    def first_positions(self) -> torch.Tensor:
+        """int64 [S] position of each line's first row (the last accepted token)."""
+        return self.positions[self.verify_rows[:, 0]]
+
+    @classmethod
+    def from_plan(cls, plan: StepPlan, num_spec_tokens: int) -> "StepLayout":
+        """The layout of a host plan, on the host (`to` moves it)."""
+        k = num_spec_tokens
+        width = k + 1
+        drafts = plan.num_drafts[plan.sample_rows]
+        last = plan.query_start_loc[plan.sample_rows + 1] - 1          # each sampler's last row
+        first = last - drafts
+        offsets = torch.arange(width)[None, :]
+        verify_rows = first[:, None] + torch.minimum(offsets, drafts[:, None])
+        return cls(num_spec_tokens=k, input_ids=plan.input_ids, positions=plan.positions,
+                   slot_mapping=plan.slot_mapping, query_start_loc=plan.query_start_loc,
+                   seq_lens=plan.seq_lens, block_tables=plan.block_tables,
+                   max_query_len=plan.max_query_len(), sample_rows=plan.sample_rows,
+                   verify_rows=verify_rows, num_drafts=drafts,
+                   draft_ids=plan.input_ids[verify_rows[:, 1:]],
+                   mtp_input_ids=shift_left(plan.input_ids, plan.query_start_loc, plan.next_token_ids))
+
+    def to(self, device: torch.device) -> "StepLayout":
+        if device.type == "cpu":
+            return self
+        moved = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name, value in moved.items():
+            if isinstance(value, torch.Tensor):
+                moved[name] = value.to(device, non_blocking=True)
+        return StepLayout(**moved)
+
+    def draft_rows_of_input(self) -> torch.Tensor:
+        """The ids stage 0 embeds at draft rows, in verify order [S, K] (-1 where no draft): for the
+        I4 trace, compared with what the last stage verifies."""
+        k = self.num_spec_tokens
+        real = torch.arange(k, device=self.draft_ids.device)[None, :] < self.num_drafts[:, None]
+        return torch.where(real, self.draft_ids, torch.full_like(self.draft_ids, -1))
+
+
+def shift_left(input_ids: torch.Tensor, query_start_loc: torch.Tensor, next_token_ids: torch.Tensor):
+    """Row t's next token: the row after it, or at a request's last row the known next token (a
+    prefill chunk that does not end its prompt). Where that token is still to be sampled the row holds
+    a placeholder, which the drafter overwrites with the sampled token after verification."""
+    shifted = torch.roll(input_ids, -1)
+    ends = query_start_loc[1:] - 1
+    shifted[ends] = torch.where(next_token_ids >= 0, next_token_ids, shifted[ends])
+    return shifted

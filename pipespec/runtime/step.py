@@ -1,0 +1,40 @@
+"""Calling a stage: the one place where what a stage hands on is checked against the plan (I2).
+
+Every pipeline position, PP = 1 included, runs its step through `run_stage_step`, so a stage whose
+output does not have the shape the plan and config give (a result row of the wrong width, say, from
+a stage configured with another K than the driver) is refused by name before anything reads it.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from pipespec.plan import StepPlan, activation_shape, result_shape
+from pipespec.runtime.transport import StageError
+
+
+class Stage(Protocol):
+    """What the runtime needs of a stage (it knows no models)."""
+
+    device: torch.device
+    dtype: torch.dtype
+
+    def available_kv_blocks(self) -> int: ...
+    def allocate_kv_cache(self, num_blocks: int) -> None: ...
+    def step(self, plan: StepPlan, inbound: torch.Tensor | None) -> torch.Tensor: ...
+
+
+def expected_outbound(plan: StepPlan, is_last: bool, hidden_size: int, num_spec_tokens: int) -> tuple[int, ...]:
+    return result_shape(plan.num_reqs, num_spec_tokens) if is_last else activation_shape(plan, hidden_size)
+
+
+def run_stage_step(stage: Stage, rank: int, is_last: bool, plan: StepPlan, inbound: torch.Tensor | None,
+                   hidden_size: int, num_spec_tokens: int) -> torch.Tensor:
+    out = stage.step(plan, inbound)
+    want = expected_outbound(plan, is_last, hidden_size, num_spec_tokens)
+    if tuple(out.shape) != want:
+        what = "a result" if is_last else "activations"
+        raise StageError(f"stage {rank} produced {what} of shape {tuple(out.shape)} for step {plan.step_id}; "
+                         f"the plan and config (K={num_spec_tokens}, hidden size {hidden_size}) say {want}")
+    return out

@@ -1,0 +1,273 @@
+"""CUDA graphs of a stage's steady steps: the step's forward and its draft pass, replayed from static
+buffers, one pair per padded batch size.
+
+A steady step is one where every request runs exactly 1 + K query rows and, on the last stage, every
+request samples with K drafts. Its shapes then depend on the batch size alone, so the stage's whole
+forward (on the last stage with the LM head over every row, all of them verify rows) is captured once
+per bucket of batch sizes, and the MTP draft steps are a second graph. Between the two replays the
+verifier runs eagerly, with no host sync. Any other step runs eagerly (`Stage._forward`).
+
+The graphs read a typed static buffer (`StepInts`, views of one flat int64 tensor uploaded in one
+copy from a pinned mirror) and the attention metadata the backend built over it at capture
+(`capture_metadata`; `before_replay` is its hook to refresh anything a replay cannot read there).
+Padding requests of a bucket live in one spare KV block that no request owns (`pad_block`): their
+table rows name only that block, so whatever they write (target or draft KV) lands there.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, fields
+
+import torch
+
+from pipespec.layout import StepLayout
+from pipespec.model.attention import AttentionBackend, ForwardContext, KVCache
+from pipespec.stage.target import run_target
+
+logger = logging.getLogger(__name__)
+
+_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+
+
+@dataclass
+class Forward:
+    """What a stage's forward leaves for verification and drafting in the same step."""
+
+    layout: StepLayout                 # on the stage's device (a replay: the live rows of its buffers)
+    ctx: ForwardContext | None         # None when replayed: drafting then replays too
+    hidden: torch.Tensor
+    residual: torch.Tensor | None
+    logits: torch.Tensor | None = None  # [rows, V] of every row, when the forward computed them
+
+
+@dataclass
+class StepInts:
+    """The integer inputs of a steady step of `nb` requests of `q` rows, as views of one flat tensor
+    (block tables last, so a batch of b uploads a prefix)."""
+
+    input_ids: torch.Tensor        # [nb * q]
+    positions: torch.Tensor        # [nb * q]
+    slot_mapping: torch.Tensor     # [nb * q]
+    mtp_input_ids: torch.Tensor    # [nb * q]
+    seq_lens: torch.Tensor         # [nb]
+    block_tables: torch.Tensor     # [nb, W]
+
+    PER_TOKEN = ("input_ids", "positions", "slot_mapping", "mtp_input_ids")
+
+    @classmethod
+    def views(cls, flat: torch.Tensor, like: "StepInts") -> "StepInts":
+        out, at = {}, 0
+        for f in fields(cls):
+            shape = getattr(like, f.name).shape
+            n = shape.numel()
+            out[f.name] = flat[at:at + n].view(shape)
+            at += n
+        return cls(**out)
+
+    def flat(self) -> torch.Tensor:
+        return torch.cat([getattr(self, f.name).reshape(-1) for f in fields(self)])
+
+
+def _padding(nb: int, q: int, pad_block: int, block_size: int, max_blocks: int) -> StepInts:
+    positions = torch.arange(q, dtype=torch.int64).repeat(nb)
+    return StepInts(input_ids=torch.zeros(nb * q, dtype=torch.int64), positions=positions,
+                    slot_mapping=pad_block * block_size + positions,
+                    mtp_input_ids=torch.zeros(nb * q, dtype=torch.int64),
+                    seq_lens=torch.full((nb,), q, dtype=torch.int64),
+                    block_tables=torch.full((nb, max_blocks), pad_block, dtype=torch.int64))
+
+
+@dataclass
+class _Bucket:
+    layout: StepLayout
+    forward: torch.cuda.CUDAGraph
+    out: Forward
+    attn: object                       # the backend's metadata over the static buffers
+    draft: torch.cuda.CUDAGraph | None = None
+    drafts: torch.Tensor | None = None
+
+
+class CudaGraphs:
+    host_buffers = ("_host_flat", "_pad_flat", "pad", "host")   # host mirrors, by design (device check)
+
+    def __init__(self, model, drafter, backend: AttentionBackend, kv_caches: list[KVCache], block_size: int,
+                 num_spec_tokens: int, max_batch: int, pad_block: int, max_blocks_per_seq: int):
+        self.model, self.drafter, self.backend, self.kv_caches = model, drafter, backend, kv_caches
+        self.block_size = block_size
+        self.num_spec_tokens = num_spec_tokens
+        self.rows_per_req = num_spec_tokens + 1
+        self.is_first, self.is_last = model.model.is_first, model.model.is_last
+        self.buckets = [b for b in _BUCKETS if b < max_batch] + [min(max_batch, _BUCKETS[-1])]
+        nb, q = self.buckets[-1], self.rows_per_req
+        device = next(model.parameters()).device
+        i64 = dict(dtype=torch.int64, device=device)
+        self.pad = _padding(nb, q, pad_block, block_size, max_blocks_per_seq)
+        self._pad_flat = self.pad.flat()
+        self._host_flat = self._pad_flat.clone().pin_memory()
+        self._flat = self._pad_flat.to(device)
+        self.host = StepInts.views(self._host_flat, self.pad)
+        self.ints = StepInts.views(self._flat, self.pad)
+        self._tables_at = self._flat.numel() - self.pad.block_tables.numel()
+        self.query_start_loc = torch.arange(nb + 1, **i64) * q       # every request has q rows
+        self.sample_rows = torch.arange(nb, **i64)
+        self.num_drafts = torch.full((nb,), num_spec_tokens, **i64)
+        self.verify_rows = torch.arange(nb * q, **i64).view(nb, q)
+        if not self.is_first:
+            h = model.arch.hidden_size
+            self.inbound = torch.zeros(2, nb * q, h, dtype=next(model.parameters()).dtype, device=device)
+        self.drafting = drafter is not None and self.is_last
+        if self.drafting:
+            self.pad_last_rows = torch.arange(nb, **i64) * q
+            self.last_rows = self.pad_last_rows.clone()
+            self.last_tokens = torch.zeros(nb, **i64)
+        self._buckets: dict[int, _Bucket] = {}
+        self._live_layouts: dict[int, StepLayout] = {}
+        self._live = 0
+        self.replays = 0                      # steps served from a graph (tests and logs read it)
+        self._uploaded = torch.cuda.Event()
+
+    # -- capture --------------------------------------------------------------------------------
+
+    def _layout(self, b: int) -> StepLayout:
+        """The static buffers of bucket b, as a step layout (every request verifies K drafts)."""
+        n, ints = b * self.rows_per_req, self.ints
+        return StepLayout(num_spec_tokens=self.num_spec_tokens, input_ids=ints.input_ids[:n],
+                          positions=ints.positions[:n], slot_mapping=ints.slot_mapping[:n],
+                          query_start_loc=self.query_start_loc[:b + 1], seq_lens=ints.seq_lens[:b],
+                          block_tables=ints.block_tables[:b], max_query_len=self.rows_per_req,
+                          sample_rows=self.sample_rows[:b], verify_rows=self.verify_rows[:b],
+                          num_drafts=self.num_drafts[:b],
+                          draft_ids=ints.input_ids[:n].view(b, self.rows_per_req)[:, 1:],
+                          mtp_input_ids=ints.mtp_input_ids[:n])
+
+    def _forward(self, layout: StepLayout, ctx: ForwardContext) -> Forward:
+        n = layout.input_ids.shape[0]
+        inbound = None if self.is_first else self.inbound[:, :n]
+        hidden, residual = run_target(self.model, ctx, layout.input_ids, inbound)
+        logits = self.model.compute_logits(hidden) if self.is_last else None   # all rows verify
+        return Forward(layout, None, hidden, residual, logits)
+
+    @staticmethod
+    def _capture(pool, fn):
+        fn()                                  # warm-up: compiles kernels, settles the allocator
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = fn()
+        return graph, out
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        start = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        for b in reversed(self.buckets):      # largest first: smaller ones reuse its memory
+            layout = self._layout(b)
+            attn = self.backend.capture_metadata(layout.query_start_loc, layout.seq_lens, layout.positions,
+                                                 layout.block_tables, self.block_size, self.rows_per_req)
+            ctx = ForwardContext(layout.positions, layout.slot_mapping, self.backend, attn, self.kv_caches)
+            graph, out = self._capture(pool, lambda: self._forward(layout, ctx))
+            bucket = _Bucket(layout, graph, out, attn)
+            if self.drafting:
+                bucket.draft, bucket.drafts = self._capture(pool, lambda: self.drafter.propose(
+                    ctx, layout, out.hidden, self.last_rows[:b], self.last_tokens[:b]))
+            self._buckets[b] = bucket
+        torch.cuda.synchronize()
+        logger.info("Captured CUDA graphs for %d batch sizes (up to %d, %d rows per request) in %.1f s",
+                    len(self.buckets), self.buckets[-1], self.rows_per_req, time.perf_counter() - start)
+
+    # -- replay ---------------------------------------------------------------------------------
+
+    def fits(self, layout: StepLayout, is_last: bool) -> bool:
+        """Whether a host `layout` is a steady step these graphs can replay."""
+        b, q = layout.num_reqs, self.rows_per_req
+        if b == 0 or b > self.buckets[-1] or layout.input_ids.shape[0] != b * q:
+            return False
+        if layout.block_tables.shape[1] > self.ints.block_tables.shape[1] or layout.max_query_len != q:
+            return False
+        if is_last:   # every request samples, verifying all K drafts
+            return layout.num_samplers == b and bool((layout.num_drafts == self.num_spec_tokens).all())
+        return True
+
+    def _bucket(self, n: int) -> int:
+        return next(b for b in self.buckets if b >= n)
+
+    def _upload(self, layout: StepLayout, b: int) -> None:
+        n_req, q = layout.num_reqs, self.rows_per_req
+        self._uploaded.synchronize()          # the last step's upload has left the pinned buffer
+        for name in StepInts.PER_TOKEN:
+            host = getattr(self.host, name)
+            host[:n_req * q].copy_(getattr(layout, name))
+            host[n_req * q:b * q].copy_(getattr(self.pad, name)[n_req * q:b * q])
+        self.host.seq_lens[:n_req].copy_(layout.seq_lens)
+        self.host.seq_lens[n_req:b].copy_(self.pad.seq_lens[n_req:b])
+        self.host.block_tables[:n_req, :layout.block_tables.shape[1]].copy_(layout.block_tables)
+        self.host.block_tables[n_req:b].copy_(self.pad.block_tables[n_req:b])
+        end = self._tables_at + b * self.ints.block_tables.shape[1]
+        self._flat[:end].copy_(self._host_flat[:end], non_blocking=True)
+        self._uploaded.record()
+
+    def _live_layout(self, b: int, n_req: int) -> StepLayout:
+        """Bucket b's static layout cut to the live requests (what the verifier reads)."""
+        if n_req not in self._live_layouts:
+            full, n = self._buckets[b].layout, n_req * self.rows_per_req
+            self._live_layouts[n_req] = StepLayout(
+                num_spec_tokens=self.num_spec_tokens, input_ids=full.input_ids[:n], positions=full.positions[:n],
+                slot_mapping=full.slot_mapping[:n], query_start_loc=full.query_start_loc[:n_req + 1],
+                seq_lens=full.seq_lens[:n_req], block_tables=full.block_tables[:n_req],
+                max_query_len=full.max_query_len, sample_rows=full.sample_rows[:n_req],
+                verify_rows=full.verify_rows[:n_req], num_drafts=full.num_drafts[:n_req],
+                draft_ids=full.draft_ids[:n_req], mtp_input_ids=full.mtp_input_ids[:n])
+        return self._live_layouts[n_req]
+
+    def forward(self, layout: StepLayout, inbound: torch.Tensor | None) -> Forward:
+        """Replay the forward graph for a steady host `layout`; the Forward of its live rows."""
+        n_req = layout.num_reqs
+        b, n = self._bucket(n_req), n_req * self.rows_per_req
+        self._upload(layout, b)
+        if inbound is not None:
+            self.inbound[:, :n].copy_(inbound)
+        bucket = self._buckets[b]
+        self.backend.before_replay(bucket.attn)
+        bucket.forward.replay()
+        self.replays += 1
+        self._live = n_req
+        out = bucket.out
+        return Forward(self._live_layout(b, n_req), None, out.hidden[:n],
+                       None if out.residual is None else out.residual[:n],
+                       None if out.logits is None else out.logits[:n])
+
+    def propose(self, last_rows: torch.Tensor, last_tokens: torch.Tensor) -> torch.Tensor:
+        """Replay the draft graph of the step just replayed; drafts [B, K]."""
+        n_req = self._live
+        b = self._bucket(n_req)
+        self.last_rows[:n_req].copy_(last_rows)
+        self.last_tokens[:n_req].copy_(last_tokens)
+        if b > n_req:
+            self.last_rows[n_req:b].copy_(self.pad_last_rows[n_req:b])
+        bucket = self._buckets[b]
+        bucket.draft.replay()
+        return bucket.drafts[:n_req]
+
+    @torch.inference_mode()
+    def time_replay(self, batch: int, iters: int = 50) -> dict[str, float]:
+        """Median GPU milliseconds of one replay of each graph of `batch`'s bucket, on padding inputs
+        (for benchmarks: the device's share of a step, without the host's)."""
+        self._flat.copy_(self._pad_flat)
+        if self.drafting:
+            self.last_rows.copy_(self.pad_last_rows)
+        bucket = self._buckets[self._bucket(batch)]
+        out = {}
+        for name, graph in (("forward", bucket.forward), ("draft", bucket.draft)):
+            if graph is None:
+                continue
+            times = []
+            for _ in range(iters):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                graph.replay()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            out[f"{name}_gpu_ms"] = round(sorted(times)[len(times) // 2], 3)
+        return out

@@ -1,0 +1,179 @@
+"""Stage: one pipeline position's model slice, KV cache and, on the last stage, verifier and drafter.
+
+`step(plan, inbound) -> outbound` is the whole of a stage's work for one step, the same at every
+pipeline position and for PP = 1 (where the one stage is first and last):
+
+    layout = StepLayout.from_plan(plan)                 the step's geometry, worked out once
+    forward                                             target slice: embed (stage 0) + layers;
+                                                        replayed from a CUDA graph when steady
+    not last -> [2, T, hidden] activations              for the next stage
+    last     -> logits at verify rows -> verify (rejection sampling) -> draft K (MTP proposer)
+             -> StepResult data [B, result_width(K)]    for the driver
+
+A stage keeps weights and KV cache and nothing derived from earlier steps (I1): every step starts
+from the plan alone.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pipespec.config import EngineConfig
+from pipespec.layout import StepLayout
+from pipespec.model.attention import ForwardContext, allocate_kv_caches, kv_bytes_per_block
+from pipespec.model.source import ModelSource
+from pipespec.plan import StepPlan, StepResult, position_margin
+from pipespec.speculative.loading import build_proposer
+from pipespec.speculative.rejection import verify
+from pipespec.stage import memory
+from pipespec.stage.cuda_graphs import CudaGraphs, Forward
+from pipespec.stage.target import load_target, run_target
+from pipespec.stage.device import (choose_backend, prefer_column_major, resolve_device, resolve_dtype,
+                                   tensors_off_device, use_device)
+from pipespec.stage.trace import DraftTrace
+
+logger = logging.getLogger(__name__)
+
+
+class Stage:
+    def __init__(self, source: ModelSource, config: EngineConfig, layer_range: tuple[int, int],
+                 max_model_len: int):
+        self.config = config
+        self.device = use_device(resolve_device(config.model.device))
+        self.dtype = resolve_dtype(config.model.dtype, self.device)
+        self.block_size = config.cache.block_size
+        self.max_model_len = max_model_len
+        self.num_spec_tokens = config.num_spec_tokens
+        max_position = max_model_len + position_margin(self.num_spec_tokens)
+        self.model = load_target(source, config, layer_range, max_position, self.dtype, self.device)
+        self.backend = choose_backend(config.model.attention_backend, self.device)
+        self.drafter = None
+        if self.is_last and self.num_spec_tokens:
+            self.drafter = build_proposer(self.model, source, config, self.dtype, self.device, max_position)
+        if self.device.type == "cpu":
+            for module in self.modules_with_weights():
+                prefer_column_major(module)
+        self.kv_caches = None
+        self.num_blocks = 0
+        self.graphs: CudaGraphs | None = None
+        self.trace = DraftTrace() if config.parallel.check_collectives else None
+
+    @property
+    def is_first(self) -> bool:
+        return self.model.model.is_first
+
+    @property
+    def is_last(self) -> bool:
+        return self.model.model.is_last
+
+    def modules_with_weights(self):
+        yield self.model
+        if self.drafter is not None:
+            yield self.drafter         # its MTP layers and, where it has one, its embedding copy
+
+    # -- KV cache -------------------------------------------------------------------------------
+
+    @property
+    def _num_cache_layers(self) -> int:
+        return self.model.num_local_layers + (len(self.drafter.layers) if self.drafter else 0)
+
+    def _bytes_per_block(self) -> int:
+        arch = self.model.arch
+        return kv_bytes_per_block(self._num_cache_layers, self.block_size, arch.num_kv_heads, arch.head_dim,
+                                  self.dtype)
+
+    def available_kv_blocks(self) -> int:
+        weights = sum(p.numel() * p.element_size() for m in self.modules_with_weights() for p in m.parameters())
+        return memory.available_kv_blocks(self.config, self.model.arch, self.device, weights,
+                                          self._bytes_per_block())
+
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        return self.backend.supports_cuda_graphs and not self.config.model.enforce_eager
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        arch = self.model.arch
+        graphs = self.uses_cuda_graphs
+        # with CUDA graphs one more block, never handed out, takes the writes of padding requests
+        caches = allocate_kv_caches(self._num_cache_layers, num_blocks + graphs, self.block_size,
+                                    arch.num_kv_heads, arch.head_dim, self.dtype, self.device)
+        n = self.model.num_local_layers
+        self.kv_caches = caches[:n]
+        if self.drafter:
+            self.drafter.kv_caches = caches[n:]
+        self.num_blocks = num_blocks
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB) on %s", num_blocks, self.block_size,
+                    num_blocks * self._bytes_per_block() / 2**20, self.device)
+        if graphs:
+            max_blocks = -(-(self.max_model_len + position_margin(self.num_spec_tokens)) // self.block_size)
+            self.graphs = CudaGraphs(self.model, self.drafter, self.backend, self.kv_caches, self.block_size,
+                                     self.num_spec_tokens, self.config.scheduler.max_num_seqs,
+                                     pad_block=num_blocks, max_blocks_per_seq=max_blocks)
+            self.graphs.capture()
+        off = tensors_off_device(self, self.device)
+        if off:   # cheap, once: a stage touching another device fails at its first kernel otherwise
+            raise RuntimeError(f"stage on {self.device} holds tensors elsewhere: {', '.join(off[:5])}")
+
+    # -- the step -------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self, plan: StepPlan, inbound: torch.Tensor | None = None) -> torch.Tensor:
+        """Run this stage's part of `plan` (on the host; it is moved here as needed).
+
+        inbound: [2, T, hidden] (hidden, residual) from the previous stage; None on stage 0.
+        Returns [2, T, hidden] activations for the next stage, or on the last stage the StepResult
+        data [B, result_width(K)] on the host.
+        """
+        layout = StepLayout.from_plan(plan, self.num_spec_tokens)
+        if self.trace is not None:
+            self.trace.record(plan.step_id, layout, embeds=self.is_first, verifies=self.is_last)
+        if self.graphs is not None and self.graphs.fits(layout, self.is_last):
+            fwd = self.graphs.forward(layout, inbound)
+        else:
+            fwd = self._forward(layout, inbound)
+        if not self.is_last:
+            return torch.stack((fwd.hidden, fwd.residual))
+        return self._sample(plan, fwd).data
+
+    @torch.inference_mode()
+    def forward(self, plan: StepPlan, inbound: torch.Tensor | None = None) -> Forward:
+        """The target slice alone, eagerly (logit-parity checks read `hidden` and `model`)."""
+        return self._forward(StepLayout.from_plan(plan, self.num_spec_tokens), inbound)
+
+    def _forward(self, host_layout: StepLayout, inbound: torch.Tensor | None) -> Forward:
+        layout = host_layout.to(self.device)
+        attn = self.backend.prepare(layout.query_start_loc, layout.seq_lens, layout.positions,
+                                    layout.block_tables, self.block_size, max_query_len=layout.max_query_len)
+        ctx = ForwardContext(layout.positions, layout.slot_mapping, self.backend, attn, self.kv_caches)
+        hidden, residual = run_target(self.model, ctx, layout.input_ids, inbound)
+        return Forward(layout, ctx, hidden, residual)
+
+    def _sample(self, plan: StepPlan, fwd: Forward) -> StepResult:
+        """Last stage: verify each sampling request's drafts (none: plain sampling), then draft anew.
+        Logits are computed only at each sampling request's verify rows."""
+        k, layout = self.num_spec_tokens, fwd.layout
+        s = layout.num_samplers
+        if s == 0:
+            if self.drafter is not None:      # keep the MTP KV written where later steps attend
+                self.drafter.write_kv(fwd.ctx, layout, fwd.hidden)
+            return StepResult.empty(plan.step_id, plan.num_reqs, k)
+        logits = fwd.logits
+        if logits is None:
+            logits = self.model.compute_logits(fwd.hidden[layout.verify_rows.reshape(-1)])
+        logits = logits.view(s, k + 1, -1)
+        # greedy verification reads no sampling tensor: spare their upload
+        sampling = plan.sampling if plan.sampling.all_greedy else plan.sampling.to(self.device)
+        tokens, num_sampled = verify(logits, layout, sampling)
+        drafts = None
+        if self.drafter is not None:
+            last = num_sampled - 1
+            last_rows = layout.verify_rows[:, 0] + last
+            last_tokens = tokens.gather(1, last[:, None]).squeeze(1)
+            if fwd.ctx is None:               # replayed: the draft graph of the same bucket
+                drafts = self.graphs.propose(last_rows, last_tokens)
+            else:
+                drafts = self.drafter.propose(fwd.ctx, layout, fwd.hidden, last_rows, last_tokens)
+        return StepResult.from_verification(plan.step_id, plan.num_reqs, k, layout.sample_rows, tokens,
+                                            num_sampled, drafts)
+

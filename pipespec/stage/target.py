@@ -1,0 +1,31 @@
+"""The target slice: this stage's layers of the target model, built, loaded, and run forward."""
+from __future__ import annotations
+
+import torch
+
+from pipespec.config import EngineConfig
+from pipespec.model.attention import ForwardContext
+from pipespec.model.llama import LlamaForCausalLM
+from pipespec.model.source import ModelSource
+from pipespec.model.weights import init_dummy_weights, load_weights
+
+
+def load_target(source: ModelSource, config: EngineConfig, layer_range: tuple[int, int], max_position: int,
+                dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    model = LlamaForCausalLM(source.arch, layer_range, max_position=max_position)
+    if config.model.load_format == "dummy":
+        init_dummy_weights(model, dtype, device, seed=layer_range[0])
+    else:
+        load_weights(model, source.weights(), dtype, device,
+                     desc=f"Loading layers {layer_range[0]}-{layer_range[1] - 1}")
+    return model.eval()
+
+
+def run_target(model: LlamaForCausalLM, ctx: ForwardContext, input_ids: torch.Tensor,
+               inbound: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Stage 0 embeds `input_ids`; later stages continue from the previous stage's activations
+    `inbound` [2, T, hidden] (hidden, residual). Returns (hidden, residual); on the last stage hidden
+    is final-normed and residual is None."""
+    if model.model.is_first:
+        return model(ctx, input_ids=input_ids)
+    return model(ctx, hidden=inbound[0], residual=inbound[1])

@@ -1,0 +1,51 @@
+"""Choosing the attention backend and CUDA graphs from the config (CPU)."""
+import pytest
+import torch
+
+from pipespec.config import ModelConfig
+from pipespec.model.attention import TorchReferenceBackend
+from pipespec.stage.device import choose_backend
+
+
+def test_auto_on_cpu_is_the_reference_backend():
+    assert isinstance(choose_backend("auto", torch.device("cpu")), TorchReferenceBackend)
+    assert isinstance(choose_backend("torch", torch.device("cpu")), TorchReferenceBackend)
+
+
+def test_triton_on_cpu_is_a_clear_error():
+    with pytest.raises(ValueError, match="attention_backend='triton' needs a CUDA device"):
+        choose_backend("triton", torch.device("cpu"))
+
+
+def test_config_rejects_unknown_backend_and_non_bool_eager():
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        ModelConfig(attention_backend="flash")
+    with pytest.raises(ValueError, match="enforce_eager must be a bool"):
+        ModelConfig(enforce_eager="yes")
+
+
+def test_cpu_engine_runs_eagerly(llm):
+    stage = llm.engine.executor.stage
+    assert isinstance(stage.backend, TorchReferenceBackend) and stage.graphs is None
+
+
+def test_a_stage_holding_a_tensor_on_another_device_is_named(tiny_models):
+    """The check `allocate_kv_cache` runs: every tensor a stage holds is on the stage's device (on
+    CPU a 'meta' tensor stands in for another GPU)."""
+    from pipespec.config import EngineConfig
+    from pipespec.model.source import resolve_model
+    from pipespec.stage import Stage
+    from pipespec.stage.device import tensors_off_device
+
+    folder = tiny_models["llama"][0]
+    source = resolve_model(str(folder))
+    config = EngineConfig.from_kwargs(model=str(folder), dtype="float32", device="cpu", num_kv_blocks=4)
+    stage = Stage(source, config, (0, 3), 64)
+    stage.allocate_kv_cache(4)
+    assert tensors_off_device(stage, stage.device) == []
+    stage.kv_caches[1].value = torch.empty(stage.kv_caches[1].value.shape, device="meta")
+    stage.model.model.norm.weight = torch.nn.Parameter(stage.model.model.norm.weight.to("meta"))
+    assert tensors_off_device(stage, stage.device) == ["stage.model.model.norm.weight on meta",
+                                                       "stage.kv_caches.1.value on meta"]
+    with pytest.raises(RuntimeError, match=r"stage on cpu holds tensors elsewhere: stage\.model\.model\.norm\.weight on meta"):
+        stage.allocate_kv_cache(4)
