@@ -70,7 +70,9 @@ def throughput(model, args, report):
         row = {"batch": batch, "pp1_tokens_per_s": round(med[1], 1), "pp2_tokens_per_s": round(med[2], 1),
                "pp2_over_pp1": round(med[2] / med[1], 3),
                "pp2_stage_busy": [round(statistics.median(r["busy"][i] for r in runs[2]), 3) for i in range(2)],
-               "pp2_driver_wait": round(statistics.median(r["driver_wait"] for r in runs[2]), 3)}
+               "pp2_driver_wait": round(statistics.median(r["driver_wait"] for r in runs[2]), 3),
+               # greedy equal to PP = 1 (larger batches split into micro-batches, whose bf16 sums may differ)
+               "greedy_identical": runs[1][0]["outputs"] == runs[2][0]["outputs"]}
         report["speed"].append(row)
         print(json.dumps(row), flush=True)
     for llm in engines.values():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+import numpy as np
 import torch
 
 from pipespec.plan import StepPlan
@@ -51,21 +52,21 @@ class StepLayout:
 
     @classmethod
     def from_plan(cls, plan: StepPlan, num_spec_tokens: int) -> "StepLayout":
-        """The layout of a host plan, on the host (`to` moves it)."""
+        """The layout of a host plan, on the host (`to` moves it). Worked out with numpy on the
+        plan's memory: a step pays this on the host, ~5x less than with torch ops on tiny tensors."""
         k = num_spec_tokens
-        width = k + 1
-        drafts = plan.num_drafts[plan.sample_rows]
-        last = plan.query_start_loc[plan.sample_rows + 1] - 1          # each sampler's last row
-        first = last - drafts
-        offsets = torch.arange(width)[None, :]
-        verify_rows = first[:, None] + torch.minimum(offsets, drafts[:, None])
+        qsl, samplers = plan.query_start_loc.numpy(), plan.sample_rows.numpy()
+        drafts = plan.num_drafts.numpy()[samplers]
+        first = qsl[samplers + 1] - 1 - drafts                   # each sampler's last non-draft row
+        verify_rows = first[:, None] + np.minimum(np.arange(k + 1)[None, :], drafts[:, None])
+        ids = plan.input_ids.numpy()
         return cls(num_spec_tokens=k, input_ids=plan.input_ids, positions=plan.positions,
                    slot_mapping=plan.slot_mapping, query_start_loc=plan.query_start_loc,
                    seq_lens=plan.seq_lens, block_tables=plan.block_tables,
-                   max_query_len=plan.max_query_len(), sample_rows=plan.sample_rows,
-                   verify_rows=verify_rows, num_drafts=drafts,
-                   draft_ids=plan.input_ids[verify_rows[:, 1:]],
-                   mtp_input_ids=shift_left(plan.input_ids, plan.query_start_loc, plan.next_token_ids))
+                   max_query_len=int((qsl[1:] - qsl[:-1]).max()) if len(qsl) > 1 else 0,
+                   sample_rows=plan.sample_rows, verify_rows=torch.from_numpy(verify_rows),
+                   num_drafts=torch.from_numpy(drafts), draft_ids=torch.from_numpy(ids[verify_rows[:, 1:]]),
+                   mtp_input_ids=torch.from_numpy(_shift_left(ids, qsl, plan.next_token_ids.numpy())))
 
     def to(self, device: torch.device) -> "StepLayout":
         if device.type == "cpu":
@@ -84,11 +85,16 @@ class StepLayout:
         return torch.where(real, self.draft_ids, torch.full_like(self.draft_ids, -1))
 
 
-def shift_left(input_ids: torch.Tensor, query_start_loc: torch.Tensor, next_token_ids: torch.Tensor):
+def _shift_left(ids: np.ndarray, qsl: np.ndarray, next_token_ids: np.ndarray) -> np.ndarray:
     """Row t's next token: the row after it, or at a request's last row the known next token (a
     prefill chunk that does not end its prompt). Where that token is still to be sampled the row holds
     a placeholder, which the drafter overwrites with the sampled token after verification."""
-    shifted = torch.roll(input_ids, -1)
-    ends = query_start_loc[1:] - 1
-    shifted[ends] = torch.where(next_token_ids >= 0, next_token_ids, shifted[ends])
+    shifted = np.concatenate((ids[1:], ids[:1]))        # np.roll, without its ~10 us of overhead
+    ends = qsl[1:] - 1
+    shifted[ends] = np.where(next_token_ids >= 0, next_token_ids, shifted[ends])
     return shifted
+
+
+def shift_left(input_ids: torch.Tensor, query_start_loc: torch.Tensor, next_token_ids: torch.Tensor):
+    """`_shift_left` on host tensors."""
+    return torch.from_numpy(_shift_left(input_ids.numpy(), query_start_loc.numpy(), next_token_ids.numpy()))

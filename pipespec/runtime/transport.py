@@ -204,6 +204,7 @@ class Link:
             tensor = tensor.to("cpu")
         tensor = tensor.contiguous()
         works, keep = [], [tensor]
+        on_gpu = _is_nccl(pg)
         if self.recorder is not None:
             seq = self.recorder.record("send", group, dst, op, tensor.shape, tensor.dtype)
             desc = symmetry.encode(seq, op, tensor.shape, tensor.dtype)
@@ -212,7 +213,7 @@ class Link:
             keep.append(desc)
             works.append(pg.send([desc], dst, 0))
         works.append(pg.send([tensor], dst, 0))
-        return Pending(works, keep, f"{op} to rank {dst}")
+        return Pending(works, keep, f"{op} to rank {dst}", on_gpu)
 
     def recv(self, shape, dtype: torch.dtype, src: int, op: str, timeout: float) -> torch.Tensor:
         group = self._group(op)
@@ -221,7 +222,7 @@ class Link:
         if self.recorder is not None:
             seq = self.recorder.record("recv", group, src, op, shape, dtype)
             desc = torch.empty(symmetry.DESCRIPTOR_LEN, dtype=torch.int64, device=device)
-            _wait(pg.recv([desc], src, 0), timeout, f"{op} descriptor from rank {src}")
+            _wait(pg.recv([desc], src, 0), timeout, f"{op} descriptor from rank {src}", _is_nccl(pg))
             got = symmetry.decode(desc.cpu())
             want = (seq, op, tuple(shape), dtype)
             if got != want:
@@ -230,7 +231,7 @@ class Link:
                     f"from rank {src}, but rank {src} sent {symmetry.describe(got[1], got[2], got[3])} "
                     f"(#{got[0]})")
         buf = torch.empty(tuple(shape), dtype=dtype, device=device)
-        _wait(pg.recv([buf], src, 0), timeout, f"{op} from rank {src}")
+        _wait(pg.recv([buf], src, 0), timeout, f"{op} from rank {src}", _is_nccl(pg))
         if group == "data" and self.data_on_host:
             buf = buf.to(self.data_device)
         return buf
@@ -239,12 +240,12 @@ class Link:
 class Pending:
     """Sends in flight; their buffers stay referenced until they complete."""
 
-    def __init__(self, works, keep, what: str):
-        self.works, self.keep, self.what = works, keep, what
+    def __init__(self, works, keep, what: str, on_gpu: bool = False):
+        self.works, self.keep, self.what, self.on_gpu = works, keep, what, on_gpu
 
     def wait(self, timeout: float) -> None:
         for work in self.works:
-            _wait(work, timeout, self.what, sending=True)
+            _wait(work, timeout, self.what, self.on_gpu, sending=True)
         self.works, self.keep = [], []
 
 
@@ -266,8 +267,20 @@ class SendQueue:
             self._q.popleft().wait(self.timeout if timeout is None else timeout)
 
 
-def _wait(work, timeout: float, what: str, sending: bool = False) -> None:
+def _wait(work, timeout: float, what: str, on_gpu: bool = False, sending: bool = False) -> None:
+    """Wait for a message, at most `timeout` seconds.
+
+    An NCCL transfer is waited for on the GPU, not the host: `wait()` without a timeout only orders
+    the current stream after it, so a stage enqueues its step while the activations are still on
+    their way. (Given a timeout, NCCL's wait polls from the host in millisecond sleeps: measured,
+    that put ~2 ms on every pipeline step.) Such a wait is bounded all the same: the NCCL group's
+    watchdog aborts a transfer older than the stage timeout (`launch.data_group`), and the host's
+    next read of a result (gloo, with a timeout) fails then.
+    """
     try:
+        if on_gpu:
+            work.wait()
+            return
         work.wait(_td(timeout))
     except RuntimeError as e:
         text = str(e)

@@ -186,7 +186,7 @@ class CudaGraphs:
         if layout.block_tables.shape[1] > self.ints.block_tables.shape[1] or layout.max_query_len != q:
             return False
         if is_last:   # every request samples, verifying all K drafts
-            return layout.num_samplers == b and bool((layout.num_drafts == self.num_spec_tokens).all())
+            return layout.num_samplers == b and bool((layout.num_drafts.numpy() == self.num_spec_tokens).all())
         return True
 
     def _bucket(self, n: int) -> int:
