@@ -6,6 +6,7 @@ tensors it is asked for, so each pipeline stage touches just its own slice of th
 from __future__ import annotations
 
 import json
+import zlib
 from pathlib import Path
 from typing import Protocol
 
@@ -84,12 +85,15 @@ def load_weights(model: torch.nn.Module, source: WeightSource, dtype: torch.dtyp
 @torch.no_grad()
 def init_dummy_weights(model: torch.nn.Module, dtype: torch.dtype, device, seed: int = 0) -> None:
     """Random weights of the right shapes, made on the device (`load_format="dummy"`): norms 1,
-    everything else N(0, 0.02), so activations stay finite through any depth."""
+    everything else N(0, 0.02), so activations stay finite through any depth. Each tensor is drawn
+    from a generator keyed by its (global) name, so a model is the same however its layers are
+    split into stages."""
     model.to(device=device)
-    gen = torch.Generator(device=device).manual_seed(seed)
+    gen = torch.Generator(device=device)
     for name, param in model.named_parameters():
         param.data = torch.empty(param.shape, dtype=dtype, device=device)
         if "norm" in name.rsplit(".", 2)[-2]:
             param.data.fill_(1.0)
         else:
+            gen.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
             param.data.normal_(0.0, 0.02, generator=gen)

@@ -14,7 +14,7 @@ def load_target(source: ModelSource, config: EngineConfig, layer_range: tuple[in
                 dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
     model = LlamaForCausalLM(source.arch, layer_range, max_position=max_position)
     if config.model.load_format == "dummy":
-        init_dummy_weights(model, dtype, device, seed=layer_range[0])
+        init_dummy_weights(model, dtype, device)
     else:
         load_weights(model, source.weights(), dtype, device,
                      desc=f"Loading layers {layer_range[0]}-{layer_range[1] - 1}")
