@@ -1,4 +1,8 @@
-"""Command line: `pipespec generate | train-mtp | eval-mtp ...` (serve and bench join as they land)."""
+"""pipespec: an LLM inference engine with MTP speculative decoding under pipeline parallelism.
+
+Commands: generate (complete prompts), serve (OpenAI-compatible server), bench (latency, throughput,
+serve load), train-mtp and eval-mtp (draft heads). `pipespec COMMAND --help` lists each one's flags.
+"""
 from __future__ import annotations
 
 import argparse
@@ -10,21 +14,31 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Engine flags shared by every command, named as vLLM names them."""
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None, help="Hugging Face folder or GGUF file (default: SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and activations; auto: float32 on CPU, bfloat16 on GPU")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt plus output, in tokens (default: the model's context length)")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
                    help="auto: Triton paged-attention kernels on CUDA, PyTorch reference elsewhere")
     g.add_argument("--enforce-eager", action="store_true", help="do not capture or replay CUDA graphs")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights of the model's shapes, nothing read (for benchmarks)")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--num-kv-blocks", type=int, default=None)
-    g.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    g.add_argument("--no-chunked-prefill", action="store_true")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    g.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="KV cache blocks (default: from --kv-cache-memory on CPU, free memory on GPU)")
+    g.add_argument("--kv-cache-memory", type=int, default=None,
+                   help="bytes for the KV cache on CPU (default: 1 GiB)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of GPU memory for weights, activations and KV cache")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
+    g.add_argument("--max-num-batched-tokens", type=int, default=1024, help="token budget of one step")
+    g.add_argument("--long-prefill-token-threshold", type=int, default=None,
+                   help="most prompt tokens one request's prefill chunk takes in a step while other "
+                        "requests are running or waiting, so a long prompt does not hold them back; "
+                        "0: no limit (default: a quarter of --max-num-batched-tokens)")
+    g.add_argument("--no-chunked-prefill", action="store_true",
+                   help="prefill each prompt in one step (it must fit --max-num-batched-tokens)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='MTP speculative decoding, e.g. \'{"method": "mtp", "num_speculative_tokens": 3}\' '
                         '(add "model": PATH for a head file)')
@@ -34,11 +48,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     pp.add_argument("--pp-layer-partition", default=None, metavar="N,N,...",
                     help="layers of each stage, e.g. 10,10,10 (default: as even as possible)")
     pp.add_argument("--stage-timeout", type=float, default=30.0,
-                    help="seconds a stage may stay silent before the engine fails (default: 30)")
+                    help="seconds a stage may stay silent before the engine fails")
     pp.add_argument("--distributed-backend", default="auto", choices=["auto", "gloo", "nccl"],
                     help="activations between stages: auto = nccl on CUDA, gloo on CPU")
     pp.add_argument("--threads-per-stage", type=int, default=None,
-                    help="CPU threads of each stage (default: torch's for one stage, cores / stages for more)")
+                    help="CPU threads of each stage (default: the cores this process may use, from its "
+                         "CPU affinity and cgroup quota, divided among the stages that share them)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -49,6 +64,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_chunked_prefill=not args.no_chunked_prefill,
+                long_prefill_token_threshold=args.long_prefill_token_threshold,
                 pipeline_parallel_size=_pipeline_size(args.pipeline_parallel_size),
                 pp_layer_partition=args.pp_layer_partition, stage_timeout=args.stage_timeout,
                 distributed_backend=args.distributed_backend, threads_per_stage=args.threads_per_stage,
@@ -63,22 +79,40 @@ def _pipeline_size(asked: int | None) -> int:
     return env.world_size if env is not None else 1
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every flag's help ends with its default (vLLM's --help shows them too); switches and flags
+    without a default say nothing."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (default is None or default is argparse.SUPPRESS or isinstance(default, bool)
+                or not action.option_strings or "default" in text):
+            return text
+        return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pipespec", description=__doc__)
+    from pipespec import __version__
+
+    parser = argparse.ArgumentParser(prog="pipespec", description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"pipespec {__version__}")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="complete prompts and print the completions")
     add_engine_args(gen)
     s = gen.add_argument_group("sampling")
-    s.add_argument("--max-tokens", type=int, default=64)
-    s.add_argument("--temperature", type=float, default=0.0)
-    s.add_argument("--top-p", type=float, default=1.0)
-    s.add_argument("--top-k", type=int, default=-1)
-    s.add_argument("--min-p", type=float, default=0.0)
-    s.add_argument("--seed", type=int, default=None)
+    s.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt at most")
+    s.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    s.add_argument("--top-k", type=int, default=-1, help="-1: all tokens")
+    s.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this fraction of the top one")
+    s.add_argument("--seed", type=int, default=None,
+                   help="seed of each prompt's sampling: the same seed draws the same text "
+                        "(default: fresh randomness every run)")
     s.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    s.add_argument("--ignore-eos", action="store_true")
+    s.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
     gen.add_argument("prompts", nargs="+", metavar="PROMPT")
     gen.set_defaults(func=_generate)
@@ -93,7 +127,19 @@ def build_parser() -> argparse.ArgumentParser:
     ev.set_defaults(func=_eval_mtp)
     from pipespec.server.serve import add_serve_parser
     add_serve_parser(sub, add_engine_args)
+    from pipespec.bench.cli import add_bench_parser
+    add_bench_parser(sub, add_engine_args)
+    _use_formatter(parser)
     return parser
+
+
+def _use_formatter(parser: argparse.ArgumentParser) -> None:
+    """Give every subcommand's parser (at any depth) the formatter that shows defaults."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                sub.formatter_class = HelpFormatter
+                _use_formatter(sub)
 
 
 def _train_mtp(args) -> int:
@@ -138,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
         if worker is not None:
             return worker
         return args.func(args)
+    except KeyboardInterrupt:       # Ctrl-C: the engine has stopped its stages on the way out
+        print("\ninterrupted", file=sys.stderr)
+        return 130
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

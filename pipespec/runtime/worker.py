@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 
 from pipespec.runtime import launch
+from pipespec.runtime.spawned_worker import prepare_spawned_worker
 from pipespec.runtime.transport import (HEADER_LEN, IDLE_TIMEOUT, Link, Op, SendQueue, StageError,
                                         activation_shape, payload_len, result_shape, unpack_plan)
 
@@ -71,7 +72,7 @@ def error_text(exc: BaseException) -> str:
 
 def spawn_entry(rank: int, host: str, port: int, make_stage: Callable, settings: WorkerSettings) -> None:
     """Target of a spawned worker process."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    prepare_spawned_worker()
     _configure_logging(settings.log_level)
     _exit_with_parent()
     try:
