@@ -54,7 +54,8 @@ class LiveServer:
         raise RuntimeError(f"server did not become healthy within {startup:g} s")
 
     def output(self) -> str:
-        self.log.flush()
+        if not self.log.closed:
+            self.log.flush()
         return self.log_path.read_text() if self.log_path is not None else ""
 
     def stage_pids(self) -> list[int]:

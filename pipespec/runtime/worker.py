@@ -25,8 +25,9 @@ from typing import Callable
 import torch
 
 from pipespec.runtime import launch
+from pipespec.runtime.idle import next_plan_header
 from pipespec.runtime.spawned_worker import prepare_spawned_worker
-from pipespec.runtime.transport import (HEADER_LEN, IDLE_TIMEOUT, Link, Op, SendQueue, StageError,
+from pipespec.runtime.transport import (Link, Op, SendQueue, StageError,
                                         activation_shape, payload_len, result_shape, unpack_plan)
 
 logger = logging.getLogger(__name__)
@@ -144,7 +145,9 @@ def serve(rank: int, link: Link, stage, settings: WorkerSettings, store) -> None
     busy = cpu = 0.0
     steps, started = 0, time.perf_counter()
     while True:
-        header = link.recv((HEADER_LEN,), torch.int64, 0, "plan.header", IDLE_TIMEOUT)
+        header = next_plan_header(link, rank)
+        if header is None:
+            return
         op = int(header[0])
         if op == Op.STOP:
             sends.drain()
