@@ -24,9 +24,11 @@ from pipespec.engine.request import Request
 from pipespec.engine.scheduler import ScheduledBatch, Scheduler
 from pipespec.engine.seeds import engine_seed_base, unseeded_request_seed
 from pipespec.engine.spec_stats import SpecDecodeStats
+from pipespec.model.run_dtype import weights_dtype
 from pipespec.model.runner import StageRunner
 from pipespec.model.source import ModelSource, resolve_model
 from pipespec.runtime import launch, symmetry
+from pipespec.runtime.cpu_threads import capped_threads, stage_threads, usable_cores
 from pipespec.runtime.executor import Executor, LocalExecutor
 from pipespec.runtime.pipeline_executor import PipelineExecutor
 from pipespec.runtime.transport import StageError
@@ -89,11 +91,8 @@ def _with_device(config: EngineConfig, device: str) -> EngineConfig:
 def _worker_settings(config: EngineConfig, hidden_size: int, env: launch.TorchrunEnv | None) -> WorkerSettings:
     par = config.parallel
     p = par.pipeline_parallel_size
-    threads = par.threads_per_stage
     on_cpu = config.model.device == "cpu" or (config.model.device == "auto" and not torch.cuda.is_available())
-    if threads is None and on_cpu:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        threads = max(1, cores // (env.local_world_size if env is not None else p))
+    threads = stage_threads(par.threads_per_stage, on_cpu, env.local_world_size if env is not None else p)
     return WorkerSettings(world_size=p, hidden_size=hidden_size, stage_timeout=par.stage_timeout,
                           startup_timeout=par.startup_timeout, backend=par.distributed_backend,
                           threads=threads, check=symmetry.enabled_from_env(),
@@ -114,8 +113,7 @@ def build_executor(config: EngineConfig, source: ModelSource, max_model_len: int
     par = config.parallel
     ranges = par.layer_ranges(source.arch.num_layers)
     if par.pipeline_parallel_size == 1:
-        if par.threads_per_stage:
-            torch.set_num_threads(par.threads_per_stage)
+        torch.set_num_threads(par.threads_per_stage or capped_threads(torch.get_num_threads(), usable_cores()))
         return LocalExecutor(functools.partial(StageRunner, source, config, ranges[0], max_model_len))
     env = _torchrun_env(config)
     if env is not None and env.rank != 0:
@@ -137,7 +135,7 @@ def run_stage_worker(config: EngineConfig) -> int:
     env = _torchrun_env(config)
     if env is None or env.rank == 0:
         raise RuntimeError("run_stage_worker is for ranks > 0 of a torchrun launch")
-    source = resolve_model(config.model.model)
+    source = resolve_model(config.model.model, weights_dtype(config))
     max_model_len = _max_model_len(config.model.max_model_len, source.arch.max_position)
     ranges = config.parallel.layer_ranges(source.arch.num_layers)
     make_stage = functools.partial(StageRunner, source, _stage_config(config, env.rank, env), ranges[env.rank],
@@ -149,7 +147,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         t0 = time.perf_counter()
-        source = resolve_model(config.model.model)
+        source = resolve_model(config.model.model, weights_dtype(config))
         self.model_name = source.name
         self.arch = source.arch
         self.tokenizer = source.tokenizer()
