@@ -58,11 +58,6 @@ class AsyncEngine:
         return self.error is None and self._thread.is_alive()
 
     @property
-    def num_pending(self) -> int:
-        with self._lock:
-            return len(self._streams)
-
-    @property
     def num_waiting(self) -> int:
         """Requests not running yet: posted but not taken by the engine thread, or in the scheduler's
         queue (reading a deque's length from this thread is safe)."""
