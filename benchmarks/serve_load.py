@@ -5,6 +5,8 @@ Usage:
   python benchmarks/serve_load.py [--url http://127.0.0.1:8000] [--concurrency 1 8 32]
          [--requests-per-client 2] [--max-tokens 64] [--server-args "..."]
 Without --url it starts `python -m pipespec serve` itself on a free port (with --server-args).
+The requests and their measurement are `pipespec bench serve`'s (pipespec/bench/serve.py); this script
+adds the concurrency sweep and starting the server.
 """
 from __future__ import annotations
 
@@ -16,41 +18,32 @@ import platform
 import shlex
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import time
 
 import httpx
 
-
-async def one_request(client: httpx.AsyncClient, url: str, i: int, max_tokens: int) -> dict:
-    body = {"prompt": f"Write a short story about robot number {i} who learns to paint.",
-            "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "stream": True}
-    t0 = time.perf_counter()
-    stamps = []
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                if json.loads(line[6:])["choices"][0]["text"]:
-                    stamps.append(time.perf_counter())
-    return {"ttft": stamps[0] - t0, "itl": [b - a for a, b in zip(stamps, stamps[1:])],
-            "tokens": max_tokens, "end": time.perf_counter()}
+from pipespec.bench.serve import run_load, summarize
 
 
-async def level(url: str, concurrency: int, per_client: int, max_tokens: int) -> dict:
-    async with httpx.AsyncClient(timeout=600) as client:
-        async def worker(w):
-            return [await one_request(client, url, w * 1000 + k, max_tokens) for k in range(per_client)]
-        t0 = time.perf_counter()
-        results = [r for rs in await asyncio.gather(*(worker(w) for w in range(concurrency))) for r in rs]
-        wall = time.perf_counter() - t0
-    itl = [x for r in results for x in r["itl"]]
+def story_prompts(n: int, offset: int = 0) -> list[str]:
+    return [f"Write a short story about robot number {offset + i} who learns to paint." for i in range(n)]
+
+
+def level(url: str, concurrency: int, per_client: int, max_tokens: int) -> dict:
+    """`concurrency` clients, each sending `per_client` requests one after another: the load
+    generator of `pipespec bench serve` with at most `concurrency` requests in flight."""
+    prompts = story_prompts(concurrency * per_client)
+    results, wall = asyncio.run(run_load(url, prompts, max_tokens, max_concurrency=concurrency))
+    failed = [r.error for r in results if not r.ok]
+    if failed:
+        raise RuntimeError(f"{len(failed)} requests failed: {failed[0]}")
+    s = summarize(results, wall, percentiles=())
     return {"concurrency": concurrency, "requests": len(results),
-            "ttft_ms_median": round(1000 * statistics.median(r["ttft"] for r in results), 1),
-            "itl_ms_median": round(1000 * statistics.median(itl), 1) if itl else None,
-            "output_tokens_per_s": round(sum(r["tokens"] for r in results) / wall, 1)}
+            "ttft_ms_median": round(s["median_ttft_ms"], 1),
+            "itl_ms_median": round(s["median_itl_ms"], 1) if s["median_itl_ms"] is not None else None,
+            "output_tokens_per_s": round(s["output_throughput"], 1)}
 
 
 def start_server(server_args: str) -> tuple[subprocess.Popen, str]:
@@ -81,8 +74,8 @@ def main():
     args = ap.parse_args()
     proc, url = (None, args.url) if args.url else start_server(args.server_args)
     try:
-        asyncio.run(level(url, 1, 1, 4))     # warm-up
-        rows = [asyncio.run(level(url, c, args.requests_per_client, args.max_tokens)) for c in args.concurrency]
+        level(url, 1, 1, 4)     # warm-up
+        rows = [level(url, c, args.requests_per_client, args.max_tokens) for c in args.concurrency]
     finally:
         if proc is not None:
             os.killpg(proc.pid, signal.SIGTERM)

@@ -1,4 +1,8 @@
-"""Command line: `pipespec generate | train-mtp | eval-mtp ...` (serve and bench join as they land)."""
+"""pipespec: an LLM inference engine with MTP speculative decoding under pipeline parallelism.
+
+Commands: generate (complete prompts), serve (OpenAI-compatible server), bench (latency, throughput,
+serve load), train-mtp and eval-mtp (draft heads). `pipespec COMMAND --help` lists each one's flags.
+"""
 from __future__ import annotations
 
 import argparse
@@ -8,22 +12,40 @@ import sys
 from pipespec.engine.args import add_engine_args, engine_kwargs
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every flag's help ends with its default (vLLM's --help shows them too); switches and flags
+    without a default say nothing."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (default is None or default is argparse.SUPPRESS or isinstance(default, bool)
+                or not action.option_strings or "default" in text):
+            return text
+        return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pipespec", description=__doc__)
+    from pipespec import __version__
+
+    parser = argparse.ArgumentParser(prog="pipespec", description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"pipespec {__version__}")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="complete prompts and print the completions")
     add_engine_args(gen)
     s = gen.add_argument_group("sampling")
-    s.add_argument("--max-tokens", type=int, default=64)
-    s.add_argument("--temperature", type=float, default=0.0)
-    s.add_argument("--top-p", type=float, default=1.0)
-    s.add_argument("--top-k", type=int, default=-1)
-    s.add_argument("--min-p", type=float, default=0.0)
-    s.add_argument("--seed", type=int, default=None)
+    s.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt at most")
+    s.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    s.add_argument("--top-k", type=int, default=-1, help="-1: all tokens")
+    s.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this fraction of the top one")
+    s.add_argument("--seed", type=int, default=None,
+                   help="seed of each prompt's sampling: the same seed draws the same text "
+                        "(default: fresh randomness every run)")
     s.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    s.add_argument("--ignore-eos", action="store_true")
+    s.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
     gen.add_argument("prompts", nargs="+", metavar="PROMPT")
     gen.set_defaults(func=_generate)
@@ -38,7 +60,19 @@ def build_parser() -> argparse.ArgumentParser:
     ev.set_defaults(func=_eval_mtp)
     from pipespec.server.serve import add_serve_parser
     add_serve_parser(sub, add_engine_args)
+    from pipespec.bench.cli import add_bench_parser
+    add_bench_parser(sub, add_engine_args)
+    _use_formatter(parser)
     return parser
+
+
+def _use_formatter(parser: argparse.ArgumentParser) -> None:
+    """Give every subcommand's parser (at any depth) the formatter that shows defaults."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                sub.formatter_class = HelpFormatter
+                _use_formatter(sub)
 
 
 def _train_mtp(args) -> int:
@@ -83,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
         if worker is not None:
             return worker
         return args.func(args)
+    except KeyboardInterrupt:       # Ctrl-C: the engine has stopped its stages on the way out
+        print("\ninterrupted", file=sys.stderr)
+        return 130
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

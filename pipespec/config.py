@@ -33,7 +33,9 @@ class ModelConfig:
     dtype: str = "auto"               # auto: float32 on CPU, the checkpoint's (or bf16) on GPU
     device: str = "auto"              # auto: cuda if available, else cpu
     max_model_len: int | None = None  # None: the model's context length
-    seed: int = 0                     # seeds requests that do not bring their own seed
+    # seeds the requests that bring no seed of their own: an engine given a seed draws the same
+    # text run after run; None (vLLM's default) draws a fresh seed per engine
+    seed: int | None = None
     attention_backend: str = "auto"   # auto: triton on CUDA (when installed), torch elsewhere
     enforce_eager: bool = False       # True: never replay CUDA graphs (GPU decode runs op by op)
     load_format: str = "auto"         # dummy: random weights of the checkpoint's shapes (benchmarks)
@@ -47,6 +49,8 @@ class ModelConfig:
         _require(isinstance(self.enforce_eager, bool), f"enforce_eager must be a bool, got {self.enforce_eager!r}")
         _require(self.max_model_len is None or self.max_model_len >= 2,
                  f"max_model_len must be >= 2, got {self.max_model_len}")
+        _require(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)),
+                 f"seed must be an integer or None, got {self.seed!r}")
 
 
 @dataclass(frozen=True)
@@ -72,11 +76,23 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 1024   # token budget of one step
     max_num_seqs: int = 64               # requests running at once
     enable_chunked_prefill: bool = True
+    # most prompt tokens one request's prefill chunk takes in a step while the engine holds other
+    # requests (vLLM's name); None: a quarter of the step budget, 0: no limit
+    long_prefill_token_threshold: int | None = None
 
     def __post_init__(self):
         _require(self.max_num_batched_tokens >= 1,
                  f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        t = self.long_prefill_token_threshold
+        _require(t is None or (isinstance(t, int) and not isinstance(t, bool) and t >= 0),
+                 f"long_prefill_token_threshold must be an integer >= 0, got {t!r}")
+
+    @property
+    def prefill_chunk_limit(self) -> int:
+        """Tokens a prefill chunk may take while it shares the engine (0: the whole budget)."""
+        t = self.long_prefill_token_threshold
+        return max(1, self.max_num_batched_tokens // 4) if t is None else t
 
 
 _BACKENDS = ("auto", "gloo", "nccl")

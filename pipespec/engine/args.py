@@ -9,21 +9,31 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Engine flags shared by every command, named as vLLM names them."""
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None, help="Hugging Face folder or GGUF file (default: SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and activations; auto: float32 on CPU, bfloat16 on GPU")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt plus output, in tokens (default: the model's context length)")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
                    help="auto: Triton paged-attention kernels on CUDA, PyTorch reference elsewhere")
     g.add_argument("--enforce-eager", action="store_true", help="do not capture or replay CUDA graphs")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights of the model's shapes, nothing read (for benchmarks)")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--num-kv-blocks", type=int, default=None)
-    g.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    g.add_argument("--no-chunked-prefill", action="store_true")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    g.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="KV cache blocks (default: from --kv-cache-memory on CPU, free memory on GPU)")
+    g.add_argument("--kv-cache-memory", type=int, default=None,
+                   help="bytes for the KV cache on CPU (default: 1 GiB)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of GPU memory for weights, activations and KV cache")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
+    g.add_argument("--max-num-batched-tokens", type=int, default=1024, help="token budget of one step")
+    g.add_argument("--long-prefill-token-threshold", type=int, default=None,
+                   help="most prompt tokens one request's prefill chunk takes in a step while other "
+                        "requests are running or waiting, so a long prompt does not hold them back; "
+                        "0: no limit (default: a quarter of --max-num-batched-tokens)")
+    g.add_argument("--no-chunked-prefill", action="store_true",
+                   help="prefill each prompt in one step (it must fit --max-num-batched-tokens)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='MTP speculative decoding, e.g. \'{"method": "mtp", "num_speculative_tokens": 3}\' '
                         '(add "model": PATH for a head file)')
@@ -33,11 +43,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     pp.add_argument("--pp-layer-partition", default=None, metavar="N,N,...",
                     help="layers of each stage, e.g. 10,10,10 (default: as even as possible)")
     pp.add_argument("--stage-timeout", type=float, default=30.0,
-                    help="seconds a stage may stay silent before the engine fails (default: 30)")
+                    help="seconds a stage may stay silent before the engine fails")
     pp.add_argument("--distributed-backend", default="auto", choices=["auto", "gloo", "nccl"],
                     help="activations between stages: auto = nccl on CUDA, gloo on CPU")
     pp.add_argument("--threads-per-stage", type=int, default=None,
-                    help="CPU threads of each stage (default: torch's for one stage, cores / stages for more)")
+                    help="CPU threads of each stage (default: the cores this process may use, from its "
+                         "CPU affinity and cgroup quota, divided among the stages that share them)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -48,6 +59,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_chunked_prefill=not args.no_chunked_prefill,
+                long_prefill_token_threshold=args.long_prefill_token_threshold,
                 pipeline_parallel_size=_pipeline_size(args.pipeline_parallel_size),
                 pp_layer_partition=args.pp_layer_partition, stage_timeout=args.stage_timeout,
                 distributed_backend=args.distributed_backend, threads_per_stage=args.threads_per_stage,

@@ -17,8 +17,10 @@ from pipespec.engine.detokenizer import IncrementalDetokenizer
 from pipespec.engine.outputs import CompletionOutput, RequestOutput
 from pipespec.engine.request import Request
 from pipespec.engine.scheduler import ScheduledBatch, Scheduler
+from pipespec.engine.seeds import engine_seed_base, unseeded_request_seed
 from pipespec.engine.spec_stats import SpecDecodeStats
 from pipespec.engine.stages import build_executor, check_max_model_len
+from pipespec.model.placement import weights_dtype
 from pipespec.model.source import resolve_model
 from pipespec.plan import position_margin
 from pipespec.runtime.pipeline_executor import PipelineExecutor
@@ -26,8 +28,6 @@ from pipespec.runtime.transport import StageError
 from pipespec.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-_SEED_MIX = 0x9E3779B97F4A7C15
 
 
 class EngineDeadError(RuntimeError):
@@ -42,7 +42,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         t0 = time.perf_counter()
-        source = resolve_model(config.model.model)
+        source = resolve_model(config.model.model, weights_dtype(config))
         self.model_name = source.name
         self.arch = source.arch
         self.tokenizer = source.tokenizer()
@@ -77,10 +77,10 @@ class LLMEngine:
                                    num_micro_batches=self.executor.max_in_flight,
                                    num_spec_tokens=config.num_spec_tokens)
         self.spec_stats = SpecDecodeStats(config.num_spec_tokens)
-        self._spec_logged = 0.0
         self.requests: dict[str, Request] = {}
         self._in_flight: deque[ScheduledBatch] = deque()
         self._arrivals = itertools.count()
+        self._seed_base = engine_seed_base(config.model.seed)
         logger.info("engine ready: %s, %d layers, max_model_len=%d, %d KV blocks, in %.1fs",
                     self.model_name, source.arch.num_layers, self.max_model_len, num_blocks,
                     time.perf_counter() - t0)
@@ -137,7 +137,7 @@ class LLMEngine:
                                  f"tokens and max_model_len is {self.max_model_len}, leaving {max_tokens}")
             max_tokens = params.max_tokens
         arrival = next(self._arrivals)
-        seed = params.seed if params.seed is not None else (self.config.model.seed * _SEED_MIX + arrival) % 2**63
+        seed = params.seed if params.seed is not None else unseeded_request_seed(self._seed_base, arrival)
         req = Request(request_id, text, ids, params, seed, max_tokens, frozenset(self.tokenizer.eos_token_ids))
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         return req
@@ -188,7 +188,7 @@ class LLMEngine:
             raise self._die(str(e)) from None
         except BaseException as e:
             if getattr(self.executor, "failed", False):   # interrupted mid-step: the pipeline is gone
-                self._die(f"interrupted ({type(e).__name__})")
+                self._die(f"interrupted ({type(e).__name__})", level=logging.DEBUG)   # the user knows
             raise
         if result.step_id != batch.plan.step_id:
             raise RuntimeError(f"result of step {result.step_id} arrived for step {batch.plan.step_id}")
@@ -234,7 +234,7 @@ class LLMEngine:
         return RequestOutput(req.request_id, req.prompt, req.token_ids[:req.num_prompt_tokens],
                              [completion], req.finished, error)
 
-    def _die(self, reason: str) -> EngineDeadError:
+    def _die(self, reason: str, level: int = logging.ERROR) -> EngineDeadError:
         """A stage failed: abort every pending request with the error, stop all stages."""
         message = f"pipeline failure: {reason}"
         outputs = []
@@ -251,13 +251,11 @@ class LLMEngine:
             self.executor.shutdown()
         except Exception as e:   # noqa: BLE001 - the first failure is the one to report
             logger.warning("while shutting down after the failure: %s", e)
-        logger.error("%s; %d requests aborted", message, len(outputs))
+        logger.log(level, "%s; %d requests aborted", message, len(outputs))
         return EngineDeadError(f"{message} ({len(outputs)} pending requests aborted)", outputs)
 
     def _maybe_log_spec(self, every: float = 10.0) -> None:
-        now = time.monotonic()
-        if now - self._spec_logged >= every:
-            self._spec_logged = now
+        if self.spec_stats.log_due(time.monotonic(), every):
             logger.info("%s", self.spec_stats.summary())
 
     def stats(self) -> dict:

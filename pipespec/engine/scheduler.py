@@ -1,9 +1,15 @@
 """Continuous batching under a token budget, with chunked prefill and preemption by recompute.
 
-Each call to `schedule` picks one micro-batch: running requests first (decodes and unfinished
-prefill chunks, oldest first), then waiting ones while budget, sequence slots and KV blocks last.
-When blocks run out, the newest running request is preempted: its blocks are freed and it goes back
-to the front of the queue to be recomputed later (its seeded samples do not change).
+Each call to `schedule` picks one micro-batch: running requests first -- those decoding (one row
+plus drafts each), then those part-way through their prompt, each group oldest first -- then waiting
+ones while budget, sequence slots and KV blocks last. When blocks run out, the newest running request
+not yet picked is preempted: its blocks are freed and it goes back to the front of the queue to be
+recomputed later (its seeded samples do not change).
+
+No head-of-line blocking: while the engine holds other requests, one request's prefill chunk takes at
+most `long_prefill_token_threshold` tokens of a step (a quarter of the budget unless set), so a long
+prompt shares every step with the decodes and the short prompts that arrive after it instead of
+filling the steps alone; alone in the engine it takes the whole budget.
 
 With P pipeline stages up to P micro-batches are in flight, and a request is in at most one of them
 (its next plan needs its last result). So that every stage has work, a micro-batch then takes at
@@ -95,37 +101,43 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch | None:
         budget = self.config.max_num_batched_tokens
         cap = self._micro_batch_cap()
+        shared = len(self.running) + len(self.waiting) > 1
+        chunk_limit = self.config.prefill_chunk_limit if shared and self.config.enable_chunked_prefill else 0
         picked: list[tuple[Request, int, int]] = []
 
-        i = 0
-        while i < len(self.running) and budget > 0 and len(picked) < cap:
-            req = self.running[i]
-            if req.in_flight:
-                i += 1
-                continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+        def take(req: Request, n: int, d: int) -> None:
+            nonlocal budget
+            req.in_flight = True           # from now on no preemption picks it as a victim
+            picked.append((req, n + d, d))
+            budget -= n + d
+
+        ready = [r for r in self.running if not r.in_flight]
+        ready.sort(key=lambda r: r.num_computed_tokens < r.num_tokens - 1)    # stable: decodes first
+        for req in ready:
+            if budget <= 0 or len(picked) >= cap:
+                break
+            if req.status is not RequestStatus.RUNNING:
+                continue                   # preempted to make room for one picked before it
+            n = self._chunk(req, budget, chunk_limit)
             d = self._num_drafts(req, budget - n)
             need = self._blocks_needed(req, self._tokens_with_draft_room(req, n + d))
             while not self.allocator.can_allocate(need):
-                victim = next((r for r in reversed(self.running) if not r.in_flight), None)
+                victim = next(r for r in reversed(self.running) if not r.in_flight)
                 self._preempt(victim)
                 if victim is req:
                     break
             if req.status is not RequestStatus.RUNNING:
-                continue          # it preempted itself; self.running[i] is now the next request
+                continue                   # it preempted itself
             req.block_ids += self.allocator.allocate(need)
-            picked.append((req, n + d, d))
-            budget -= n + d
-            i += 1
+            take(req, n, d)
 
         while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
                and len(picked) < cap):
             req = self.waiting[0]
             n = req.num_tokens - req.num_computed_tokens
-            if n > budget:
-                if not self.config.enable_chunked_prefill:
-                    break
-                n = budget
+            if n > budget and not self.config.enable_chunked_prefill:
+                break
+            n = self._chunk(req, budget, chunk_limit)
             need = self._blocks_needed(req, self._tokens_with_draft_room(req, n))
             if not self.allocator.can_allocate(need):
                 break
@@ -134,16 +146,20 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             req.draft_ids = []          # (re)starting from a prefill: old drafts are stale
             self.running.append(req)
-            picked.append((req, n, 0))
-            budget -= n
+            take(req, n, 0)
 
         if not picked:
             return None
-        for req, _, _ in picked:
-            req.in_flight = True
         self._step_id += 1
         return ScheduledBatch(self._build_plan(picked), [r for r, _, _ in picked], [n for _, n, _ in picked],
                               [d for _, _, d in picked])
+
+    @staticmethod
+    def _chunk(req: Request, budget: int, limit: int) -> int:
+        """Tokens of `req` to compute this step: what is left, within the budget and the chunk limit
+        (0: none). A decode is one token, so the limit only ever shortens prefill chunks."""
+        n = min(req.num_tokens - req.num_computed_tokens, budget)
+        return min(n, limit) if limit else n
 
     def _num_drafts(self, req: Request, budget: int) -> int:
         """Drafts verified this step: only in steady decode, within budget and max_model_len."""

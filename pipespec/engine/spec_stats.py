@@ -10,6 +10,18 @@ class SpecDecodeStats:
         self.num_accepted_tokens = 0
         self.accepted_per_position = [0] * num_spec_tokens
         self.drafts_per_position = [0] * num_spec_tokens
+        self._interval_start: float | None = None
+
+    def log_due(self, now: float, every: float) -> bool:
+        """True once per `every` seconds of drafting: the clock starts at the first draft, so the
+        first summary covers `every` seconds of work, not a single step."""
+        if self._interval_start is None:
+            self._interval_start = now
+            return False
+        if now - self._interval_start < every:
+            return False
+        self._interval_start = now
+        return True
 
     def record(self, num_draft_tokens: int, num_accepted: int) -> None:
         self.num_drafts += 1

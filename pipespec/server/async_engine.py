@@ -1,9 +1,10 @@
 """Runs the engine loop in its own thread and lets asyncio handlers submit, stream and abort.
 
-The engine is not thread safe, so only the engine thread touches it: handlers validate a request
-(tokenizing is read-only), then post commands to a queue; outputs come back to each request's
-asyncio.Queue through `call_soon_threadsafe`. A failed engine fails every pending request with the
-error and marks itself unhealthy; the server keeps answering.
+The engine is not thread safe, so only the engine thread touches its scheduler: handlers validate a
+request in a small thread pool (tokenizing and checking a prompt is read-only, and must not stall
+the event loop: a huge prompt takes seconds), then post commands to a queue; outputs come back to
+each request's asyncio.Queue through `call_soon_threadsafe`. A failed engine fails every pending
+request with the error, marks itself unhealthy and calls `on_dead`, so that the server can stop.
 """
 from __future__ import annotations
 
@@ -12,17 +13,15 @@ import itertools
 import logging
 import queue
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Callable
 
-from pipespec.engine.llm_engine import LLMEngine
+from pipespec.engine.llm_engine import EngineDeadError, LLMEngine
 from pipespec.engine.outputs import RequestOutput
 from pipespec.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    pass
 
 
 class QueueFullError(RuntimeError):
@@ -36,14 +35,18 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, max_queued_requests: int = 256, idle_wait: float = 0.05):
+    def __init__(self, engine: LLMEngine, max_queued_requests: int = 256, idle_wait: float = 0.05,
+                 on_dead: Callable[[str], None] | None = None, validate_threads: int = 2):
         self.engine = engine
         self.max_queued_requests = max_queued_requests
+        self.on_dead = on_dead
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count()
+        self._posted = 0          # requests posted by handlers that the engine thread has not taken yet
         self._idle_wait = idle_wait
+        self._validate = ThreadPoolExecutor(validate_threads, thread_name_prefix="pipespec-validate")
         self.error: str | None = None
         self.stats: dict = engine.stats()
         self._stop = threading.Event()
@@ -55,26 +58,38 @@ class AsyncEngine:
         return self.error is None and self._thread.is_alive()
 
     @property
-    def num_pending(self) -> int:
-        with self._lock:
-            return len(self._streams)
+    def num_waiting(self) -> int:
+        """Requests not running yet: posted but not taken by the engine thread, or in the scheduler's
+        queue (reading a deque's length from this thread is safe)."""
+        return self._posted + len(self.engine.scheduler.waiting)
 
     # -- called from asyncio handlers ------------------------------------------------------
 
-    def add_request(self, prompt, params: SamplingParams, prefix: str = "req") -> tuple[str, asyncio.Queue, list[int]]:
+    async def run_blocking(self, fn, *args):
+        """Run `fn(*args)` (tokenizing, template rendering) off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._validate, fn, *args)
+
+    async def add_request(self, prompt, params: SamplingParams,
+                          prefix: str = "req") -> tuple[str, asyncio.Queue, list[int]]:
         """Validate and enqueue; raises ValueError (bad input), QueueFullError, EngineDeadError."""
-        if not self.healthy:
-            raise EngineDeadError(f"the engine has stopped: {self.error or 'engine thread exited'}")
+        self._check_room()                      # before paying for tokenization
         request_id = f"{prefix}-{next(self._ids)}"
-        req = self.engine.make_request(request_id, prompt, params)
+        req = await self.run_blocking(self.engine.make_request, request_id, prompt, params)
         with self._lock:
-            if len(self._streams) >= self.max_queued_requests:
-                raise QueueFullError(f"{len(self._streams)} requests are pending, the limit is "
-                                     f"{self.max_queued_requests}; retry later")
+            self._check_room()
             stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
             self._streams[request_id] = stream
+            self._posted += 1
         self._commands.put(("add", req))
         return request_id, stream.outputs, req.token_ids[:req.num_prompt_tokens]
+
+    def _check_room(self) -> None:
+        if not self.healthy:
+            raise EngineDeadError(f"the engine has stopped: {self.error or 'engine thread exited'}")
+        waiting = self.num_waiting
+        if waiting >= self.max_queued_requests:
+            raise QueueFullError(f"{waiting} requests are waiting to run, the limit is "
+                                 f"{self.max_queued_requests} (--max-queued-requests); retry later")
 
     def abort(self, request_id: str) -> None:
         with self._lock:
@@ -86,6 +101,7 @@ class AsyncEngine:
         self._stop.set()
         self._commands.put(("stop", None))
         self._thread.join(timeout)
+        self._validate.shutdown(wait=False, cancel_futures=True)
         self.engine.shutdown()
 
     # -- engine thread ---------------------------------------------------------------------
@@ -106,6 +122,8 @@ class AsyncEngine:
         while True:
             if cmd == "add":
                 self.engine.submit(arg)
+                with self._lock:              # counted as waiting by the scheduler from now on
+                    self._posted -= 1
             elif cmd == "abort":
                 self.engine.abort_request(arg)
             try:
@@ -123,10 +141,12 @@ class AsyncEngine:
                     for out in self.engine.step():
                         self._deliver(out.request_id, out)
                 self.stats = self.engine.stats()
-        except Exception as e:  # the engine is broken: fail everyone, stay up to report it
+        except Exception as e:  # the engine is broken: fail everyone, then let the server go
             logger.exception("engine loop failed")
             self.error = f"{type(e).__name__}: {e}"
             with self._lock:
                 pending = list(self._streams)
             for request_id in pending:
                 self._deliver(request_id, EngineDeadError(self.error))
+            if self.on_dead is not None:
+                self.on_dead(self.error)

@@ -1,10 +1,22 @@
-"""`pipespec serve`: build the engine, wrap it, and run uvicorn."""
+"""`pipespec serve`: build the engine, wrap it, and run uvicorn.
+
+The process exits 0 after a SIGTERM or Ctrl-C, once in-flight requests got their answers (up to 5 s)
+and every pipeline stage stopped. If the engine dies (a stage crashed), every request in flight gets
+an error, then the process exits with status 1, so that a supervisor restarts it.
+"""
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
+import threading
+
+from pipespec.server.body_limit import DEFAULT_MAX_BODY_BYTES
 
 logger = logging.getLogger(__name__)
+
+EXIT_ENGINE_DEAD = 1
 
 
 def add_serve_parser(sub, add_engine_args) -> None:
@@ -12,12 +24,18 @@ def add_serve_parser(sub, add_engine_args) -> None:
     p.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
                    help="HF folder or GGUF file (default: the default model; --model works too)")
     add_engine_args(p)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
-    p.add_argument("--served-model-name", default=None, help="model name in the API (default: the model's)")
-    p.add_argument("--max-queued-requests", type=int, default=256,
-                   help="pending requests beyond which new ones get 503")
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    s.add_argument("--port", type=int, default=8000, help="port to listen on")
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    s.add_argument("--served-model-name", default=None, help="model name in the API (default: the model's)")
+    s.add_argument("--max-queued-requests", type=int, default=256,
+                   help="requests waiting to run (not yet running) beyond which new ones get 503")
+    s.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="larger request bodies get 413 before they are read or parsed")
+    s.add_argument("--seed", type=int, default=None,
+                   help="engine seed: requests without a seed then draw the same text on every run "
+                        "(default: fresh randomness per run)")
     p.set_defaults(func=run)
 
 
@@ -29,17 +47,37 @@ def run(args: argparse.Namespace) -> int:
     from pipespec.engine.llm_engine import LLMEngine
     from pipespec.server.app import build_app
     from pipespec.server.async_engine import AsyncEngine
+    from pipespec.server.graceful import GracefulServer
 
+    if args.max_request_body_bytes < 1:
+        raise ValueError(f"--max-request-body-bytes must be >= 1, got {args.max_request_body_bytes}")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     kwargs = engine_kwargs(args)
     if args.model_path is not None:
         kwargs["model"] = args.model_path
-    engine = LLMEngine(EngineConfig.from_kwargs(**kwargs))
-    async_engine = AsyncEngine(engine, max_queued_requests=args.max_queued_requests)
+    engine = LLMEngine(EngineConfig.from_kwargs(seed=args.seed, **kwargs))
+    server = None
+    died = threading.Event()
+
+    def on_dead(error: str) -> None:       # engine thread: the server stops after answering what it holds
+        logger.error("the engine died (%s); the server stops, exit status %d", error, EXIT_ENGINE_DEAD)
+        died.set()
+        if server is not None:
+            server.should_exit = True
+
+    async_engine = AsyncEngine(engine, max_queued_requests=args.max_queued_requests, on_dead=on_dead)
     name = args.served_model_name or engine.model_name
-    app = build_app(async_engine, name, api_key=args.api_key)
+    app = build_app(async_engine, name, api_key=args.api_key, max_body_bytes=args.max_request_body_bytes)
+    server = GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                           timeout_graceful_shutdown=5))
     logger.info("serving %s on http://%s:%d", name, args.host, args.port)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+        server.run()
     finally:
         async_engine.shutdown()
+    if died.is_set():
+        return EXIT_ENGINE_DEAD
+    if server.stop_signal is not None:
+        logger.info("stopped by %s", signal.Signals(server.stop_signal).name)
     return 0
+

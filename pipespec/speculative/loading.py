@@ -29,8 +29,10 @@ class EmbeddingCopy(nn.Embedding):
 def no_head_message(model: str | None) -> str:
     name = model or "the default model"
     return (f"speculative decoding with method 'mtp' needs MTP weights, and {name} ships none and has no "
-            f"bundled head; train one with `pipespec train-mtp --model {model or '<MODEL>'} --out head.safetensors` "
-            "and pass speculative_config={'method': 'mtp', 'num_speculative_tokens': K, 'model': 'head.safetensors'}")
+            f"bundled head; train one with `pipespec train-mtp --model {model or '<MODEL>'} --out head.safetensors`, "
+            "then pass it: on the command line --speculative-config "
+            "'{\"method\": \"mtp\", \"num_speculative_tokens\": 3, \"model\": \"head.safetensors\"}', "
+            "in Python speculative_config={'method': 'mtp', 'num_speculative_tokens': 3, 'model': 'head.safetensors'}")
 
 
 def _load_layers(source, config, dtype, device, max_position: int) -> tuple[list[nn.Module], str]:

@@ -1,4 +1,5 @@
-"""Where a stage runs: its device and dtype, its attention backend, and the CPU weight layout."""
+"""Where a stage runs: its current CUDA device, its attention backend, the CPU weight layout, and
+the check that it holds nothing on another device."""
 from __future__ import annotations
 
 import torch
@@ -6,24 +7,6 @@ import torch
 from pipespec import kernels
 from pipespec.model.attention import AttentionBackend, TorchReferenceBackend
 from pipespec.model.layers import LMHead
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} was asked for, but CUDA is not available")
-    return dev
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
-    return _DTYPES[dtype]
-
 
 def use_device(device: torch.device) -> torch.device:
     """Make `device` this process's current CUDA device, and return it with its index.

@@ -22,6 +22,7 @@ import torch
 from pipespec.config import EngineConfig
 from pipespec.layout import StepLayout
 from pipespec.model.attention import ForwardContext, allocate_kv_caches, kv_bytes_per_block
+from pipespec.model.placement import resolve_device, resolve_dtype
 from pipespec.model.source import ModelSource
 from pipespec.plan import StepPlan, StepResult, position_margin
 from pipespec.speculative.loading import build_proposer
@@ -29,8 +30,7 @@ from pipespec.speculative.rejection import verify
 from pipespec.stage import memory
 from pipespec.stage.cuda_graphs import CudaGraphs, Forward
 from pipespec.stage.target import load_target, run_target
-from pipespec.stage.device import (choose_backend, prefer_column_major, resolve_device, resolve_dtype,
-                                   tensors_off_device, use_device)
+from pipespec.stage.device import choose_backend, prefer_column_major, tensors_off_device, use_device
 from pipespec.stage.trace import DraftTrace
 
 logger = logging.getLogger(__name__)

@@ -6,13 +6,14 @@ import torch
 from pipespec.config import EngineConfig
 from pipespec.model.attention import ForwardContext
 from pipespec.model.llama import LlamaForCausalLM
+from pipespec.model.registry import build_target
 from pipespec.model.source import ModelSource
 from pipespec.model.weights import init_dummy_weights, load_weights
 
 
 def load_target(source: ModelSource, config: EngineConfig, layer_range: tuple[int, int], max_position: int,
                 dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
-    model = LlamaForCausalLM(source.arch, layer_range, max_position=max_position)
+    model = build_target(source.arch, layer_range, max_position)
     if config.model.load_format == "dummy":
         init_dummy_weights(model, dtype, device)
     else:

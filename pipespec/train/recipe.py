@@ -12,7 +12,7 @@ import torch
 
 from pipespec.model.llama import LlamaForCausalLM
 from pipespec.model.mtp import DeepSeekMTP, load_mtp_file, read_mtp_metadata, save_mtp
-from pipespec.stage.device import resolve_device, resolve_dtype
+from pipespec.model.placement import resolve_device, resolve_dtype
 from pipespec.model.source import resolve_model
 from pipespec.model.weights import load_weights
 from pipespec.train.data import Batcher, Sample, load_samples, plain_text_samples, save_samples, self_generate

@@ -13,8 +13,12 @@ from tests.helpers import make_request
 BS = 4   # block size
 
 
-def sched_with(num_blocks=64, budget=32, max_seqs=8, chunked=True, max_model_len=256) -> Scheduler:
-    cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, enable_chunked_prefill=chunked)
+def sched_with(num_blocks=64, budget=32, max_seqs=8, chunked=True, max_model_len=256,
+               chunk_limit=0) -> Scheduler:
+    """chunk_limit: long_prefill_token_threshold (0 here, unlike the engine's default, so that the
+    tests of the budget alone see whole-budget chunks)."""
+    cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, enable_chunked_prefill=chunked,
+                          long_prefill_token_threshold=chunk_limit)
     return Scheduler(cfg, BS, num_blocks, max_model_len)
 
 
@@ -215,3 +219,66 @@ def test_sampling_tensors_follow_request_params():
     assert st.seed.tolist() == [5, 2**40 + 3]
     assert st.needs_sort and not st.all_greedy
     assert st.seed.dtype == torch.int64
+
+
+# -- no head-of-line blocking behind a long prefill -------------------------------------------------
+
+
+def test_long_prefill_shares_its_steps_with_requests_arriving_after_it():
+    sched = sched_with(budget=32, chunk_limit=8, num_blocks=128, max_model_len=512)
+    long = make_request("long", prompt(200), max_tokens=2, arrival=0)
+    sched.add(long)
+    assert step(sched).num_new_tokens == [32]                 # alone in the engine: the whole budget
+    short = make_request("short", prompt(3, base=500), max_tokens=3, arrival=1)
+    sched.add(short)
+    second = step(sched)
+    assert second.requests == [long, short] and second.num_new_tokens == [8, 3]
+    assert short.num_output_tokens == 1                        # first token one step after arriving
+    third = step(sched)
+    assert third.requests == [short, long] and third.num_new_tokens == [1, 8]   # decodes first
+    step(sched)
+    assert short.finished and short.num_output_tokens == 3
+    assert step(sched).num_new_tokens == [32]                 # alone again: the whole budget
+    run_to_completion(sched)
+    assert long.num_output_tokens == 2 and sched.allocator.num_free == sched.allocator.num_blocks
+
+
+def test_without_a_chunk_limit_a_long_prefill_fills_the_steps():
+    """long_prefill_token_threshold=0: the old behaviour, the later request waits for the budget."""
+    sched = sched_with(budget=32, chunk_limit=0, num_blocks=128, max_model_len=512)
+    long = make_request("long", prompt(200), max_tokens=2, arrival=0)
+    short = make_request("short", prompt(3, base=500), max_tokens=3, arrival=1)
+    sched.add(long)
+    sched.add(short)
+    assert step(sched).requests == [long]
+    assert step(sched).requests == [long]
+    assert short.num_output_tokens == 0
+    run_to_completion(sched)
+
+
+def test_decodes_are_never_starved_by_prefill_chunks():
+    sched = sched_with(budget=16, chunk_limit=4, num_blocks=256, max_model_len=512, max_seqs=16)
+    decoders = [make_request(f"d{i}", prompt(2, base=100 * i), max_tokens=40, arrival=i) for i in range(6)]
+    for r in decoders:
+        sched.add(r)
+    step(sched)
+    prefills = [make_request(f"p{i}", prompt(90, base=1000 + 100 * i), max_tokens=2, arrival=10 + i)
+                for i in range(3)]
+    for r in prefills:
+        sched.add(r)
+    for _ in range(10):
+        b = step(sched)
+        decoding = [r for r in decoders if not r.finished]
+        assert b.requests[:len(decoding)] == decoding          # every decode, every step, first
+        assert all(n <= 4 for r, n in zip(b.requests, b.num_new_tokens) if r in prefills)
+    run_to_completion(sched)
+    assert all(r.finished for r in decoders + prefills)
+
+
+def test_default_chunk_limit_is_a_quarter_of_the_budget():
+    assert SchedulerConfig(max_num_batched_tokens=1024).prefill_chunk_limit == 256
+    assert SchedulerConfig(max_num_batched_tokens=2).prefill_chunk_limit == 1
+    assert SchedulerConfig(long_prefill_token_threshold=100).prefill_chunk_limit == 100
+    assert SchedulerConfig(long_prefill_token_threshold=0).prefill_chunk_limit == 0
+    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+        SchedulerConfig(long_prefill_token_threshold=-1)

@@ -2,6 +2,9 @@
 fixed-width results, clear errors, and shared tensors resolved through their owner."""
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 import torch
 
@@ -132,9 +135,12 @@ def test_step_result_width_is_fixed(chat_prompts):
 
 
 def test_model_without_mtp_weights_points_to_train_mtp(tiny_models):
-    with pytest.raises(ValueError, match="pipespec train-mtp"):
+    with pytest.raises(ValueError, match="pipespec train-mtp") as err:
         LLM(model=str(tiny_models["llama"][0]), dtype="float32", device="cpu", num_kv_blocks=64,
             speculative_config=_spec(2))
+    # a CLI user is shown the flag with JSON they can paste
+    flag = re.search(r"--speculative-config '([^']*)'", str(err.value))
+    assert flag and json.loads(flag.group(1))["model"] == "head.safetensors", str(err.value)
 
 
 @pytest.mark.parametrize("bad", [{"method": "eagle", "num_speculative_tokens": 2},

@@ -1,0 +1,30 @@
+"""Which module builds a stage's slice of the target, by the checkpoint's `model_type`.
+
+A family adds one line here. Its module takes (arch, layer_range, max_position) and offers what the
+stage uses of a target slice (see `LlamaForCausalLM`): `forward(ctx, input_ids | hidden, residual)`,
+`compute_logits`, `head_weight`, `checkpoint_names`, `num_local_layers` and `model.is_first/is_last`.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from torch import nn
+
+from pipespec.model.arch import ArchConfig
+from pipespec.model.llama import LlamaForCausalLM
+
+TARGETS: dict[str, Callable[..., nn.Module]] = {
+    "llama": LlamaForCausalLM,
+    "qwen2": LlamaForCausalLM,
+    "qwen3": LlamaForCausalLM,
+    "mimo": LlamaForCausalLM,       # a Qwen2 decoder (its MTP layers are the drafter's)
+}
+
+
+def build_target(arch: ArchConfig, layer_range: tuple[int, int], max_position: int) -> nn.Module:
+    try:
+        family = TARGETS[arch.model_type]
+    except KeyError:
+        raise ValueError(f"unsupported model_type {arch.model_type!r}; pipespec supports "
+                         f"{', '.join(sorted(TARGETS))}") from None
+    return family(arch, layer_range, max_position=max_position)
