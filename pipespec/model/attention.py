@@ -22,18 +22,39 @@ class KVCache:
     value: torch.Tensor
 
 
-def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                       head_dim: int, dtype: torch.dtype, device) -> list[KVCache]:
+@dataclass(frozen=True)
+class CacheShape:
+    """What one layer's paged cache holds per token: key [kv_heads, key_dim] and value
+    [kv_heads, value_dim]. Families declare theirs (`cache_shapes()` of a target slice), so the stage
+    sizes and allocates caches of any shape: a value_dim of 0 stores one tensor per token (an MLA
+    latent, say), a layer with no KV (linear attention) declares none."""
+
+    kv_heads: int
+    key_dim: int
+    value_dim: int
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        return self.kv_heads * (self.key_dim + self.value_dim) * torch.empty((), dtype=dtype).element_size()
+
+
+def allocate_caches(shapes: list[CacheShape], num_blocks: int, block_size: int, dtype: torch.dtype,
+                    device) -> list[KVCache]:
     # torch.empty: pages are only touched as slots are written, and every read is masked to
     # slots written earlier, so the cache needs no zeroing.
-    shape = (num_blocks * block_size, num_kv_heads, head_dim)
-    return [KVCache(torch.empty(shape, dtype=dtype, device=device),
-                    torch.empty(shape, dtype=dtype, device=device)) for _ in range(num_layers)]
+    slots = num_blocks * block_size
+    return [KVCache(torch.empty((slots, s.kv_heads, s.key_dim), dtype=dtype, device=device),
+                    torch.empty((slots, s.kv_heads, s.value_dim), dtype=dtype, device=device)) for s in shapes]
 
 
-def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                       dtype: torch.dtype) -> int:
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
+def cache_bytes_per_block(shapes: list[CacheShape], block_size: int, dtype: torch.dtype) -> int:
+    return block_size * sum(s.bytes_per_token(dtype) for s in shapes)
+
+
+def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                       head_dim: int, dtype: torch.dtype, device) -> list[KVCache]:
+    """`num_layers` caches of standard attention layers (keys and values of `head_dim`)."""
+    return allocate_caches([CacheShape(num_kv_heads, head_dim, head_dim)] * num_layers, num_blocks, block_size,
+                           dtype, device)
 
 
 @dataclass

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from pipespec.model.arch import ArchConfig
-from pipespec.model.attention import ForwardContext, KVCache
+from pipespec.model.attention import CacheShape, ForwardContext, KVCache
 from pipespec.model.layers import GatedMLP, LMHead, RMSNorm, Rope, RotaryEmbedding, apply_rope, head_logits
 
 
@@ -93,6 +93,11 @@ class LlamaForCausalLM(nn.Module):
     @property
     def num_local_layers(self) -> int:
         return self.model.end - self.model.start
+
+    def cache_shapes(self) -> list[CacheShape]:
+        """The paged cache of each local layer, in `ctx.kv_caches` order."""
+        a = self.arch
+        return [CacheShape(a.num_kv_heads, a.head_dim, a.head_dim)] * self.num_local_layers
 
     def checkpoint_names(self) -> dict[str, list[str]]:
         """Parameter name -> the checkpoint tensors it is loaded from (concatenated along dim 0)."""

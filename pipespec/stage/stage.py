@@ -21,7 +21,7 @@ import torch
 
 from pipespec.config import EngineConfig
 from pipespec.layout import StepLayout
-from pipespec.model.attention import ForwardContext, allocate_kv_caches, kv_bytes_per_block
+from pipespec.model.attention import CacheShape, ForwardContext, allocate_caches, cache_bytes_per_block
 from pipespec.model.placement import resolve_device, resolve_dtype
 from pipespec.model.source import ModelSource
 from pipespec.plan import StepPlan, StepResult, position_margin
@@ -74,14 +74,13 @@ class Stage:
 
     # -- KV cache -------------------------------------------------------------------------------
 
-    @property
-    def _num_cache_layers(self) -> int:
-        return self.model.num_local_layers + (len(self.drafter.layers) if self.drafter else 0)
+    def _cache_shapes(self) -> list[CacheShape]:
+        """The target slice's caches, then the drafter's (one per MTP layer)."""
+        drafter = [layer.cache_shape() for layer in self.drafter.layers] if self.drafter else []
+        return self.model.cache_shapes() + drafter
 
     def _bytes_per_block(self) -> int:
-        arch = self.model.arch
-        return kv_bytes_per_block(self._num_cache_layers, self.block_size, arch.num_kv_heads, arch.head_dim,
-                                  self.dtype)
+        return cache_bytes_per_block(self._cache_shapes(), self.block_size, self.dtype)
 
     def available_kv_blocks(self) -> int:
         weights = sum(p.numel() * p.element_size() for m in self.modules_with_weights() for p in m.parameters())
@@ -93,12 +92,10 @@ class Stage:
         return self.backend.supports_cuda_graphs and not self.config.model.enforce_eager
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        arch = self.model.arch
         graphs = self.uses_cuda_graphs
         # with CUDA graphs one more block, never handed out, takes the writes of padding requests
-        caches = allocate_kv_caches(self._num_cache_layers, num_blocks + graphs, self.block_size,
-                                    arch.num_kv_heads, arch.head_dim, self.dtype, self.device)
-        n = self.model.num_local_layers
+        caches = allocate_caches(self._cache_shapes(), num_blocks + graphs, self.block_size, self.dtype, self.device)
+        n = len(self.model.cache_shapes())
         self.kv_caches = caches[:n]
         if self.drafter:
             self.drafter.kv_caches = caches[n:]

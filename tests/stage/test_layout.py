@@ -15,7 +15,8 @@ K = 2
 
 def _plan_with_drafts():
     """Request a decodes with drafts [70, 71]; b is a 5-token prompt cut into a 3-token chunk."""
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=6), 16, 8, 128, num_spec_tokens=K)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=6, long_prefill_token_threshold=0), 16, 8, 128,
+                      num_spec_tokens=K)
     a = make_request("a", [10, 11, 12], max_tokens=8)
     sched.add(a)
     first = sched.schedule()

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from pipespec.model.arch import ArchConfig
-from pipespec.model.attention import ForwardContext, KVCache
+from pipespec.model.attention import CacheShape, ForwardContext, KVCache
 from pipespec.model.layers import RMSNorm, RotaryEmbedding, head_logits
 from pipespec.model.llama import DecoderLayer
 
@@ -77,6 +77,11 @@ class MTPLayer(nn.Module):
 
     def head_norm(self, out: torch.Tensor) -> torch.Tensor:
         return out
+
+    def cache_shape(self) -> CacheShape:
+        """This layer's paged cache (its block attends like a target layer)."""
+        attn = self.block.self_attn
+        return CacheShape(attn.num_kv_heads, attn.head_dim, attn.head_dim)
 
     def own_embedding(self) -> torch.Tensor | None:
         return None
