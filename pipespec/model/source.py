@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 
 from pipespec.model.arch import ArchConfig, RopeScaling
 from pipespec.model.tokenizer import Tokenizer
+from pipespec.model.quant import QuantConfig, QuantizedSource, read_quant_config, refuse_unrecognised_quantization
 from pipespec.model.weights import SafetensorsSource
 
 logger = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ class ModelSource:
     name: str
     folder: Path           # a Hugging Face style folder (for GGUF: the converted copy)
     arch: ArchConfig
+    quant: QuantConfig | None = None     # from config.json's quantization_config
 
     def tokenizer(self) -> Tokenizer:
         meta = _read_meta(self.folder)
@@ -55,8 +57,12 @@ class ModelSource:
         return Tokenizer(HFTokenizer.from_file(str(self.folder / "tokenizer.json")), tok["eos_token_ids"],
                          tok["bos_token"], tok["eos_token"], tok["chat_template"])
 
-    def weights(self) -> SafetensorsSource:
-        return SafetensorsSource.from_folder(self.folder)
+    def weights(self):
+        """The checkpoint's tensors; a quantized one's linear weights dequantized (model/quant)."""
+        source = SafetensorsSource.from_folder(self.folder)
+        if self.quant is not None:
+            return QuantizedSource(source, self.quant)
+        return refuse_unrecognised_quantization(source, str(self.folder))
 
 
 def default_model_path() -> Path:
@@ -86,7 +92,7 @@ def resolve_model(model: str | os.PathLike | None, dtype: torch.dtype = torch.fl
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"{path} is a folder without config.json; expected a Hugging Face model folder")
         cfg = json.loads((path / "config.json").read_text())
-        return ModelSource(path.name, path, ArchConfig.from_hf(cfg))
+        return ModelSource(path.name, path, ArchConfig.from_hf(cfg), read_quant_config(cfg))
     if path.is_file():
         with open(path, "rb") as f:
             magic = f.read(4)

@@ -73,6 +73,10 @@ def load_weights(model: torch.nn.Module, source: WeightSource, dtype: torch.dtyp
     for name, ckpts in tqdm(sorted(wanted.items()), desc=desc, unit="tensor", leave=False, disable=None):
         param = params[name]
         parts = [source.get(c) for c in ckpts]
+        for c, part in zip(ckpts, parts):
+            if not part.is_floating_point() or part.element_size() < 2:   # int or float8: quantized
+                raise ValueError(f"tensor {c} is {part.dtype}, not a plain float weight: the checkpoint is "
+                                 "quantized in a way pipespec did not recognise")
         tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
         if tuple(tensor.shape) != tuple(param.shape):
             shapes = ", ".join(f"{c} {tuple(p.shape)}" for c, p in zip(ckpts, parts))
