@@ -11,6 +11,7 @@ from typing import Callable
 from torch import nn
 
 from pipespec.model.arch import ArchConfig
+from pipespec.model.deepseek.model import DeepseekV3ForCausalLM
 from pipespec.model.llama import LlamaForCausalLM
 
 TARGETS: dict[str, Callable[..., nn.Module]] = {
@@ -18,6 +19,7 @@ TARGETS: dict[str, Callable[..., nn.Module]] = {
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
     "mimo": LlamaForCausalLM,       # a Qwen2 decoder (its MTP layers are the drafter's)
+    "deepseek_v3": DeepseekV3ForCausalLM,
 }
 
 

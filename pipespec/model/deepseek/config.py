@@ -1,0 +1,106 @@
+"""What DeepSeek-V3 (and GLM-4.5's MoE) read from config.json beyond `ArchConfig`."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class YaRN:
+    factor: float
+    original_max_position: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    attention_factor: float | None = None
+    truncate: bool = True
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    num_experts: int
+    top_k: int
+    intermediate_size: int           # per routed expert
+    num_shared: int                  # shared experts, run as one MLP of num_shared * intermediate_size
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    first_dense: int                 # layers [0, first_dense) use a dense MLP
+
+
+@dataclass(frozen=True)
+class DeepSeekConfig:
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool
+    rope_theta: float
+    yarn: YaRN | None
+    attention_bias: bool
+    moe: MoEConfig
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        # YaRN: DeepSeek folds mscale_all_dim into the softmax scale, squared (once per q, once per k)
+        scale = self.qk_head_dim ** -0.5
+        if self.yarn is not None and self.yarn.mscale_all_dim:
+            scale *= yarn_mscale(self.yarn.factor, self.yarn.mscale_all_dim) ** 2
+        return scale
+
+
+def rope_dict(cfg: dict) -> dict:
+    """transformers 5.x `rope_parameters` merged with the 4.x `rope_scaling` (the original configs)."""
+    rope = dict(cfg.get("rope_parameters") or {})
+    rope.update(cfg.get("rope_scaling") or {})
+    return rope
+
+
+def parse_yarn(cfg: dict) -> YaRN | None:
+    rope = rope_dict(cfg)
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind in (None, "default"):
+        return None
+    if kind != "yarn":
+        raise ValueError(f"unsupported rope type {kind!r} for {cfg.get('model_type')}; pipespec supports yarn")
+    orig = int(rope["original_max_position_embeddings"])
+    factor = rope.get("factor") or cfg["max_position_embeddings"] / orig
+    return YaRN(float(factor), orig, float(rope.get("beta_fast") or 32), float(rope.get("beta_slow") or 1),
+                float(rope.get("mscale") or 0), float(rope.get("mscale_all_dim") or 0),
+                rope.get("attention_factor"), bool(rope.get("truncate", True)))
+
+
+def rope_theta(cfg: dict) -> float:
+    return float(cfg.get("rope_theta", rope_dict(cfg).get("rope_theta", 10000.0)))
+
+
+def parse_moe(cfg: dict) -> MoEConfig:
+    scoring = cfg.get("scoring_func", "sigmoid")
+    if scoring != "sigmoid":
+        raise ValueError(f"unsupported MoE scoring_func {scoring!r}; pipespec supports sigmoid (DeepSeek-V3)")
+    n_experts = cfg.get("n_routed_experts") or cfg.get("num_local_experts")
+    return MoEConfig(num_experts=int(n_experts), top_k=int(cfg["num_experts_per_tok"]),
+                     intermediate_size=int(cfg["moe_intermediate_size"]),
+                     num_shared=int(cfg.get("n_shared_experts") or 0), n_group=int(cfg.get("n_group") or 1),
+                     topk_group=int(cfg.get("topk_group") or 1), norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+                     routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+                     first_dense=int(cfg.get("first_k_dense_replace") or 0))
+
+
+def parse_deepseek(cfg: dict) -> DeepSeekConfig:
+    return DeepSeekConfig(q_lora_rank=cfg.get("q_lora_rank"), kv_lora_rank=int(cfg["kv_lora_rank"]),
+                          qk_nope_head_dim=int(cfg["qk_nope_head_dim"]), qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
+                          v_head_dim=int(cfg["v_head_dim"]), rope_interleave=bool(cfg.get("rope_interleave", True)),
+                          rope_theta=rope_theta(cfg), yarn=parse_yarn(cfg),
+                          attention_bias=bool(cfg.get("attention_bias", False)), moe=parse_moe(cfg))

@@ -1,0 +1,60 @@
+"""Tiny random DeepSeek-V3 checkpoints written by transformers' save_pretrained (the logits oracle).
+
+Two shapes cover the config's branches: "lora_yarn" (q LoRA, interleaved rope, YaRN with mscale,
+two dense layers then MoE with 2 groups) and "plain" (q_proj, rotate-half rope, no scaling, one
+dense layer). Experts and the router's correction bias are random, so routing matters.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+VOCAB = 512
+
+_COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=24,
+               num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
+               num_experts_per_tok=3, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+               max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+               tie_word_embeddings=False, routed_scaling_factor=2.5, norm_topk_prob=True)
+
+SHAPES = {
+    "lora_yarn": dict(q_lora_rank=24, num_hidden_layers=3, first_k_dense_replace=1, n_group=2, topk_group=1,
+                      rope_interleave=True,
+                      rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                       "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.7,
+                                       "rope_theta": 10000.0}),
+    "plain": dict(q_lora_rank=None, num_hidden_layers=3, first_k_dense_replace=1, n_group=1, topk_group=1,
+                  rope_interleave=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+}
+
+
+def hf_config(shape: str, **overrides):
+    from transformers import DeepseekV3Config
+    return DeepseekV3Config(**{**_COMMON, **SHAPES[shape], **overrides})
+
+
+def randomize(model: torch.nn.Module, seed: int) -> None:
+    """Norms around 1, weights 0.15 N(0, 1), correction biases large enough to change routing."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1.0 + 0.3 * noise if name.endswith("norm.weight") else 0.15 * noise)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.3 * torch.randn(b.shape, generator=g))
+
+
+def write_model(folder: Path, shape: str, seed: int, tokenizer=None, **overrides):
+    """(folder, the transformers model that wrote it)."""
+    from transformers import AutoModelForCausalLM
+    from tests.conftest import write_tokenizer_files
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config(shape, **overrides), dtype=torch.float32).eval()
+    randomize(model, seed)
+    model.save_pretrained(folder)
+    if tokenizer is not None:
+        write_tokenizer_files(folder, tokenizer)
+    return folder, model
