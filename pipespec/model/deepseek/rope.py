@@ -57,6 +57,10 @@ class SliceRope(nn.Module):
         self.register_buffer("sin", freqs.sin() * scale, persistent=False)
         self.interleaved = interleaved
 
+    def forward(self, positions: torch.Tensor) -> "SliceRope":
+        # blocks take the rope object and rotate with ctx.positions (the call mirrors Llama's rotary)
+        return self
+
     def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
         if self.interleaved:

@@ -20,6 +20,12 @@ from pipespec.model.mtp.base import MTPLayer, dense_block
 FAMILY_DEEPSEEK = "deepseek_v3"
 
 
+def native_types() -> tuple[str, ...]:
+    """Targets whose MTP layers use the target's own block (MLA + MoE), not the Llama one."""
+    from pipespec.model.mtp.deepseek_native import NATIVE_BLOCKS
+    return tuple(NATIVE_BLOCKS)
+
+
 class _SharedHead(nn.Module):
     def __init__(self, arch: ArchConfig, own_head: bool):
         super().__init__()
@@ -41,7 +47,7 @@ class DeepSeekMTP(MTPLayer):
         self.enorm = RMSNorm(h, arch.rms_norm_eps)
         self.hnorm = RMSNorm(h, arch.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * h, h, bias=False)
-        self.block = dense_block(arch)
+        self.block = self.make_block(arch, max_position)
         self.shared_head = _SharedHead(arch, own_head)
         if own_embedding:       # a copy shipped in the checkpoint
             self.embed_tokens = nn.Embedding(arch.vocab_size, h)
@@ -58,12 +64,18 @@ class DeepSeekMTP(MTPLayer):
 
     @classmethod
     def build(cls, arch, indices, names, max_position=None):
+        if cls is DeepSeekMTP and arch.model_type in native_types():   # the checkpoint's own block kind
+            from pipespec.model.mtp.deepseek_native import NativeDeepSeekMTP
+            return NativeDeepSeekMTP.build(arch, indices, names, max_position)
         return [cls(arch, i, max_position, own_embedding=f"model.layers.{i}.embed_tokens.weight" in names,
                     own_head=f"model.layers.{i}.shared_head.head.weight" in names) for i in indices]
 
     @property
     def prefix(self) -> str:
         return f"model.layers.{self.layer_index}."
+
+    def make_block(self, arch: ArchConfig, max_position: int | None) -> nn.Module:
+        return dense_block(arch)
 
     def combine(self, e: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         return self.eh_proj(torch.cat([self.enorm(e), self.hnorm(h)], dim=-1))

@@ -58,3 +58,45 @@ def write_model(folder: Path, shape: str, seed: int, tokenizer=None, **overrides
     if tokenizer is not None:
         write_tokenizer_files(folder, tokenizer)
     return folder, model
+
+
+def write_with_mtp(folder: Path, shape: str, seed: int, num_mtp: int = 1, tokenizer=None, mixing: float = 0.1,
+                   mtp_mixing: float = 0.05, pick: str = "embedding", **overrides) -> Path:
+    """A checkpoint whose MTP layers sit under their real names (`model.layers.{N+i}.`).
+
+    transformers builds N + num_mtp layers, so the MTP blocks are real MLA + MoE layers with the
+    checkpoint's own tensor names; config.json then says N layers and num_nextn_predict_layers, and
+    enorm / hnorm / eh_proj / shared_head.norm are added. Echo weights: the target's layers add
+    little (`mixing`), so its next token depends mostly on the current one, and eh_proj passes the
+    embedding half through (`pick="hidden"` passes the other half: a wrongly wired layer;
+    `pick="random"`: a random projection) to a copy of the final norm, so a rightly wired MTP layer drafts what the target will say next.
+    """
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    n = SHAPES[shape]["num_hidden_layers"]
+    write_model(folder, shape, seed, tokenizer, num_hidden_layers=n + num_mtp, **overrides)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(num_hidden_layers=n, num_nextn_predict_layers=num_mtp)
+    (folder / "config.json").write_text(json.dumps(cfg, indent=1))
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors["model.embed_tokens.weight"] *= 8
+    for name in tensors:
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            layer = int(name.split(".")[2])
+            tensors[name] *= mixing if layer < n else mtp_mixing
+    h = cfg["hidden_size"]
+    eye, zero = torch.eye(h), torch.zeros(h, h)
+    g = torch.Generator().manual_seed(seed + 1)
+    for i in range(n, n + num_mtp):
+        p = f"model.layers.{i}."
+        if pick == "random":
+            tensors[p + "eh_proj.weight"] = 0.15 * torch.randn(h, 2 * h, generator=g)
+        else:
+            tensors[p + "eh_proj.weight"] = torch.cat([eye, zero] if pick == "embedding" else [zero, eye], dim=1)
+        tensors[p + "enorm.weight"] = torch.ones(h)
+        tensors[p + "hnorm.weight"] = 1 + 0.3 * torch.randn(h, generator=g)
+        tensors[p + "shared_head.norm.weight"] = tensors["model.norm.weight"].clone()
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
+    return folder
