@@ -12,6 +12,7 @@ from torch import nn
 
 from pipespec.model.arch import ArchConfig
 from pipespec.model.deepseek.model import DeepseekV3ForCausalLM
+from pipespec.model.glm4_moe import Glm4MoeForCausalLM
 from pipespec.model.llama import LlamaForCausalLM
 
 TARGETS: dict[str, Callable[..., nn.Module]] = {
@@ -20,6 +21,7 @@ TARGETS: dict[str, Callable[..., nn.Module]] = {
     "qwen3": LlamaForCausalLM,
     "mimo": LlamaForCausalLM,       # a Qwen2 decoder (its MTP layers are the drafter's)
     "deepseek_v3": DeepseekV3ForCausalLM,
+    "glm4_moe": Glm4MoeForCausalLM,
 }
 
 

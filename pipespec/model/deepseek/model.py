@@ -10,7 +10,7 @@ from torch import nn
 
 from pipespec.model.arch import ArchConfig
 from pipespec.model.attention import CacheShape, ForwardContext
-from pipespec.model.deepseek.config import DeepSeekConfig, parse_deepseek
+from pipespec.model.deepseek.config import DeepSeekConfig, MoEConfig, parse_deepseek
 from pipespec.model.deepseek.mla import MLAttention
 from pipespec.model.deepseek.moe import MoE
 from pipespec.model.deepseek.rope import SliceRope
@@ -18,12 +18,14 @@ from pipespec.model.layers import GatedMLP, LMHead, RMSNorm, head_logits
 
 
 def fused_names(module: nn.Module, prefix: str = "") -> dict[str, list[str]]:
-    """Parameter name -> checkpoint tensors, for a module using GatedMLP (gate_up_proj) and MoE."""
+    """Parameter name -> checkpoint tensors, for a module with fused qkv_proj / gate_up_proj and MoE."""
     names = {}
     for name in module.state_dict():
         full = prefix + name
         if ".gate_up_proj." in name:
             names[full] = [full.replace("gate_up_proj", p) for p in ("gate_proj", "up_proj")]
+        elif ".qkv_proj." in name:
+            names[full] = [full.replace("qkv_proj", p) for p in ("q_proj", "k_proj", "v_proj")]
         elif not name.endswith(("experts_gate_up", "experts_down")):
             names[full] = [full]
     for mname, m in module.named_modules():
@@ -33,13 +35,16 @@ def fused_names(module: nn.Module, prefix: str = "") -> dict[str, list[str]]:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ArchConfig, cfg: DeepSeekConfig, index: int):
+    """Pre-norm block: `attention` (MLA here, GQA for GLM-4.5), then a dense MLP for the first
+    `first_k_dense_replace` layers and MoE after."""
+
+    def __init__(self, arch: ArchConfig, moe: MoEConfig, index: int, attention: nn.Module):
         super().__init__()
         h, eps = arch.hidden_size, arch.rms_norm_eps
         self.input_layernorm = RMSNorm(h, eps)
-        self.self_attn = MLAttention(h, arch.num_heads, cfg, eps)
+        self.self_attn = attention
         self.post_attention_layernorm = RMSNorm(h, eps)
-        self.mlp = GatedMLP(h, arch.intermediate_size) if index < cfg.moe.first_dense else MoE(h, cfg.moe)
+        self.mlp = GatedMLP(h, arch.intermediate_size) if index < moe.first_dense else MoE(h, moe)
 
     def forward(self, hidden, residual, rope, cache, ctx):
         if residual is None:
@@ -56,20 +61,31 @@ def make_rope(cfg: DeepSeekConfig, max_position: int) -> SliceRope:
     return SliceRope(cfg.qk_rope_head_dim, cfg.rope_theta, max_position, cfg.yarn, cfg.rope_interleave)
 
 
-class DeepseekV3Model(nn.Module):
-    def __init__(self, arch: ArchConfig, cfg: DeepSeekConfig, start: int, end: int, max_position: int):
+def make_layer(arch: ArchConfig, cfg: DeepSeekConfig, index: int) -> DecoderLayer:
+    return DecoderLayer(arch, cfg.moe, index, MLAttention(arch.hidden_size, arch.num_heads, cfg, arch.rms_norm_eps))
+
+
+class MoEModel(nn.Module):
+    def __init__(self, arch: ArchConfig, layers: dict[int, nn.Module], rotary: nn.Module):
         super().__init__()
-        self.start, self.end = start, end
-        self.is_first, self.is_last = start == 0, end == arch.num_layers
+        self.start, self.end = min(layers), max(layers) + 1
+        self.is_first, self.is_last = self.start == 0, self.end == arch.num_layers
         if self.is_first:
             self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(arch, cfg, i) for i in range(start, end)})
+        self.layers = nn.ModuleDict({str(i): layer for i, layer in layers.items()})
         if self.is_last:
             self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.rotary = make_rope(cfg, max_position)
+        self.rotary = rotary
 
 
 class DeepseekV3ForCausalLM(nn.Module):
+    """One stage of DeepSeek-V3; a family with another attention overrides `parse`, `make_layer`
+    and `make_rope` (GLM-4.5)."""
+
+    parse = staticmethod(parse_deepseek)
+    make_layer = staticmethod(make_layer)
+    make_rope = staticmethod(make_rope)
+
     def __init__(self, arch: ArchConfig, layer_range: tuple[int, int] | None = None,
                  max_position: int | None = None):
         super().__init__()
@@ -77,8 +93,9 @@ class DeepseekV3ForCausalLM(nn.Module):
         if not 0 <= start < end <= arch.num_layers:
             raise ValueError(f"layer range [{start}, {end}) is outside the model's {arch.num_layers} layers")
         self.arch = arch
-        self.cfg = parse_deepseek(arch.hf_config)
-        self.model = DeepseekV3Model(arch, self.cfg, start, end, max_position or arch.max_position)
+        self.cfg = self.parse(arch.hf_config)
+        self.model = MoEModel(arch, {i: self.make_layer(arch, self.cfg, i) for i in range(start, end)},
+                              self.make_rope(self.cfg, max_position or arch.max_position))
         self.owns_head = self.model.is_last and not (arch.tie_word_embeddings and self.model.is_first)
         if self.owns_head:
             self.lm_head = LMHead(arch.hidden_size, arch.vocab_size, bias=False)
@@ -101,8 +118,9 @@ class DeepseekV3ForCausalLM(nn.Module):
         m = self.model
         if m.is_first:
             hidden, residual = m.embed_tokens(input_ids), None
+        rope = m.rotary(ctx.positions)
         for local, layer in enumerate(m.layers.values()):
-            hidden, residual = layer(hidden, residual, m.rotary, ctx.kv_caches[local], ctx)
+            hidden, residual = layer(hidden, residual, rope, ctx.kv_caches[local], ctx)
         if m.is_last:
             hidden, _ = m.norm(hidden, residual)
             residual = None

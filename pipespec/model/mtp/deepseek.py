@@ -20,12 +20,6 @@ from pipespec.model.mtp.base import MTPLayer, dense_block
 FAMILY_DEEPSEEK = "deepseek_v3"
 
 
-def native_types() -> tuple[str, ...]:
-    """Targets whose MTP layers use the target's own block (MLA + MoE), not the Llama one."""
-    from pipespec.model.mtp.deepseek_native import NATIVE_BLOCKS
-    return tuple(NATIVE_BLOCKS)
-
-
 class _SharedHead(nn.Module):
     def __init__(self, arch: ArchConfig, own_head: bool):
         super().__init__()
@@ -64,9 +58,6 @@ class DeepSeekMTP(MTPLayer):
 
     @classmethod
     def build(cls, arch, indices, names, max_position=None):
-        if cls is DeepSeekMTP and arch.model_type in native_types():   # the checkpoint's own block kind
-            from pipespec.model.mtp.deepseek_native import NativeDeepSeekMTP
-            return NativeDeepSeekMTP.build(arch, indices, names, max_position)
         return [cls(arch, i, max_position, own_embedding=f"model.layers.{i}.embed_tokens.weight" in names,
                     own_head=f"model.layers.{i}.shared_head.head.weight" in names) for i in indices]
 

@@ -30,22 +30,23 @@ from pipespec.model.attention import CacheShape
 from pipespec.model.mtp.deepseek import DeepSeekMTP
 
 
-def _deepseek_v3(arch: ArchConfig, index: int, max_position: int):
-    from pipespec.model.deepseek.model import DecoderLayer, make_rope
-    from pipespec.model.deepseek.config import parse_deepseek
-    cfg = parse_deepseek(arch.hf_config)
-    return DecoderLayer(arch, cfg, index), make_rope(cfg, max_position)
+def _family_block(arch: ArchConfig, index: int, max_position: int):
+    """(the target family's decoder layer `index`, its rope module)."""
+    from pipespec.model.registry import TARGETS
+    family = TARGETS[arch.model_type]
+    cfg = family.parse(arch.hf_config)
+    return family.make_layer(arch, cfg, index), family.make_rope(cfg, max_position)
 
 
-# model_type -> (arch, layer index, max_position) -> (decoder block, its rope module)
-NATIVE_BLOCKS = {"deepseek_v3": _deepseek_v3}
+# targets whose MTP layers carry the family's own block
+NATIVE_BLOCKS = ("deepseek_v3", "glm4_moe")
 
 
 class NativeDeepSeekMTP(DeepSeekMTP):
     """A DeepSeek-style MTP layer whose block is the target family's decoder layer."""
 
     def make_block(self, arch: ArchConfig, max_position: int | None) -> nn.Module:
-        block, self.rotary = NATIVE_BLOCKS[arch.model_type](arch, self.layer_index, max_position or arch.max_position)
+        block, self.rotary = _family_block(arch, self.layer_index, max_position or arch.max_position)
         return block
 
     def finish(self, out: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,11 @@
-"""The DeepSeek-V3 MTP layer computes the published formula with the checkpoint's real block:
+"""The DeepSeek-V3 / GLM-4.5 MTP layer computes the published formula with the checkpoint's real block:
 
     out = shared_head.norm(block(eh_proj(cat[enorm(e), hnorm(h)])))      (what chained steps take)
 
-checked against transformers' own DeepseekV3DecoderLayer loaded from the same tensors."""
+checked against transformers' own decoder layer (DeepseekV3 / Glm4Moe) loaded from the same tensors."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
@@ -15,15 +16,16 @@ from pipespec.model.source import resolve_model
 from tests.model.deepseek import tiny
 
 
-def _rms(x, w, eps=1e-6):
+def _rms(x, w, eps):
     return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
+@pytest.mark.parametrize("shape", ["lora_yarn", "glm"])
 @torch.inference_mode()
-def test_mtp_layer_matches_the_formula_on_transformers_block(tmp_path):
+def test_mtp_layer_matches_the_formula_on_transformers_block(shape, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    folder = tiny.write_with_mtp(tmp_path / "ds", "lora_yarn", seed=41, pick="random", mixing=1.0, mtp_mixing=1.0)
+    folder = tiny.write_with_mtp(tmp_path / "ds", shape, seed=41, pick="random", mixing=1.0, mtp_mixing=1.0)
     source = resolve_model(str(folder))
     n = source.arch.num_layers
     layer = load_mtp_layers(source.weights(), source.arch, torch.float32, "cpu", max_position=128)[0]
@@ -34,19 +36,21 @@ def test_mtp_layer_matches_the_formula_on_transformers_block(tmp_path):
     t = load_file(str(folder / "model.safetensors"))
     p = f"model.layers.{n}."
     g = torch.Generator().manual_seed(0)
-    length = 21                                            # > 16 rows: the expanded MLA form
+    length = 21                                            # > 16 rows: MLA's expanded form
     ids = torch.randint(3, tiny.VOCAB, (length,), generator=g)
     h = torch.randn(length, 64, generator=g)
     e = F.embedding(ids, t["model.embed_tokens.weight"])
-    x = F.linear(torch.cat([_rms(e, t[p + "enorm.weight"]), _rms(h, t[p + "hnorm.weight"])], -1), t[p + "eh_proj.weight"])
+    eps = source.arch.rms_norm_eps
+    x = F.linear(torch.cat([_rms(e, t[p + "enorm.weight"], eps), _rms(h, t[p + "hnorm.weight"], eps)], -1),
+                 t[p + "eh_proj.weight"])
     pos = torch.arange(length)
     rope = hf.model.rotary_emb(x[None], pos[None])
     block_out = hf.model.layers[n](x[None], position_ids=pos[None], position_embeddings=rope)
     block_out = block_out[0] if isinstance(block_out, tuple) else block_out
-    want = _rms(block_out[0], t[p + "shared_head.norm.weight"])
+    want = _rms(block_out[0], t[p + "shared_head.norm.weight"], eps)
 
     backend = TorchReferenceBackend()
-    for rows_per_step in (length, 4):                      # expanded, then absorbed against cached latents
+    for rows_per_step in (length, 4):                      # MLA: expanded, then absorbed against cached latents
         cache = allocate_caches([layer.cache_shape()], 4, 16, torch.float32, "cpu")[0]
         tables = torch.tensor([[0, 1, 2, 3]])
         got = []

@@ -1,8 +1,10 @@
-"""Tiny random DeepSeek-V3 checkpoints written by transformers' save_pretrained (the logits oracle).
+"""Tiny random DeepSeek-V3 and GLM-4.5 checkpoints written by transformers' save_pretrained (the
+logits oracle).
 
-Two shapes cover the config's branches: "lora_yarn" (q LoRA, interleaved rope, YaRN with mscale,
-two dense layers then MoE with 2 groups) and "plain" (q_proj, rotate-half rope, no scaling, one
-dense layer). Experts and the router's correction bias are random, so routing matters.
+DeepSeek-V3 shapes cover the config's branches: "lora_yarn" (q LoRA, interleaved rope, YaRN with
+mscale, MoE with 2 groups) and "plain" (q_proj, rotate-half rope, no scaling). "glm" is GLM-4.5:
+GQA with q/k norm and bias, partial rotary 0.5. Experts and the router's correction bias are random,
+so routing matters.
 """
 from __future__ import annotations
 
@@ -28,9 +30,20 @@ SHAPES = {
                   rope_interleave=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
 }
 
+GLM = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=24, num_attention_heads=4,
+           num_key_value_heads=2, head_dim=32, n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=3,
+           n_group=2, topk_group=1, first_k_dense_replace=1, num_hidden_layers=3, use_qk_norm=True,
+           attention_bias=True, routed_scaling_factor=1.5, max_position_embeddings=256, rms_norm_eps=1e-5,
+           bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+           rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.5})
+SHAPES["glm"] = GLM
+DEEPSEEK_SHAPES = ("lora_yarn", "plain")
+
 
 def hf_config(shape: str, **overrides):
-    from transformers import DeepseekV3Config
+    from transformers import DeepseekV3Config, Glm4MoeConfig
+    if shape == "glm":
+        return Glm4MoeConfig(**{**GLM, **overrides})
     return DeepseekV3Config(**{**_COMMON, **SHAPES[shape], **overrides})
 
 
