@@ -21,6 +21,7 @@ TARGETS: dict[str, Callable[..., nn.Module]] = {
     "qwen3": LlamaForCausalLM,
     "mimo": LlamaForCausalLM,       # a Qwen2 decoder (its MTP layers are the drafter's)
     "deepseek_v3": DeepseekV3ForCausalLM,
+    "deepseek_v32": DeepseekV3ForCausalLM,   # + sparse attention (the config's index_* keys)
     "glm4_moe": Glm4MoeForCausalLM,
 }
 

@@ -35,6 +35,13 @@ class MoEConfig:
 
 
 @dataclass(frozen=True)
+class IndexConfig:
+    n_heads: int
+    head_dim: int
+    topk: int
+
+
+@dataclass(frozen=True)
 class DeepSeekConfig:
     q_lora_rank: int | None
     kv_lora_rank: int
@@ -46,6 +53,7 @@ class DeepSeekConfig:
     yarn: YaRN | None
     attention_bias: bool
     moe: MoEConfig
+    index: "IndexConfig | None" = None      # DeepSeek sparse attention (V3.2)
 
     @property
     def qk_head_dim(self) -> int:
@@ -85,6 +93,16 @@ def rope_theta(cfg: dict) -> float:
     return float(cfg.get("rope_theta", rope_dict(cfg).get("rope_theta", 10000.0)))
 
 
+def _first_dense(cfg: dict) -> int:
+    first = int(cfg.get("first_k_dense_replace") or 0)
+    kinds = cfg.get("mlp_layer_types")          # DeepSeek-V3.2 spells it per layer
+    if kinds is not None:
+        first = kinds.count("dense")
+        if kinds != ["dense"] * first + ["sparse"] * (len(kinds) - first):
+            raise ValueError(f"unsupported mlp_layer_types {kinds}; pipespec supports dense layers first")
+    return first
+
+
 def parse_moe(cfg: dict) -> MoEConfig:
     scoring = cfg.get("scoring_func", "sigmoid")
     if scoring != "sigmoid":
@@ -95,7 +113,16 @@ def parse_moe(cfg: dict) -> MoEConfig:
                      num_shared=int(cfg.get("n_shared_experts") or 0), n_group=int(cfg.get("n_group") or 1),
                      topk_group=int(cfg.get("topk_group") or 1), norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
                      routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
-                     first_dense=int(cfg.get("first_k_dense_replace") or 0))
+                     first_dense=_first_dense(cfg))
+
+
+def parse_index(cfg: dict) -> IndexConfig | None:
+    if cfg.get("model_type") != "deepseek_v32":
+        return None
+    kinds = set(cfg.get("layer_types") or ["indexed_attention"])
+    if kinds != {"indexed_attention"}:
+        raise ValueError(f"unsupported layer_types {sorted(kinds)}; pipespec supports indexed_attention")
+    return IndexConfig(int(cfg["index_n_heads"]), int(cfg["index_head_dim"]), int(cfg["index_topk"]))
 
 
 def parse_deepseek(cfg: dict) -> DeepSeekConfig:
@@ -103,4 +130,5 @@ def parse_deepseek(cfg: dict) -> DeepSeekConfig:
                           qk_nope_head_dim=int(cfg["qk_nope_head_dim"]), qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
                           v_head_dim=int(cfg["v_head_dim"]), rope_interleave=bool(cfg.get("rope_interleave", True)),
                           rope_theta=rope_theta(cfg), yarn=parse_yarn(cfg),
-                          attention_bias=bool(cfg.get("attention_bias", False)), moe=parse_moe(cfg))
+                          attention_bias=bool(cfg.get("attention_bias", False)), moe=parse_moe(cfg),
+                          index=parse_index(cfg))

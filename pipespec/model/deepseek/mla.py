@@ -9,6 +9,9 @@ Two equal ways to attend (plain PyTorch reference, CPU; `TorchReferenceBackend`'
 - absorbed, for decode and verify rows: q_nope is folded through W_uk into latent space, so each row
   scores against the cached [c | k_rope] directly (one shared "head" of width R + dr) and the
   weighted sum of latents goes through W_uv afterwards: the cache is never expanded.
+
+With DeepSeek sparse attention (V3.2) each cache entry also holds the indexer's key (index_head_dim
+values), and each row attends only to the keys its indexer selects (model/deepseek/dsa.py).
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from torch import nn
 
 from pipespec.model.attention import CacheShape, ForwardContext, KVCache, TorchReferenceBackend
 from pipespec.model.deepseek.config import DeepSeekConfig
+from pipespec.model.deepseek.dsa import Indexer, index_scores, select_topk
 from pipespec.model.deepseek.rope import SliceRope
 from pipespec.model.layers import RMSNorm
 
@@ -39,24 +43,38 @@ class MLAttention(nn.Module):
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, num_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
         self.o_proj = nn.Linear(num_heads * cfg.v_head_dim, hidden, bias=bias)
         self.scale = cfg.softmax_scale
+        self.indexer = None
+        if cfg.index is not None:
+            if cfg.q_lora_rank is None:
+                raise ValueError("DeepSeek sparse attention needs q_lora_rank (its indexer reads the q latent)")
+            i = cfg.index
+            self.indexer = Indexer(hidden, cfg.q_lora_rank, i.n_heads, i.head_dim, cfg.qk_rope_head_dim, i.topk)
 
     def cache_shape(self) -> CacheShape:
-        return CacheShape(1, self.cfg.kv_lora_rank + self.cfg.qk_rope_head_dim, 0)
+        """Per token: the latent, the rope key and, with sparse attention, the indexer's key."""
+        c = self.cfg
+        return CacheShape(1, c.kv_lora_rank + c.qk_rope_head_dim + (c.index.head_dim if c.index else 0), 0)
 
     def forward(self, x: torch.Tensor, rope: SliceRope, cache: KVCache, ctx: ForwardContext) -> torch.Tensor:
         c, t, nh = self.cfg, x.shape[0], self.num_heads
         if c.q_lora_rank is None:
             q = self.q_proj(x)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q_resid = self.q_a_layernorm(self.q_a_proj(x))
+            q = self.q_b_proj(q_resid)
         q = q.view(t, nh, c.qk_head_dim)
         q_nope, q_rope = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
         q_rope = rope.rotate(q_rope, ctx.positions)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
         k_rope = rope.rotate(k_rope[:, None, :], ctx.positions)
-        entry = torch.cat((self.kv_a_layernorm(latent)[:, None, :], k_rope), dim=-1)   # [T, 1, R + dr]
+        parts = [self.kv_a_layernorm(latent)[:, None, :], k_rope]
+        index_q = None
+        if self.indexer is not None:
+            parts.append(self.indexer.key(x, rope, ctx.positions)[:, None, :])
+            index_q = self.indexer.queries(x, q_resid, rope, ctx.positions)
+        entry = torch.cat(parts, dim=-1)                                        # [T, 1, cache width]
         cache.key.index_copy_(0, ctx.slot_mapping, entry.to(cache.key.dtype))
-        out = self._attend(q_nope, q_rope, cache.key, ctx)
+        out = self._attend(q_nope, q_rope, cache.key, ctx, index_q)
         return self.o_proj(out.reshape(t, nh * c.v_head_dim))
 
     def _weights(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,20 +83,26 @@ class MLAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.num_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
         return w[:, :c.qk_nope_head_dim], w[:, c.qk_nope_head_dim:]
 
-    def _attend(self, q_nope, q_rope, latents, ctx: ForwardContext) -> torch.Tensor:
+    def _attend(self, q_nope, q_rope, latents, ctx: ForwardContext, index_q=None) -> torch.Tensor:
         if not isinstance(ctx.backend, TorchReferenceBackend):
             raise NotImplementedError(f"MLA runs on the torch reference backend; got {type(ctx.backend).__name__}")
         c, nh = self.cfg, self.num_heads
         out = q_nope.new_empty(q_nope.shape[0], nh, c.v_head_dim)
         w_uk, w_uv = self._weights()
         for g in ctx.attn:
-            kv = latents.index_select(0, g.kv_slots.reshape(-1)).view(*g.kv_slots.shape, -1)    # [G, K, R + dr]
+            entries = latents.index_select(0, g.kv_slots.reshape(-1)).view(*g.kv_slots.shape, -1)
+            width = c.kv_lora_rank + c.qk_rope_head_dim
+            kv = entries[..., :width]                                                          # [G, K, R + dr]
             qn, qr = q_nope[g.rows], q_rope[g.rows]                                            # [G, Q, H, *]
+            mask = g.mask
+            if index_q is not None:     # sparse: only the keys this row's indexer picks
+                scores = index_scores(index_q[0][g.rows], index_q[1][g.rows], entries[..., width:])
+                mask = select_topk(scores, g.mask[:, 0], self.indexer.topk)[:, None]
             if g.rows.shape[1] <= self.absorb_up_to:
                 q_lat = torch.einsum("gqhd,hdr->gqhr", qn, w_uk)
                 qa = torch.cat((q_lat, qr), dim=-1).transpose(1, 2)                            # [G, H, Q, R + dr]
                 o_lat = F.scaled_dot_product_attention(qa, kv[:, None], kv[:, None, :, :c.kv_lora_rank],
-                                                       attn_mask=g.mask, scale=self.scale, enable_gqa=True)
+                                                       attn_mask=mask, scale=self.scale, enable_gqa=True)
                 og = torch.einsum("ghqr,hvr->gqhv", o_lat, w_uv)
             else:
                 kv_b = self.kv_b_proj(kv[..., :c.kv_lora_rank]).view(*kv.shape[:2], nh, -1)
@@ -86,6 +110,6 @@ class MLAttention(nn.Module):
                 k = torch.cat((k_nope, kv[..., None, c.kv_lora_rank:].expand(-1, -1, nh, -1)), dim=-1)
                 qg = torch.cat((qn, qr), dim=-1)
                 og = F.scaled_dot_product_attention(qg.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                    attn_mask=g.mask, scale=self.scale).transpose(1, 2)
+                                                    attn_mask=mask, scale=self.scale).transpose(1, 2)
             out[g.rows[g.valid]] = og[g.valid]
         return out

@@ -61,9 +61,10 @@ class SliceRope(nn.Module):
         # blocks take the rope object and rotate with ctx.positions (the call mirrors Llama's rotary)
         return self
 
-    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor, interleaved: bool | None = None) -> torch.Tensor:
+        """`interleaved` overrides the table's layout (DeepSeek-V3.2's indexer rotates half)."""
         cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
-        if self.interleaved:
+        if self.interleaved if interleaved is None else interleaved:
             a, b = x[..., 0::2], x[..., 1::2]
         else:
             a, b = x.chunk(2, dim=-1)

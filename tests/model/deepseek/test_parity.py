@@ -1,4 +1,4 @@
-"""DeepSeek-V3 and GLM-4.5 logits equal transformers' in float32: prefill (for MLA: expanded form),
+"""DeepSeek-V3, V3.2 (index_topk covering the prompt) and GLM-4.5 logits equal transformers' in float32: prefill (for MLA: expanded form),
 chunked prefill and one-token decode steps (MLA: absorbed form against the paged latent cache), and
 greedy text."""
 from __future__ import annotations
@@ -17,7 +17,7 @@ TOL = 1e-4
 def models(tmp_path_factory, tokenizer):
     root = tmp_path_factory.mktemp("deepseek")
     out = {}
-    for i, shape in enumerate(tiny.SHAPES):       # DeepSeek-V3 twice, GLM-4.5
+    for i, shape in enumerate(tiny.SHAPES):       # DeepSeek-V3 twice, GLM-4.5, DeepSeek-V3.2
         folder, hf = tiny.write_model(root / shape, shape, seed=20 + i, tokenizer=tokenizer)
         llm = LLM(model=str(folder), dtype="float32", device="cpu", max_model_len=128, num_kv_blocks=16,
                   max_num_batched_tokens=64)

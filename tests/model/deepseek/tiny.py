@@ -37,13 +37,22 @@ GLM = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermedi
            bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.5})
 SHAPES["glm"] = GLM
-DEEPSEEK_SHAPES = ("lora_yarn", "plain")
+# DeepSeek-V3.2: MLA (q LoRA, interleaved rope, YaRN) with the sparse-attention indexer; index_topk
+# covers the parity prompts, tests of the selection override it
+V32 = dict(_COMMON, q_lora_rank=24, num_hidden_layers=3, first_k_dense_replace=1, n_group=2, topk_group=1,
+           index_topk=64, index_head_dim=16, index_n_heads=2,
+           rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                            "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.7,
+                            "rope_theta": 10000.0})
+SHAPES["v32"] = V32
 
 
 def hf_config(shape: str, **overrides):
-    from transformers import DeepseekV3Config, Glm4MoeConfig
+    from transformers import DeepseekV32Config, DeepseekV3Config, Glm4MoeConfig
     if shape == "glm":
         return Glm4MoeConfig(**{**GLM, **overrides})
+    if shape == "v32":
+        return DeepseekV32Config(**{**V32, **overrides})
     return DeepseekV3Config(**{**_COMMON, **SHAPES[shape], **overrides})
 
 
@@ -53,7 +62,12 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=g)
-            p.copy_(1.0 + 0.3 * noise if name.endswith("norm.weight") else 0.15 * noise)
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.3 * noise)
+            elif name.endswith("norm.bias"):
+                p.copy_(0.3 * noise)
+            else:
+                p.copy_(0.15 * noise)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.3 * torch.randn(b.shape, generator=g))
