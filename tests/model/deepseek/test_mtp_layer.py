@@ -20,19 +20,27 @@ def _rms(x, w, eps):
     return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
-@pytest.mark.parametrize("shape", ["lora_yarn", "glm"])
+# v32: top-k 8 of up to 21 tokens, so the MTP layer's own indexer selection decides its output
+@pytest.mark.parametrize("shape", ["lora_yarn", "glm", "v32"])
 @torch.inference_mode()
 def test_mtp_layer_matches_the_formula_on_transformers_block(shape, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    folder = tiny.write_with_mtp(tmp_path / "ds", shape, seed=41, pick="random", mixing=1.0, mtp_mixing=1.0)
+    extra = dict(index_topk=8, index_n_heads=16) if shape == "v32" else {}
+    folder = tiny.write_with_mtp(tmp_path / "ds", shape, seed=41, pick="random", mixing=1.0, mtp_mixing=1.0, **extra)
     source = resolve_model(str(folder))
     n = source.arch.num_layers
     layer = load_mtp_layers(source.weights(), source.arch, torch.float32, "cpu", max_position=128)[0]
     assert layer.layer_index == n
 
     # transformers with one more layer reads the MTP block's tensors as its layer n
-    hf = AutoModelForCausalLM.from_pretrained(str(folder), num_hidden_layers=n + 1, dtype=torch.float32).eval()
+    more = {}
+    if shape == "v32":                                     # its per-layer lists must name layer n too
+        cfg = source.arch.hf_config
+        more = dict(layer_types=cfg["layer_types"] + ["indexed_attention"],
+                    mlp_layer_types=cfg["mlp_layer_types"] + ["sparse"])
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), num_hidden_layers=n + 1, dtype=torch.float32,
+                                              **more).eval()
     t = load_file(str(folder / "model.safetensors"))
     p = f"model.layers.{n}."
     g = torch.Generator().manual_seed(0)
@@ -45,7 +53,8 @@ def test_mtp_layer_matches_the_formula_on_transformers_block(shape, tmp_path):
                  t[p + "eh_proj.weight"])
     pos = torch.arange(length)
     rope = hf.model.rotary_emb(x[None], pos[None])
-    block_out = hf.model.layers[n](x[None], position_ids=pos[None], position_embeddings=rope)
+    causal = torch.ones(length, length, dtype=torch.bool).tril()[None, None]
+    block_out = hf.model.layers[n](x[None], attention_mask=causal, position_ids=pos[None], position_embeddings=rope)
     block_out = block_out[0] if isinstance(block_out, tuple) else block_out
     want = _rms(block_out[0], t[p + "shared_head.norm.weight"], eps)
 

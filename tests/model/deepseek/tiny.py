@@ -106,6 +106,9 @@ def write_with_mtp(folder: Path, shape: str, seed: int, num_mtp: int = 1, tokeni
     write_model(folder, shape, seed, tokenizer, num_hidden_layers=n + num_mtp, **overrides)
     cfg = json.loads((folder / "config.json").read_text())
     cfg.update(num_hidden_layers=n, num_nextn_predict_layers=num_mtp)
+    for key in ("layer_types", "mlp_layer_types"):        # per-layer lists (V3.2) name the target's layers
+        if key in cfg:
+            cfg[key] = cfg[key][:n]
     (folder / "config.json").write_text(json.dumps(cfg, indent=1))
     tensors = load_file(str(folder / "model.safetensors"))
     tensors["model.embed_tokens.weight"] *= 8
