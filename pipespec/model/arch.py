@@ -4,9 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mimo",   # mimo: a Qwen2 decoder (+ MTP layers)
-                         "deepseek_v3", "deepseek_v32", "glm4_moe")
+                         "deepseek_v3", "deepseek_v32", "glm4_moe", "glm_moe_dsa")
 # families that read their rope (YaRN, partial rotary) and the rest of their shape from `hf_config`
-OWN_CONFIG_TYPES = ("deepseek_v3", "deepseek_v32", "glm4_moe")
+OWN_CONFIG_TYPES = ("deepseek_v3", "deepseek_v32", "glm4_moe", "glm_moe_dsa")
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ TARGETS: dict[str, Callable[..., nn.Module]] = {
     "mimo": LlamaForCausalLM,       # a Qwen2 decoder (its MTP layers are the drafter's)
     "deepseek_v3": DeepseekV3ForCausalLM,
     "deepseek_v32": DeepseekV3ForCausalLM,   # + sparse attention (the config's index_* keys)
+    "glm_moe_dsa": DeepseekV3ForCausalLM,    # GLM-5: V3.2's layout, interleaved indexer rope, shared layers
     "glm4_moe": Glm4MoeForCausalLM,
 }
 

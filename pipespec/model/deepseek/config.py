@@ -39,6 +39,8 @@ class IndexConfig:
     n_heads: int
     head_dim: int
     topk: int
+    interleaved: bool = False            # the indexer's rope layout: GLM-5 interleaves, V3.2 does not
+    shared: tuple[int, ...] = ()         # layers reusing the previous full layer's selection (GLM-5)
 
 
 @dataclass(frozen=True)
@@ -116,13 +118,32 @@ def parse_moe(cfg: dict) -> MoEConfig:
                      first_dense=_first_dense(cfg))
 
 
+def _indexer_types(cfg: dict) -> list[str]:
+    """GLM-5's per-layer "full" / "shared"; written out by transformers, else from the pattern keys."""
+    if cfg.get("indexer_types"):
+        return list(cfg["indexer_types"])
+    n = int(cfg["num_hidden_layers"])
+    pattern = cfg.get("index_topk_pattern")
+    if pattern is not None:
+        return [{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(pattern, str) else list(pattern)
+    freq, offset = max(int(cfg.get("index_topk_freq", 1)), 1), int(cfg.get("index_skip_topk_offset", 2))
+    return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
+
+
 def parse_index(cfg: dict) -> IndexConfig | None:
-    if cfg.get("model_type") != "deepseek_v32":
+    model_type = cfg.get("model_type")
+    if model_type not in ("deepseek_v32", "glm_moe_dsa"):
         return None
     kinds = set(cfg.get("layer_types") or ["indexed_attention"])
     if kinds != {"indexed_attention"}:
         raise ValueError(f"unsupported layer_types {sorted(kinds)}; pipespec supports indexed_attention")
-    return IndexConfig(int(cfg["index_n_heads"]), int(cfg["index_head_dim"]), int(cfg["index_topk"]))
+    shared = ()
+    if model_type == "glm_moe_dsa":
+        shared = tuple(i for i, kind in enumerate(_indexer_types(cfg)) if kind == "shared")
+        if 0 in shared:
+            raise ValueError("indexer_types: layer 0 cannot reuse an earlier layer's selection")
+    return IndexConfig(int(cfg["index_n_heads"]), int(cfg["index_head_dim"]), int(cfg["index_topk"]),
+                       interleaved=model_type == "glm_moe_dsa", shared=shared)
 
 
 def parse_deepseek(cfg: dict) -> DeepSeekConfig:

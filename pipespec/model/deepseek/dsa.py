@@ -6,8 +6,11 @@ query row, and MLA attends only to the `index_topk` best (among the tokens causa
     w     = weights_proj(x) / sqrt(n_heads)
     score = sum_h w_h * relu(q_h . k / sqrt(head_dim))
 
-The selection is computed inside the layer from the current step's rows and cache, and used at
-once: no index buffer outlives the layer call, so the target and the MTP layer never share one.
+GLM-5 rotates the indexer's rope dims interleaved, and its "shared" layers have no indexer: they
+reuse the selection of the latest full layer before them in the same forward pass. That selection
+lives in a `Selection` made by the model's forward for that one call and passed down explicitly;
+nothing holds it afterwards, so no layer (nor the MTP layer, which always runs its own indexer) can
+read a selection from another step.
 """
 from __future__ import annotations
 
@@ -15,10 +18,19 @@ import torch
 from torch import nn
 
 
+class Selection:
+    """One forward call's latest top-k selection: a bool [G, Q, K] per request group of the step."""
+
+    def __init__(self):
+        self.masks: list[torch.Tensor] | None = None
+
+
 class Indexer(nn.Module):
-    def __init__(self, hidden: int, q_lora_rank: int, n_heads: int, head_dim: int, rope_dim: int, topk: int):
+    def __init__(self, hidden: int, q_lora_rank: int, n_heads: int, head_dim: int, rope_dim: int, topk: int,
+                 interleaved: bool = False):
         super().__init__()
         self.n_heads, self.head_dim, self.rope_dim, self.topk = n_heads, head_dim, rope_dim, topk
+        self.interleaved = interleaved
         self.wq_b = nn.Linear(q_lora_rank, n_heads * head_dim, bias=False)
         self.wk = nn.Linear(hidden, head_dim, bias=False)
         self.k_norm = nn.LayerNorm(head_dim, eps=1e-6)
@@ -26,7 +38,7 @@ class Indexer(nn.Module):
 
     def _rope(self, x: torch.Tensor, rope, positions: torch.Tensor) -> torch.Tensor:
         r = self.rope_dim
-        return torch.cat((rope.rotate(x[..., :r], positions, interleaved=False), x[..., r:]), dim=-1)
+        return torch.cat((rope.rotate(x[..., :r], positions, interleaved=self.interleaved), x[..., r:]), dim=-1)
 
     def key(self, x: torch.Tensor, rope, positions: torch.Tensor) -> torch.Tensor:
         """The per-token key to cache: [T, head_dim]."""

@@ -21,13 +21,14 @@ from torch import nn
 
 from pipespec.model.attention import CacheShape, ForwardContext, KVCache, TorchReferenceBackend
 from pipespec.model.deepseek.config import DeepSeekConfig
-from pipespec.model.deepseek.dsa import Indexer, index_scores, select_topk
+from pipespec.model.deepseek.dsa import Indexer, Selection, index_scores, select_topk
 from pipespec.model.deepseek.rope import SliceRope
 from pipespec.model.layers import RMSNorm
 
 
 class MLAttention(nn.Module):
-    def __init__(self, hidden: int, num_heads: int, cfg: DeepSeekConfig, eps: float, absorb_up_to: int = 16):
+    def __init__(self, hidden: int, num_heads: int, cfg: DeepSeekConfig, eps: float, absorb_up_to: int = 16,
+                 reuses_selection: bool = False):
         super().__init__()
         self.cfg, self.num_heads = cfg, num_heads
         self.absorb_up_to = absorb_up_to        # requests with at most this many query rows: absorbed form
@@ -44,18 +45,21 @@ class MLAttention(nn.Module):
         self.o_proj = nn.Linear(num_heads * cfg.v_head_dim, hidden, bias=bias)
         self.scale = cfg.softmax_scale
         self.indexer = None
-        if cfg.index is not None:
+        self.reuses_selection = reuses_selection      # GLM-5 "shared" layer: no indexer of its own
+        if cfg.index is not None and not reuses_selection:
             if cfg.q_lora_rank is None:
                 raise ValueError("DeepSeek sparse attention needs q_lora_rank (its indexer reads the q latent)")
             i = cfg.index
-            self.indexer = Indexer(hidden, cfg.q_lora_rank, i.n_heads, i.head_dim, cfg.qk_rope_head_dim, i.topk)
+            self.indexer = Indexer(hidden, cfg.q_lora_rank, i.n_heads, i.head_dim, cfg.qk_rope_head_dim, i.topk,
+                                   i.interleaved)
 
     def cache_shape(self) -> CacheShape:
         """Per token: the latent, the rope key and, with sparse attention, the indexer's key."""
         c = self.cfg
-        return CacheShape(1, c.kv_lora_rank + c.qk_rope_head_dim + (c.index.head_dim if c.index else 0), 0)
+        return CacheShape(1, c.kv_lora_rank + c.qk_rope_head_dim + (c.index.head_dim if self.indexer else 0), 0)
 
-    def forward(self, x: torch.Tensor, rope: SliceRope, cache: KVCache, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: SliceRope, cache: KVCache, ctx: ForwardContext,
+                selection: Selection | None = None) -> torch.Tensor:
         c, t, nh = self.cfg, x.shape[0], self.num_heads
         if c.q_lora_rank is None:
             q = self.q_proj(x)
@@ -74,7 +78,9 @@ class MLAttention(nn.Module):
             index_q = self.indexer.queries(x, q_resid, rope, ctx.positions)
         entry = torch.cat(parts, dim=-1)                                        # [T, 1, cache width]
         cache.key.index_copy_(0, ctx.slot_mapping, entry.to(cache.key.dtype))
-        out = self._attend(q_nope, q_rope, cache.key, ctx, index_q)
+        if self.reuses_selection and (selection is None or selection.masks is None):
+            raise RuntimeError("a layer reusing the indexer selection ran without a full layer before it")
+        out = self._attend(q_nope, q_rope, cache.key, ctx, index_q, selection)
         return self.o_proj(out.reshape(t, nh * c.v_head_dim))
 
     def _weights(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,13 +89,15 @@ class MLAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.num_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
         return w[:, :c.qk_nope_head_dim], w[:, c.qk_nope_head_dim:]
 
-    def _attend(self, q_nope, q_rope, latents, ctx: ForwardContext, index_q=None) -> torch.Tensor:
+    def _attend(self, q_nope, q_rope, latents, ctx: ForwardContext, index_q=None,
+                selection: Selection | None = None) -> torch.Tensor:
         if not isinstance(ctx.backend, TorchReferenceBackend):
             raise NotImplementedError(f"MLA runs on the torch reference backend; got {type(ctx.backend).__name__}")
         c, nh = self.cfg, self.num_heads
         out = q_nope.new_empty(q_nope.shape[0], nh, c.v_head_dim)
         w_uk, w_uv = self._weights()
-        for g in ctx.attn:
+        chosen = []
+        for n, g in enumerate(ctx.attn):
             entries = latents.index_select(0, g.kv_slots.reshape(-1)).view(*g.kv_slots.shape, -1)
             width = c.kv_lora_rank + c.qk_rope_head_dim
             kv = entries[..., :width]                                                          # [G, K, R + dr]
@@ -98,6 +106,9 @@ class MLAttention(nn.Module):
             if index_q is not None:     # sparse: only the keys this row's indexer picks
                 scores = index_scores(index_q[0][g.rows], index_q[1][g.rows], entries[..., width:])
                 mask = select_topk(scores, g.mask[:, 0], self.indexer.topk)[:, None]
+                chosen.append(mask)
+            elif self.reuses_selection:
+                mask = selection.masks[n]
             if g.rows.shape[1] <= self.absorb_up_to:
                 q_lat = torch.einsum("gqhd,hdr->gqhr", qn, w_uk)
                 qa = torch.cat((q_lat, qr), dim=-1).transpose(1, 2)                            # [G, H, Q, R + dr]
@@ -112,4 +123,6 @@ class MLAttention(nn.Module):
                 og = F.scaled_dot_product_attention(qg.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                     attn_mask=mask, scale=self.scale).transpose(1, 2)
             out[g.rows[g.valid]] = og[g.valid]
+        if index_q is not None and selection is not None:
+            selection.masks = chosen           # for the shared layers after this one, this call only
         return out

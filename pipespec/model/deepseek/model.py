@@ -11,6 +11,7 @@ from torch import nn
 from pipespec.model.arch import ArchConfig
 from pipespec.model.attention import CacheShape, ForwardContext
 from pipespec.model.deepseek.config import DeepSeekConfig, MoEConfig, parse_deepseek
+from pipespec.model.deepseek.dsa import Selection
 from pipespec.model.deepseek.mla import MLAttention
 from pipespec.model.deepseek.moe import MoE
 from pipespec.model.deepseek.rope import SliceRope
@@ -46,13 +47,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, eps)
         self.mlp = GatedMLP(h, arch.intermediate_size) if index < moe.first_dense else MoE(h, moe)
 
-    def forward(self, hidden, residual, rope, cache, ctx):
+    def forward(self, hidden, residual, rope, cache, ctx, selection=None):
+        """`selection`: this forward call's sparse-attention selection (GLM-5 shared layers)."""
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, rope, cache, ctx)
+        if selection is None:
+            hidden = self.self_attn(hidden, rope, cache, ctx)
+        else:
+            hidden = self.self_attn(hidden, rope, cache, ctx, selection)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -62,7 +67,9 @@ def make_rope(cfg: DeepSeekConfig, max_position: int) -> SliceRope:
 
 
 def make_layer(arch: ArchConfig, cfg: DeepSeekConfig, index: int) -> DecoderLayer:
-    return DecoderLayer(arch, cfg.moe, index, MLAttention(arch.hidden_size, arch.num_heads, cfg, arch.rms_norm_eps))
+    shared = cfg.index is not None and index in cfg.index.shared
+    attention = MLAttention(arch.hidden_size, arch.num_heads, cfg, arch.rms_norm_eps, reuses_selection=shared)
+    return DecoderLayer(arch, cfg.moe, index, attention)
 
 
 class MoEModel(nn.Module):
@@ -94,6 +101,12 @@ class DeepseekV3ForCausalLM(nn.Module):
             raise ValueError(f"layer range [{start}, {end}) is outside the model's {arch.num_layers} layers")
         self.arch = arch
         self.cfg = self.parse(arch.hf_config)
+        index = getattr(self.cfg, "index", None)
+        if index is not None and start in index.shared:
+            # its full layer runs on an earlier stage, and selections do not cross stages (yet)
+            raise ValueError(f"pipeline stage starting at layer {start} would need the sparse-attention selection "
+                             f"of an earlier stage (indexer_types: layer {start} is 'shared'); choose a "
+                             "pipeline size whose stages start at 'full' layers")
         self.model = MoEModel(arch, {i: self.make_layer(arch, self.cfg, i) for i in range(start, end)},
                               self.make_rope(self.cfg, max_position or arch.max_position))
         self.owns_head = self.model.is_last and not (arch.tie_word_embeddings and self.model.is_first)
@@ -119,8 +132,9 @@ class DeepseekV3ForCausalLM(nn.Module):
         if m.is_first:
             hidden, residual = m.embed_tokens(input_ids), None
         rope = m.rotary(ctx.positions)
+        selection = Selection() if getattr(self.cfg, "index", None) is not None else None   # this call's alone
         for local, layer in enumerate(m.layers.values()):
-            hidden, residual = layer(hidden, residual, rope, ctx.kv_caches[local], ctx)
+            hidden, residual = layer(hidden, residual, rope, ctx.kv_caches[local], ctx, selection)
         if m.is_last:
             hidden, _ = m.norm(hidden, residual)
             residual = None

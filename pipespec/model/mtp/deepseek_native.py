@@ -39,7 +39,7 @@ def _family_block(arch: ArchConfig, index: int, max_position: int):
 
 
 # targets whose MTP layers carry the family's own block
-NATIVE_BLOCKS = ("deepseek_v3", "deepseek_v32", "glm4_moe")
+NATIVE_BLOCKS = ("deepseek_v3", "deepseek_v32", "glm4_moe", "glm_moe_dsa")
 
 
 class NativeDeepSeekMTP(DeepSeekMTP):

@@ -45,12 +45,18 @@ V32 = dict(_COMMON, q_lora_rank=24, num_hidden_layers=3, first_k_dense_replace=1
                             "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.7,
                             "rope_theta": 10000.0})
 SHAPES["v32"] = V32
+# GLM-5: V3.2's layout, the indexer's rope interleaved, layer 1 reusing layer 0's selection (every
+# PP split of 4 layers into 2 or 3 stages starts its stages at full layers)
+GLM5 = dict(V32, num_hidden_layers=4, indexer_types=["full", "shared", "full", "full"], rms_norm_eps=1e-5)
+SHAPES["glm5"] = GLM5
 
 
 def hf_config(shape: str, **overrides):
-    from transformers import DeepseekV32Config, DeepseekV3Config, Glm4MoeConfig
+    from transformers import DeepseekV32Config, DeepseekV3Config, Glm4MoeConfig, GlmMoeDsaConfig
     if shape == "glm":
         return Glm4MoeConfig(**{**GLM, **overrides})
+    if shape == "glm5":
+        return GlmMoeDsaConfig(**{**GLM5, **overrides})
     if shape == "v32":
         return DeepseekV32Config(**{**V32, **overrides})
     return DeepseekV3Config(**{**_COMMON, **SHAPES[shape], **overrides})
@@ -106,7 +112,7 @@ def write_with_mtp(folder: Path, shape: str, seed: int, num_mtp: int = 1, tokeni
     write_model(folder, shape, seed, tokenizer, num_hidden_layers=n + num_mtp, **overrides)
     cfg = json.loads((folder / "config.json").read_text())
     cfg.update(num_hidden_layers=n, num_nextn_predict_layers=num_mtp)
-    for key in ("layer_types", "mlp_layer_types"):        # per-layer lists (V3.2) name the target's layers
+    for key in ("layer_types", "mlp_layer_types", "indexer_types"):   # per-layer lists name the target's layers
         if key in cfg:
             cfg[key] = cfg[key][:n]
     (folder / "config.json").write_text(json.dumps(cfg, indent=1))
