@@ -1,6 +1,8 @@
-"""DeepSeek-V3, V3.2 and GLM-4.5 with the MTP layer their checkpoints ship (the family's own block:
-MLA + MoE with a latent cache, plus the sparse-attention indexer for V3.2 with top-k 8 < context,
-so the target and the MTP layer each select; GQA + MoE): greedy with MTP equals greedy without for K = 1..3 at PP = 1, 2
+"""DeepSeek-V3, V3.2, GLM-4.5 and GLM-5 with the MTP layer their checkpoints ship (the family's own
+block: MLA + MoE with a latent cache, plus the sparse-attention indexer for V3.2 / GLM-5 with top-k
+8 < context, so the target and the MTP layer each select, and GLM-5's layer 1 reuses layer 0's
+selection: a selection surviving from another step or from the MTP layer would break equality;
+GQA + MoE): greedy with MTP equals greedy without for K = 1..3 at PP = 1, 2
 and 3; the echo checkpoint's drafts are mostly accepted, and a layer wired to the wrong half of the
 concat is not."""
 from __future__ import annotations
@@ -18,11 +20,13 @@ LENGTHS, MAX_TOKENS = (1, 4, 9, 30), (12, 5, 10, 12)
 
 
 # (shape, pick): the DeepSeek-V3 and GLM-4.5 echo checkpoints, and a miswired DeepSeek-V3 one
-CHECKPOINTS = (("lora_yarn", "embedding"), ("glm", "embedding"), ("v32", "embedding"), ("lora_yarn", "hidden"))
+CHECKPOINTS = (("lora_yarn", "embedding"), ("glm", "embedding"), ("v32", "embedding"), ("glm5", "embedding"),
+               ("lora_yarn", "hidden"))
 # at the default echo strength the tiny GLM's drafts agree less (35% over K = 3, measured; its
 # target's next token depends more on the context); a weaker mix keeps them mostly right
-ECHO = {"glm": dict(mixing=0.03, mtp_mixing=0.01), "v32": dict(index_topk=8, index_n_heads=16)}
-CACHE_ENTRY = {"lora_yarn": (1, 32 + 8), "glm": (2, 32), "v32": (1, 32 + 8 + 16)}   # per token
+ECHO = {"glm": dict(mixing=0.03, mtp_mixing=0.01), "v32": dict(index_topk=8, index_n_heads=16),
+        "glm5": dict(index_topk=8, index_n_heads=16)}
+CACHE_ENTRY = {"lora_yarn": (1, 32 + 8), "glm": (2, 32), "v32": (1, 32 + 8 + 16), "glm5": (1, 32 + 8 + 16)}
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +74,8 @@ def _run(folder, shape, prompts, pp, k):
 
 # every (PP, K) for DeepSeek-V3; the others share the drafting path, so a diagonal covers their blocks
 CASES = ([("lora_yarn", pp, k) for pp in (1, 2, 3) for k in (1, 2, 3)]
-         + [("glm", 1, 2), ("glm", 2, 3), ("glm", 3, 1), ("v32", 1, 3), ("v32", 2, 2), ("v32", 3, 3)])
+         + [("glm", 1, 2), ("glm", 2, 3), ("glm", 3, 1), ("v32", 1, 3), ("v32", 2, 2), ("v32", 3, 3),
+            ("glm5", 1, 2), ("glm5", 2, 3), ("glm5", 3, 3)])
 
 
 @pytest.mark.parametrize("shape,pp,k", CASES)

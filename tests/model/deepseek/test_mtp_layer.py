@@ -21,12 +21,12 @@ def _rms(x, w, eps):
 
 
 # v32: top-k 8 of up to 21 tokens, so the MTP layer's own indexer selection decides its output
-@pytest.mark.parametrize("shape", ["lora_yarn", "glm", "v32"])
+@pytest.mark.parametrize("shape", ["lora_yarn", "glm", "v32", "glm5"])
 @torch.inference_mode()
 def test_mtp_layer_matches_the_formula_on_transformers_block(shape, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    extra = dict(index_topk=8, index_n_heads=16) if shape == "v32" else {}
+    extra = dict(index_topk=8, index_n_heads=16) if shape in ("v32", "glm5") else {}
     folder = tiny.write_with_mtp(tmp_path / "ds", shape, seed=41, pick="random", mixing=1.0, mtp_mixing=1.0, **extra)
     source = resolve_model(str(folder))
     n = source.arch.num_layers
@@ -35,12 +35,17 @@ def test_mtp_layer_matches_the_formula_on_transformers_block(shape, tmp_path):
 
     # transformers with one more layer reads the MTP block's tensors as its layer n
     more = {}
-    if shape == "v32":                                     # its per-layer lists must name layer n too
+    if shape in ("v32", "glm5"):                           # its per-layer lists must name layer n too
         cfg = source.arch.hf_config
         more = dict(layer_types=cfg["layer_types"] + ["indexed_attention"],
                     mlp_layer_types=cfg["mlp_layer_types"] + ["sparse"])
-    hf = AutoModelForCausalLM.from_pretrained(str(folder), num_hidden_layers=n + 1, dtype=torch.float32,
-                                              **more).eval()
+        if shape == "glm5":
+            more["indexer_types"] = cfg["indexer_types"] + ["full"]
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(str(folder))
+    for key, value in dict(more, num_hidden_layers=n + 1).items():
+        setattr(config, key, value)
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), config=config, dtype=torch.float32).eval()
     t = load_file(str(folder / "model.safetensors"))
     p = f"model.layers.{n}."
     g = torch.Generator().manual_seed(0)

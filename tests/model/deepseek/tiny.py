@@ -109,6 +109,8 @@ def write_with_mtp(folder: Path, shape: str, seed: int, num_mtp: int = 1, tokeni
     from safetensors.torch import load_file, save_file
 
     n = SHAPES[shape]["num_hidden_layers"]
+    if "indexer_types" in SHAPES[shape]:                  # the MTP layers run their own indexer
+        overrides.setdefault("indexer_types", SHAPES[shape]["indexer_types"] + ["full"] * num_mtp)
     write_model(folder, shape, seed, tokenizer, num_hidden_layers=n + num_mtp, **overrides)
     cfg = json.loads((folder / "config.json").read_text())
     cfg.update(num_hidden_layers=n, num_nextn_predict_layers=num_mtp)
