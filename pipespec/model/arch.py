@@ -1,9 +1,12 @@
 """Model architecture read from a checkpoint (HF config.json or GGUF metadata)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mimo")    # mimo: a Qwen2 decoder (+ MTP layers)
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mimo",   # mimo: a Qwen2 decoder (+ MTP layers)
+                         "deepseek_v3", "deepseek_v32", "glm4_moe", "glm_moe_dsa")
+# families that read their rope (YaRN, partial rotary) and the rest of their shape from `hf_config`
+OWN_CONFIG_TYPES = ("deepseek_v3", "deepseek_v32", "glm4_moe", "glm_moe_dsa")
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,8 @@ class ArchConfig:
     qk_norm: bool = False
     rope_scaling: RopeScaling | None = None
     checkpoint_dtype: str = "float32"
+    # config.json as read, for families whose fields go beyond these (OWN_CONFIG_TYPES)
+    hf_config: dict | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -79,8 +84,9 @@ class ArchConfig:
             qkv_bias=model_type in ("qwen2", "mimo") or bool(cfg.get("attention_bias", False)),
             o_bias=model_type == "llama" and bool(cfg.get("attention_bias", False)),
             qk_norm=model_type == "qwen3",
-            rope_scaling=_rope_scaling(rope),
+            rope_scaling=None if model_type in OWN_CONFIG_TYPES else _rope_scaling(rope),
             checkpoint_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+            hf_config=dict(cfg) if model_type in OWN_CONFIG_TYPES else None,
         )
 
 

@@ -11,6 +11,8 @@ from typing import Callable
 from torch import nn
 
 from pipespec.model.arch import ArchConfig
+from pipespec.model.deepseek.model import DeepseekV3ForCausalLM
+from pipespec.model.glm4_moe import Glm4MoeForCausalLM
 from pipespec.model.llama import LlamaForCausalLM
 
 TARGETS: dict[str, Callable[..., nn.Module]] = {
@@ -18,6 +20,10 @@ TARGETS: dict[str, Callable[..., nn.Module]] = {
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
     "mimo": LlamaForCausalLM,       # a Qwen2 decoder (its MTP layers are the drafter's)
+    "deepseek_v3": DeepseekV3ForCausalLM,
+    "deepseek_v32": DeepseekV3ForCausalLM,   # + sparse attention (the config's index_* keys)
+    "glm_moe_dsa": DeepseekV3ForCausalLM,    # GLM-5: V3.2's layout, interleaved indexer rope, shared layers
+    "glm4_moe": Glm4MoeForCausalLM,
 }
 
 

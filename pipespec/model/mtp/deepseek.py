@@ -41,7 +41,7 @@ class DeepSeekMTP(MTPLayer):
         self.enorm = RMSNorm(h, arch.rms_norm_eps)
         self.hnorm = RMSNorm(h, arch.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * h, h, bias=False)
-        self.block = dense_block(arch)
+        self.block = self.make_block(arch, max_position)
         self.shared_head = _SharedHead(arch, own_head)
         if own_embedding:       # a copy shipped in the checkpoint
             self.embed_tokens = nn.Embedding(arch.vocab_size, h)
@@ -64,6 +64,9 @@ class DeepSeekMTP(MTPLayer):
     @property
     def prefix(self) -> str:
         return f"model.layers.{self.layer_index}."
+
+    def make_block(self, arch: ArchConfig, max_position: int | None) -> nn.Module:
+        return dense_block(arch)
 
     def combine(self, e: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         return self.eh_proj(torch.cat([self.enorm(e), self.hnorm(h)], dim=-1))

@@ -10,6 +10,7 @@ import torch
 from pipespec.model.arch import ArchConfig
 from pipespec.model.mtp.base import MTPLayer
 from pipespec.model.mtp.deepseek import DeepSeekMTP
+from pipespec.model.mtp.deepseek_native import NATIVE_BLOCKS, NativeDeepSeekMTP
 from pipespec.model.mtp.mimo import MiMoMTP
 from pipespec.model.mtp.qwen3_next import Qwen3NextMTP
 
@@ -71,6 +72,8 @@ def load_mtp_layers(source, arch: ArchConfig, dtype: torch.dtype, device, max_po
     unknown = sorted(set(indices) - set(found))
     if unknown:
         raise ValueError(f"no MTP layer {unknown} in the checkpoint; it holds {found} ({family.marker})")
+    if family is DeepSeekMTP and arch.model_type in NATIVE_BLOCKS:   # the target family's own block
+        family = NativeDeepSeekMTP
     layers = family.build(arch, indices, names, max_position)
     for layer in layers:
         load_weights(layer, source, dtype, device, desc=f"Loading {family.family} MTP layer {layer.layer_index}")

@@ -1,0 +1,128 @@
+"""Multi-head latent attention (DeepSeek-V2/V3) over a paged cache of compressed latents.
+
+Per token the cache holds kv_lora_rank + qk_rope_head_dim values (`CacheShape(1, R + dr, 0)`): the
+normed latent c = kv_a_layernorm(kv_a) and the rotated shared rope key. Keys and values per head
+are kv_b_proj(c) = [k_nope | v]; nothing else is stored.
+
+Two equal ways to attend (plain PyTorch reference, CPU; `TorchReferenceBackend`'s request groups):
+- expanded, for long prefill chunks: kv_b_proj on the gathered latents, then ordinary attention;
+- absorbed, for decode and verify rows: q_nope is folded through W_uk into latent space, so each row
+  scores against the cached [c | k_rope] directly (one shared "head" of width R + dr) and the
+  weighted sum of latents goes through W_uv afterwards: the cache is never expanded.
+
+With DeepSeek sparse attention (V3.2) each cache entry also holds the indexer's key (index_head_dim
+values), and each row attends only to the keys its indexer selects (model/deepseek/dsa.py).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipespec.model.attention import CacheShape, ForwardContext, KVCache, TorchReferenceBackend
+from pipespec.model.deepseek.config import DeepSeekConfig
+from pipespec.model.deepseek.dsa import Indexer, Selection, index_scores, select_topk
+from pipespec.model.deepseek.rope import SliceRope
+from pipespec.model.layers import RMSNorm
+
+
+class MLAttention(nn.Module):
+    def __init__(self, hidden: int, num_heads: int, cfg: DeepSeekConfig, eps: float, absorb_up_to: int = 16,
+                 reuses_selection: bool = False):
+        super().__init__()
+        self.cfg, self.num_heads = cfg, num_heads
+        self.absorb_up_to = absorb_up_to        # requests with at most this many query rows: absorbed form
+        bias = cfg.attention_bias
+        if cfg.q_lora_rank is None:
+            self.q_proj = nn.Linear(hidden, num_heads * cfg.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(hidden, cfg.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, eps)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, num_heads * cfg.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, eps)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, num_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(num_heads * cfg.v_head_dim, hidden, bias=bias)
+        self.scale = cfg.softmax_scale
+        self.indexer = None
+        self.reuses_selection = reuses_selection      # GLM-5 "shared" layer: no indexer of its own
+        if cfg.index is not None and not reuses_selection:
+            if cfg.q_lora_rank is None:
+                raise ValueError("DeepSeek sparse attention needs q_lora_rank (its indexer reads the q latent)")
+            i = cfg.index
+            self.indexer = Indexer(hidden, cfg.q_lora_rank, i.n_heads, i.head_dim, cfg.qk_rope_head_dim, i.topk,
+                                   i.interleaved)
+
+    def cache_shape(self) -> CacheShape:
+        """Per token: the latent, the rope key and, with sparse attention, the indexer's key."""
+        c = self.cfg
+        return CacheShape(1, c.kv_lora_rank + c.qk_rope_head_dim + (c.index.head_dim if self.indexer else 0), 0)
+
+    def forward(self, x: torch.Tensor, rope: SliceRope, cache: KVCache, ctx: ForwardContext,
+                selection: Selection | None = None) -> torch.Tensor:
+        c, t, nh = self.cfg, x.shape[0], self.num_heads
+        if c.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q_resid = self.q_a_layernorm(self.q_a_proj(x))
+            q = self.q_b_proj(q_resid)
+        q = q.view(t, nh, c.qk_head_dim)
+        q_nope, q_rope = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
+        q_rope = rope.rotate(q_rope, ctx.positions)
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
+        k_rope = rope.rotate(k_rope[:, None, :], ctx.positions)
+        parts = [self.kv_a_layernorm(latent)[:, None, :], k_rope]
+        index_q = None
+        if self.indexer is not None:
+            parts.append(self.indexer.key(x, rope, ctx.positions)[:, None, :])
+            index_q = self.indexer.queries(x, q_resid, rope, ctx.positions)
+        entry = torch.cat(parts, dim=-1)                                        # [T, 1, cache width]
+        cache.key.index_copy_(0, ctx.slot_mapping, entry.to(cache.key.dtype))
+        if self.reuses_selection and (selection is None or selection.masks is None):
+            raise RuntimeError("a layer reusing the indexer selection ran without a full layer before it")
+        out = self._attend(q_nope, q_rope, cache.key, ctx, index_q, selection)
+        return self.o_proj(out.reshape(t, nh * c.v_head_dim))
+
+    def _weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj split per head: W_uk [H, dn, R], W_uv [H, dv, R]."""
+        c = self.cfg
+        w = self.kv_b_proj.weight.view(self.num_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+        return w[:, :c.qk_nope_head_dim], w[:, c.qk_nope_head_dim:]
+
+    def _attend(self, q_nope, q_rope, latents, ctx: ForwardContext, index_q=None,
+                selection: Selection | None = None) -> torch.Tensor:
+        if not isinstance(ctx.backend, TorchReferenceBackend):
+            raise NotImplementedError(f"MLA runs on the torch reference backend; got {type(ctx.backend).__name__}")
+        c, nh = self.cfg, self.num_heads
+        out = q_nope.new_empty(q_nope.shape[0], nh, c.v_head_dim)
+        w_uk, w_uv = self._weights()
+        chosen = []
+        for n, g in enumerate(ctx.attn):
+            entries = latents.index_select(0, g.kv_slots.reshape(-1)).view(*g.kv_slots.shape, -1)
+            width = c.kv_lora_rank + c.qk_rope_head_dim
+            kv = entries[..., :width]                                                          # [G, K, R + dr]
+            qn, qr = q_nope[g.rows], q_rope[g.rows]                                            # [G, Q, H, *]
+            mask = g.mask
+            if index_q is not None:     # sparse: only the keys this row's indexer picks
+                scores = index_scores(index_q[0][g.rows], index_q[1][g.rows], entries[..., width:])
+                mask = select_topk(scores, g.mask[:, 0], self.indexer.topk)[:, None]
+                chosen.append(mask)
+            elif self.reuses_selection:
+                mask = selection.masks[n]
+            if g.rows.shape[1] <= self.absorb_up_to:
+                q_lat = torch.einsum("gqhd,hdr->gqhr", qn, w_uk)
+                qa = torch.cat((q_lat, qr), dim=-1).transpose(1, 2)                            # [G, H, Q, R + dr]
+                o_lat = F.scaled_dot_product_attention(qa, kv[:, None], kv[:, None, :, :c.kv_lora_rank],
+                                                       attn_mask=mask, scale=self.scale, enable_gqa=True)
+                og = torch.einsum("ghqr,hvr->gqhv", o_lat, w_uv)
+            else:
+                kv_b = self.kv_b_proj(kv[..., :c.kv_lora_rank]).view(*kv.shape[:2], nh, -1)
+                k_nope, v = kv_b.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
+                k = torch.cat((k_nope, kv[..., None, c.kv_lora_rank:].expand(-1, -1, nh, -1)), dim=-1)
+                qg = torch.cat((qn, qr), dim=-1)
+                og = F.scaled_dot_product_attention(qg.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                    attn_mask=mask, scale=self.scale).transpose(1, 2)
+            out[g.rows[g.valid]] = og[g.valid]
+        if index_q is not None and selection is not None:
+            selection.masks = chosen           # for the shared layers after this one, this call only
+        return out

@@ -1,0 +1,147 @@
+"""DeepSeek-V3 target slice: MLA attention and, from layer `first_k_dense_replace` on, MoE.
+
+Same contract as `LlamaForCausalLM` (see model/registry.py): one pipeline stage's layers, global
+layer indices in parameter names, so each stage loads exactly its tensors.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pipespec.model.arch import ArchConfig
+from pipespec.model.attention import CacheShape, ForwardContext
+from pipespec.model.deepseek.config import DeepSeekConfig, MoEConfig, parse_deepseek
+from pipespec.model.deepseek.dsa import Selection
+from pipespec.model.deepseek.mla import MLAttention
+from pipespec.model.deepseek.moe import MoE
+from pipespec.model.deepseek.rope import SliceRope
+from pipespec.model.layers import GatedMLP, LMHead, RMSNorm, head_logits
+
+
+def fused_names(module: nn.Module, prefix: str = "") -> dict[str, list[str]]:
+    """Parameter name -> checkpoint tensors, for a module with fused qkv_proj / gate_up_proj and MoE."""
+    names = {}
+    for name in module.state_dict():
+        full = prefix + name
+        if ".gate_up_proj." in name:
+            names[full] = [full.replace("gate_up_proj", p) for p in ("gate_proj", "up_proj")]
+        elif ".qkv_proj." in name:
+            names[full] = [full.replace("qkv_proj", p) for p in ("q_proj", "k_proj", "v_proj")]
+        elif not name.endswith(("experts_gate_up", "experts_down")):
+            names[full] = [full]
+    for mname, m in module.named_modules():
+        if isinstance(m, MoE):
+            names.update(m.checkpoint_names(f"{prefix}{mname}."))
+    return names
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: `attention` (MLA here, GQA for GLM-4.5), then a dense MLP for the first
+    `first_k_dense_replace` layers and MoE after."""
+
+    def __init__(self, arch: ArchConfig, moe: MoEConfig, index: int, attention: nn.Module):
+        super().__init__()
+        h, eps = arch.hidden_size, arch.rms_norm_eps
+        self.input_layernorm = RMSNorm(h, eps)
+        self.self_attn = attention
+        self.post_attention_layernorm = RMSNorm(h, eps)
+        self.mlp = GatedMLP(h, arch.intermediate_size) if index < moe.first_dense else MoE(h, moe)
+
+    def forward(self, hidden, residual, rope, cache, ctx, selection=None):
+        """`selection`: this forward call's sparse-attention selection (GLM-5 shared layers)."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        if selection is None:
+            hidden = self.self_attn(hidden, rope, cache, ctx)
+        else:
+            hidden = self.self_attn(hidden, rope, cache, ctx, selection)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+def make_rope(cfg: DeepSeekConfig, max_position: int) -> SliceRope:
+    return SliceRope(cfg.qk_rope_head_dim, cfg.rope_theta, max_position, cfg.yarn, cfg.rope_interleave)
+
+
+def make_layer(arch: ArchConfig, cfg: DeepSeekConfig, index: int) -> DecoderLayer:
+    shared = cfg.index is not None and index in cfg.index.shared
+    attention = MLAttention(arch.hidden_size, arch.num_heads, cfg, arch.rms_norm_eps, reuses_selection=shared)
+    return DecoderLayer(arch, cfg.moe, index, attention)
+
+
+class MoEModel(nn.Module):
+    def __init__(self, arch: ArchConfig, layers: dict[int, nn.Module], rotary: nn.Module):
+        super().__init__()
+        self.start, self.end = min(layers), max(layers) + 1
+        self.is_first, self.is_last = self.start == 0, self.end == arch.num_layers
+        if self.is_first:
+            self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleDict({str(i): layer for i, layer in layers.items()})
+        if self.is_last:
+            self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.rotary = rotary
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    """One stage of DeepSeek-V3; a family with another attention overrides `parse`, `make_layer`
+    and `make_rope` (GLM-4.5)."""
+
+    parse = staticmethod(parse_deepseek)
+    make_layer = staticmethod(make_layer)
+    make_rope = staticmethod(make_rope)
+
+    def __init__(self, arch: ArchConfig, layer_range: tuple[int, int] | None = None,
+                 max_position: int | None = None):
+        super().__init__()
+        start, end = layer_range or (0, arch.num_layers)
+        if not 0 <= start < end <= arch.num_layers:
+            raise ValueError(f"layer range [{start}, {end}) is outside the model's {arch.num_layers} layers")
+        self.arch = arch
+        self.cfg = self.parse(arch.hf_config)
+        index = getattr(self.cfg, "index", None)
+        if index is not None and start in index.shared:
+            # its full layer runs on an earlier stage, and selections do not cross stages (yet)
+            raise ValueError(f"pipeline stage starting at layer {start} would need the sparse-attention selection "
+                             f"of an earlier stage (indexer_types: layer {start} is 'shared'); choose a "
+                             "pipeline size whose stages start at 'full' layers")
+        self.model = MoEModel(arch, {i: self.make_layer(arch, self.cfg, i) for i in range(start, end)},
+                              self.make_rope(self.cfg, max_position or arch.max_position))
+        self.owns_head = self.model.is_last and not (arch.tie_word_embeddings and self.model.is_first)
+        if self.owns_head:
+            self.lm_head = LMHead(arch.hidden_size, arch.vocab_size, bias=False)
+
+    @property
+    def num_local_layers(self) -> int:
+        return self.model.end - self.model.start
+
+    def cache_shapes(self) -> list[CacheShape]:
+        return [layer.self_attn.cache_shape() for layer in self.model.layers.values()]
+
+    def checkpoint_names(self) -> dict[str, list[str]]:
+        names = fused_names(self)
+        if self.owns_head and self.arch.tie_word_embeddings:
+            names["lm_head.weight"] = ["model.embed_tokens.weight"]
+        return names
+
+    def forward(self, ctx: ForwardContext, input_ids: torch.Tensor | None = None,
+                hidden: torch.Tensor | None = None, residual: torch.Tensor | None = None):
+        m = self.model
+        if m.is_first:
+            hidden, residual = m.embed_tokens(input_ids), None
+        rope = m.rotary(ctx.positions)
+        selection = Selection() if getattr(self.cfg, "index", None) is not None else None   # this call's alone
+        for local, layer in enumerate(m.layers.values()):
+            hidden, residual = layer(hidden, residual, rope, ctx.kv_caches[local], ctx, selection)
+        if m.is_last:
+            hidden, _ = m.norm(hidden, residual)
+            residual = None
+        return hidden, residual
+
+    def head_weight(self) -> torch.Tensor:
+        return self.lm_head.weight if self.owns_head else self.model.embed_tokens.weight
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return head_logits(hidden, self.head_weight())

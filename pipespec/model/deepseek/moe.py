@@ -1,0 +1,80 @@
+"""DeepSeek-V3 MoE (also GLM-4.5's): a sigmoid router whose correction bias only picks experts,
+group-limited top-k, routed experts plus always-on shared experts.
+
+Routed experts live in two stacked parameters, loaded from the per-expert checkpoint tensors
+(`mlp.experts.{e}.gate_proj/up_proj/down_proj`) concatenated along dim 0. The CPU path loops over
+the experts that got tokens; a GPU path would run grouped GEMMs over the same stacked weights.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pipespec.model.deepseek.config import MoEConfig
+from pipespec.model.layers import GatedMLP
+
+
+class Router(nn.Module):
+    def __init__(self, hidden: int, cfg: MoEConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, hidden))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.num_experts), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] float32, expert ids [T, k])."""
+        c = self.cfg
+        scores = nn.functional.linear(x.float(), self.weight.float()).sigmoid()
+        choice = scores + self.e_score_correction_bias.float()   # the bias picks experts, never weighs them
+        if c.n_group > 1:
+            grouped = choice.view(-1, c.n_group, c.num_experts // c.n_group)
+            group_score = grouped.topk(2, dim=-1).values.sum(-1)          # a group's best two experts
+            keep = torch.zeros_like(group_score, dtype=torch.bool)
+            keep.scatter_(1, group_score.topk(c.topk_group, dim=-1).indices, True)
+            choice = choice.masked_fill(~keep.repeat_interleave(c.num_experts // c.n_group, dim=1), float("-inf"))
+        ids = choice.topk(c.top_k, dim=-1).indices
+        weights = scores.gather(1, ids)
+        if c.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * c.routed_scaling_factor, ids
+
+
+class MoE(nn.Module):
+    def __init__(self, hidden: int, cfg: MoEConfig):
+        super().__init__()
+        self.cfg = cfg
+        e, i = cfg.num_experts, cfg.intermediate_size
+        self.gate = Router(hidden, cfg)
+        self.experts_gate_up = nn.Parameter(torch.empty(e * 2 * i, hidden))   # per expert: gate rows, up rows
+        self.experts_down = nn.Parameter(torch.empty(e * hidden, i))
+        self.shared_experts = GatedMLP(hidden, cfg.num_shared * i) if cfg.num_shared else None
+
+    def checkpoint_names(self, prefix: str) -> dict[str, list[str]]:
+        """Names of this module's stacked parameters (prefix: `model.layers.{l}.mlp.`)."""
+        experts = range(self.cfg.num_experts)
+        return {prefix + "experts_gate_up": [f"{prefix}experts.{e}.{p}.weight" for e in experts
+                                             for p in ("gate_proj", "up_proj")],
+                prefix + "experts_down": [f"{prefix}experts.{e}.down_proj.weight" for e in experts]}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        e, i, h = self.cfg.num_experts, self.cfg.intermediate_size, x.shape[-1]
+        weights, ids = self.gate(x)
+        gate_up = self.experts_gate_up.view(e, 2 * i, h)
+        down = self.experts_down.view(e, h, i)
+        out = torch.zeros_like(x)
+        flat = ids.reshape(-1)
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=e).tolist()
+        rows = order // ids.shape[1]                      # token of each (token, slot), grouped by expert
+        w = weights.reshape(-1)[order]
+        start = 0
+        for expert, n in enumerate(counts):
+            if n:
+                tok = rows[start:start + n]
+                g, u = nn.functional.linear(x[tok], gate_up[expert]).split(i, dim=-1)
+                y = nn.functional.linear(nn.functional.silu(g) * u, down[expert])
+                out.index_add_(0, tok, (y * w[start:start + n, None]).to(out.dtype))
+            start += n
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out

@@ -1,0 +1,71 @@
+"""DeepSeek-V3, V3.2 (index_topk covering the prompt) and GLM-4.5 logits equal transformers' in float32: prefill (for MLA: expanded form),
+chunked prefill and one-token decode steps (MLA: absorbed form against the paged latent cache), and
+greedy text."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipespec import LLM, SamplingParams
+from tests.helpers import engine_logits, hf_greedy, hf_logits
+from tests.model.deepseek import tiny
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory, tokenizer):
+    root = tmp_path_factory.mktemp("deepseek")
+    out = {}
+    for i, shape in enumerate(tiny.SHAPES):       # DeepSeek-V3 twice, GLM-4.5, DeepSeek-V3.2
+        folder, hf = tiny.write_model(root / shape, shape, seed=20 + i, tokenizer=tokenizer)
+        llm = LLM(model=str(folder), dtype="float32", device="cpu", max_model_len=128, num_kv_blocks=16,
+                  max_num_batched_tokens=64)
+        out[shape] = (llm, hf)
+    yield out
+    for llm, _ in out.values():
+        llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return torch.randint(3, tiny.VOCAB, (40,), generator=torch.Generator().manual_seed(7)).tolist()
+
+
+@pytest.mark.parametrize("shape", list(tiny.SHAPES))
+def test_logits_match_transformers(shape, models, ids):
+    llm, hf = models[shape]
+    ref = hf_logits(hf, ids)
+    assert ref.abs().max() > 1.0, "random weights too small for a meaningful comparison"
+    # None: one 40-row prefill (expanded form); 13: chunks of <= 16 rows and 1: decode-sized steps,
+    # each attending to latents earlier plans cached (absorbed form)
+    for chunk in (None, 13, 1):
+        ours = engine_logits(llm, ids, chunk=chunk)
+        diff = (ours - ref).abs().max().item()
+        assert diff < TOL, f"{shape} chunk={chunk}: max |logit diff| {diff:.2e}"
+
+
+@pytest.mark.parametrize("shape", list(tiny.SHAPES))
+def test_greedy_matches_transformers(shape, models, ids):
+    llm, hf = models[shape]
+    out = llm.generate({"prompt_token_ids": ids[:12]}, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == hf_greedy(hf, ids[:12], 20)
+
+
+def test_config_is_read(models):
+    model = models["lora_yarn"][0].engine.executor.stage.model
+    cfg = model.cfg
+    assert cfg.q_lora_rank == 24 and cfg.rope_interleave and cfg.yarn.factor == 4.0
+    assert cfg.moe.n_group == 2 and cfg.moe.first_dense == 1 and cfg.moe.num_experts == 8
+    assert type(model.model.layers["0"].mlp).__name__ == "GatedMLP"
+    assert type(model.model.layers["1"].mlp).__name__ == "MoE"
+
+
+def test_kv_budget_counts_the_latent(models):
+    """Each layer caches kv_lora_rank + qk_rope_head_dim values per token, not per-head K and V."""
+    stage = models["lora_yarn"][0].engine.executor.stage
+    per_token = (32 + 8) * 4                                     # float32
+    assert [tuple(c.key.shape[1:]) for c in stage.kv_caches] == [(1, 40)] * 3
+    assert all(c.value.numel() == 0 for c in stage.kv_caches)
+    assert stage._bytes_per_block() == 3 * per_token * stage.block_size
