@@ -7,7 +7,6 @@ import torch
 from torch import nn
 
 from pipespec.heads import bundled_head_path
-from pipespec.model.llama import LlamaForCausalLM
 from pipespec.model.mtp import declared_mtp_layers, detect_mtp, load_mtp_file, load_mtp_layers
 from pipespec.model.weights import load_weights
 from pipespec.speculative.proposer import MTPProposer
@@ -51,7 +50,7 @@ def _load_layers(source, config, dtype, device, max_position: int) -> tuple[list
     return [load_mtp_file(head, arch, dtype, device, max_position)[0]], f"the bundled head {head.name}"
 
 
-def build_proposer(target: LlamaForCausalLM, source, config, dtype: torch.dtype, device: torch.device,
+def build_proposer(target: nn.Module, source, config, dtype: torch.dtype, device: torch.device,
                    max_position: int) -> MTPProposer:
     """The last stage's proposer, reaching the target's tensors through their owner (I5); on a stage
     without the target's embedding (and no tied head holding a copy) it owns an embedding copy."""

@@ -1,18 +1,18 @@
-"""The target slice: this stage's layers of the target model, built, loaded, and run forward."""
+"""The target slice: this stage's layers of the target model (its family from `model/registry.py`),
+built, loaded, and run forward."""
 from __future__ import annotations
 
 import torch
 
 from pipespec.config import EngineConfig
 from pipespec.model.attention import ForwardContext
-from pipespec.model.llama import LlamaForCausalLM
 from pipespec.model.registry import build_target
 from pipespec.model.source import ModelSource
 from pipespec.model.weights import init_dummy_weights, load_weights
 
 
 def load_target(source: ModelSource, config: EngineConfig, layer_range: tuple[int, int], max_position: int,
-                dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+                dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
     model = build_target(source.arch, layer_range, max_position)
     if config.model.load_format == "dummy":
         init_dummy_weights(model, dtype, device)
@@ -22,7 +22,7 @@ def load_target(source: ModelSource, config: EngineConfig, layer_range: tuple[in
     return model.eval()
 
 
-def run_target(model: LlamaForCausalLM, ctx: ForwardContext, input_ids: torch.Tensor,
+def run_target(model: torch.nn.Module, ctx: ForwardContext, input_ids: torch.Tensor,
                inbound: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Stage 0 embeds `input_ids`; later stages continue from the previous stage's activations
     `inbound` [2, T, hidden] (hidden, residual). Returns (hidden, residual); on the last stage hidden
