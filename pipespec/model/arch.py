@@ -3,7 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mimo")    # mimo: a Qwen2 decoder (+ MTP layers)
+from pipespec.model.hybrid_config import HYBRID_MODEL_TYPES, NESTED_MODEL_TYPES, HybridConfig
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mimo") + HYBRID_MODEL_TYPES   # mimo: a Qwen2 decoder (+ MTP layers)
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,7 @@ class ArchConfig:
     qk_norm: bool = False
     rope_scaling: RopeScaling | None = None
     checkpoint_dtype: str = "float32"
+    hybrid: HybridConfig | None = None     # Qwen3-Next / Qwen3.5 / Qwen3.6: linear-attention layers, MoE
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -53,6 +56,11 @@ class ArchConfig:
             raise ValueError(f"unsupported model_type {model_type!r} in config.json; "
                              f"pipespec supports {', '.join(SUPPORTED_MODEL_TYPES)}")
 
+        top = cfg
+        if model_type in NESTED_MODEL_TYPES:      # a vision-language checkpoint: read its text config
+            cfg = dict(cfg.get("text_config") or {})
+            cfg.setdefault("tie_word_embeddings", top.get("tie_word_embeddings", False))
+
         def need(key: str):
             if key not in cfg:
                 raise ValueError(f"config.json is missing the key {key!r}")
@@ -67,7 +75,7 @@ class ArchConfig:
             model_type=model_type,
             vocab_size=need("vocab_size"),
             hidden_size=hidden,
-            intermediate_size=need("intermediate_size"),
+            intermediate_size=cfg.get("intermediate_size") or need("moe_intermediate_size"),
             num_layers=need("num_hidden_layers"),
             num_heads=num_heads,
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
@@ -80,7 +88,9 @@ class ArchConfig:
             o_bias=model_type == "llama" and bool(cfg.get("attention_bias", False)),
             qk_norm=model_type == "qwen3",
             rope_scaling=_rope_scaling(rope),
-            checkpoint_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+            checkpoint_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or top.get("torch_dtype")
+                                 or top.get("dtype") or "float32"),
+            hybrid=HybridConfig.from_hf(model_type, cfg) if model_type in HYBRID_MODEL_TYPES else None,
         )
 
 

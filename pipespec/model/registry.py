@@ -12,12 +12,16 @@ from torch import nn
 
 from pipespec.model.arch import ArchConfig
 from pipespec.model.llama import LlamaForCausalLM
+from pipespec.model.qwen3_next import Qwen3NextForCausalLM
 
 TARGETS: dict[str, Callable[..., nn.Module]] = {
     "llama": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
     "mimo": LlamaForCausalLM,       # a Qwen2 decoder (its MTP layers are the drafter's)
+    "qwen3_next": Qwen3NextForCausalLM,     # hybrid: Gated DeltaNet + gated attention, MoE
+    "qwen3_5": Qwen3NextForCausalLM,        # Qwen3.5 / 3.6 dense (vision tower skipped)
+    "qwen3_5_moe": Qwen3NextForCausalLM,    # Qwen3.5 / 3.6 MoE
 }
 
 

@@ -56,7 +56,12 @@ class ModelSource:
                          tok["bos_token"], tok["eos_token"], tok["chat_template"])
 
     def weights(self) -> SafetensorsSource:
-        return SafetensorsSource.from_folder(self.folder)
+        source = SafetensorsSource.from_folder(self.folder)
+        if self.arch.hybrid is not None:       # nested text weights, fused experts (Qwen3.5/3.6/Next)
+            from pipespec.model.hybrid_config import NESTED_MODEL_TYPES
+            from pipespec.model.hybrid_weights import HybridWeights
+            return HybridWeights(source, nested=self.arch.model_type in NESTED_MODEL_TYPES)
+        return source
 
 
 def default_model_path() -> Path:

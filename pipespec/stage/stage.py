@@ -22,6 +22,7 @@ import torch
 from pipespec.config import EngineConfig
 from pipespec.layout import StepLayout
 from pipespec.model.attention import CacheShape, ForwardContext, allocate_caches, cache_bytes_per_block
+from pipespec.model.gated_deltanet import LinearMeta, allocate_states
 from pipespec.model.placement import resolve_device, resolve_dtype
 from pipespec.model.source import ModelSource
 from pipespec.plan import StepPlan, StepResult, position_margin
@@ -55,6 +56,7 @@ class Stage:
             for module in self.modules_with_weights():
                 prefer_column_major(module)
         self.kv_caches = None
+        self.linear_states = None          # Gated DeltaNet layers: per-request state slots
         self.num_blocks = 0
         self.graphs: CudaGraphs | None = None
         self.trace = DraftTrace() if config.parallel.check_collectives else None
@@ -87,9 +89,14 @@ class Stage:
         return memory.available_kv_blocks(self.config, self.model.arch, self.device, weights,
                                           self._bytes_per_block())
 
+    def _state_shapes(self) -> list:
+        return self.model.state_shapes() if hasattr(self.model, "state_shapes") else []
+
     @property
     def uses_cuda_graphs(self) -> bool:
-        return self.backend.supports_cuda_graphs and not self.config.model.enforce_eager
+        # the graphs do not carry linear-attention states yet: hybrid models run eagerly
+        return (self.backend.supports_cuda_graphs and not self.config.model.enforce_eager
+                and not self._state_shapes())
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         graphs = self.uses_cuda_graphs
@@ -99,6 +106,10 @@ class Stage:
         self.kv_caches = caches[:n]
         if self.drafter:
             self.drafter.kv_caches = caches[n:]
+        if self._state_shapes():
+            # one slot per request the scheduler may run, and a candidate per verify row
+            self.linear_states = allocate_states(self._state_shapes(), self.config.scheduler.max_num_seqs,
+                                                 self.num_spec_tokens + 1, self.dtype, self.device)
         self.num_blocks = num_blocks
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB) on %s", num_blocks, self.block_size,
                     num_blocks * self._bytes_per_block() / 2**20, self.device)
@@ -143,6 +154,9 @@ class Stage:
         attn = self.backend.prepare(layout.query_start_loc, layout.seq_lens, layout.positions,
                                     layout.block_tables, self.block_size, max_query_len=layout.max_query_len)
         ctx = ForwardContext(layout.positions, layout.slot_mapping, self.backend, attn, self.kv_caches)
+        if self.linear_states is not None:
+            ctx.linear = LinearMeta.build(layout.query_start_loc, layout.positions, layout.state_slots,
+                                          layout.state_commit, layout.req_num_drafts, self.linear_states)
         hidden, residual = run_target(self.model, ctx, layout.input_ids, inbound)
         return Forward(layout, ctx, hidden, residual)
 
