@@ -63,16 +63,16 @@ class GatedAttention(nn.Module):
         return self.o_proj(out)
 
 
-def make_mlp(arch: ArchConfig, layer: int) -> nn.Module:
+def make_mlp(arch: ArchConfig, layer: int, moe: bool | None = None) -> nn.Module:
     c = arch.hybrid
-    if layer in c.moe_layers:
+    if (layer in c.moe_layers) if moe is None else moe:
         return SparseMoE(arch.hidden_size, c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size,
                          c.shared_expert_intermediate_size, c.norm_topk_prob)
     return GatedMLP(arch.hidden_size, arch.intermediate_size)
 
 
 class HybridDecoderLayer(nn.Module):
-    def __init__(self, arch: ArchConfig, layer: int, linear: bool | None = None):
+    def __init__(self, arch: ArchConfig, layer: int, linear: bool | None = None, moe: bool | None = None):
         super().__init__()
         self.linear = arch.hybrid.layer_types[layer] == LINEAR if linear is None else linear
         h, eps = arch.hidden_size, arch.rms_norm_eps
@@ -82,7 +82,7 @@ class HybridDecoderLayer(nn.Module):
         else:
             self.self_attn = GatedAttention(arch)
         self.post_attention_layernorm = ZeroCentredRMSNorm(h, eps)
-        self.mlp = make_mlp(arch, layer)
+        self.mlp = make_mlp(arch, layer, moe)
 
     def forward(self, hidden, residual, rope, cache, ctx, state=None):
         """`cache`: this layer's paged KV (full attention); `state`: its linear-attention states."""

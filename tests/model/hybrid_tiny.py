@@ -90,3 +90,36 @@ def write(folder: Path, kind: str, tokenizer=None, num_mtp: int = 0, mtp: dict |
     if tokenizer is not None:
         write_tokenizer_files(folder, tokenizer)
     return model
+
+
+_OUTPUTS = ("o_proj.weight", "out_proj.weight", "down_proj.weight")
+
+
+def make_echo(folder: Path, mixing: float, mtp_mixing: float, seed: int = 11) -> None:
+    """Rewrite a checkpoint written by `write(..., num_mtp=n)` so that the target predicts t -> t+1
+    and an MTP layer wired as the format says drafts t + 2.
+
+    Unit-norm embeddings, lm_head[j] = emb[j - 1], final norms 1 + 0: with layers that add nothing
+    (`mixing` = 0) the target's final hidden is its input embedding, so it predicts the next id. Each
+    layer's output projections are scaled by `mixing` (the target) or `mtp_mixing` (the MTP blocks),
+    so with mixing > 0 the target sometimes says something else and drafts are sometimes rejected.
+    mtp.fc = [I | 0] passes on the embedding half of cat[embedding(x_{t+1}), hidden(h_t)]: t + 2. A
+    drafter that swaps the halves, skips the projection or is fed x_t instead drafts t + 1.
+    """
+    path = folder / "model.safetensors"
+    t = load_file(str(path))
+    prefix = "model.language_model." if "model.language_model.embed_tokens.weight" in t else "model."
+    g = torch.Generator().manual_seed(seed)
+    emb = torch.nn.functional.normalize(torch.randn(VOCAB, H, generator=g), dim=-1)
+    t[prefix + "embed_tokens.weight"] = emb
+    t["lm_head.weight"] = emb.roll(1, dims=0)
+    t[prefix + "norm.weight"] = torch.zeros(H)
+    t["mtp.norm.weight"] = torch.zeros(H)
+    t["mtp.pre_fc_norm_embedding.weight"] = torch.zeros(H)
+    t["mtp.pre_fc_norm_hidden.weight"] = torch.zeros(H)
+    t["mtp.fc.weight"] = torch.cat([torch.eye(H), torch.zeros(H, H)], dim=1)
+    for name in list(t):
+        if name.endswith(_OUTPUTS) and ".layers." in name:
+            scale = mtp_mixing if name.startswith("mtp.") else mixing
+            t[name] = t[name] * scale
+    save_file(t, str(path), metadata={"format": "pt"})
