@@ -43,7 +43,7 @@ class HybridWeights:
                         vision, _VISION)
 
     def _add_fused(self, name: str, prefix: str, kind: str) -> None:
-        shape = self.source.get(name).shape        # [E, 2I, H] or [E, H, I]
+        shape = self._slice(name).get_shape()      # [E, 2I, H] or [E, H, I]
         for e in range(shape[0]):
             if kind == "down_proj":
                 self._map[f"{prefix}.{e}.down_proj.weight"] = (name, (e, None))
@@ -57,9 +57,26 @@ class HybridWeights:
 
     def get(self, name: str) -> torch.Tensor:
         real, part = self._map[name]
-        tensor = self.source.get(real)
         if part is None:
-            return tensor
+            return self.source.get(real)
         expert, rows = part
-        tensor = tensor[expert]
+        tensor = self._slice(real)[expert]           # reads one expert, not the whole fused tensor
         return (tensor if rows is None else tensor[rows]).contiguous()
+
+    def _slice(self, name: str):
+        if hasattr(self.source, "get_slice"):
+            return self.source.get_slice(name)
+        return _Whole(self.source.get(name))
+
+
+class _Whole:
+    """`get_slice` over a tensor read whole (sources without lazy slices)."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    def get_shape(self):
+        return list(self.tensor.shape)
+
+    def __getitem__(self, index):
+        return self.tensor[index]

@@ -75,3 +75,31 @@ def test_batched_greedy_equals_transformers_and_preemption_changes_nothing(kind,
             assert llm.engine.scheduler.state_slots.num_free == KWARGS["max_num_seqs"]
         assert [o.outputs[0].token_ids for o in outs] == expected, f"{kind} kv_blocks={kv_blocks}"
         assert (preempted > 0) == (kv_blocks == 5)
+
+
+def test_fused_3d_expert_tensors_load_like_per_expert_ones(hybrid_models, tmp_path, tokenizer, ids):
+    """The same MoE checkpoint with experts stored fused ([E, 2I, H] gate+up, [E, H, I] down, as
+    transformers holds them) gives the same logits."""
+    import re
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder, hf = hybrid_models["qwen3_5_moe"]
+    fused = tmp_path / "fused"
+    shutil.copytree(folder, fused)
+    tensors = load_file(str(fused / "model.safetensors"))
+    per_expert = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+    groups: dict[str, dict] = {}
+    for name in [n for n in tensors if per_expert.match(n)]:
+        prefix, e, kind = per_expert.match(name).groups()
+        groups.setdefault(prefix, {})[int(e), kind] = tensors.pop(name)
+    assert groups
+    for prefix, parts in groups.items():
+        n = 1 + max(e for e, _ in parts)
+        tensors[prefix + ".gate_up_proj"] = torch.stack([torch.cat([parts[e, "gate"], parts[e, "up"]]) for e in range(n)])
+        tensors[prefix + ".down_proj"] = torch.stack([parts[e, "down"] for e in range(n)])
+    save_file(tensors, str(fused / "model.safetensors"), metadata={"format": "pt"})
+    with LLM(model=str(fused), **KWARGS) as llm:
+        diff = (engine_logits(llm, ids) - hf_logits(hf, ids)).abs().max().item()
+    assert diff < TOL
