@@ -173,6 +173,10 @@ class Qwen3NextForCausalLM(nn.Module):
     def forward(self, ctx: ForwardContext, input_ids: torch.Tensor | None = None,
                 hidden: torch.Tensor | None = None, residual: torch.Tensor | None = None):
         m = self.model
+        if ctx.linear is None and self.state_shapes():
+            raise ValueError(f"{self.arch.model_type} has linear-attention layers, which need per-request state "
+                             "slots (ForwardContext.linear, built by the stage from the plan); this caller "
+                             "provides none (teacher-forced training and evaluation do not support it yet)")
         if m.is_first:
             hidden, residual = m.embed_tokens(input_ids), None
         rope = m.rotary(ctx.positions)
