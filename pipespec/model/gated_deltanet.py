@@ -60,6 +60,13 @@ def allocate_states(shapes: list[StateShape], slots: int, rows: int, dtype: torc
     return out
 
 
+def state_bytes(shapes: list[StateShape], slots: int, rows: int, dtype: torch.dtype) -> int:
+    """What `allocate_states` takes: committed plus `rows` candidates per slot."""
+    item = torch.empty((), dtype=dtype).element_size()
+    return sum(slots * (1 + rows) * (s.conv_width * s.conv_dim * item + s.heads * s.key_dim * s.value_dim * 4)
+               for s in shapes)
+
+
 @dataclass
 class LinearMeta:
     """A step's requests as padded lines of rows, with their slots: built once per step from the plan."""

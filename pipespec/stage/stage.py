@@ -22,7 +22,7 @@ import torch
 from pipespec.config import EngineConfig
 from pipespec.layout import StepLayout
 from pipespec.model.attention import CacheShape, ForwardContext, allocate_caches, cache_bytes_per_block
-from pipespec.model.gated_deltanet import LinearMeta, allocate_states
+from pipespec.model.gated_deltanet import LinearMeta, allocate_states, state_bytes
 from pipespec.model.placement import resolve_device, resolve_dtype
 from pipespec.model.source import ModelSource
 from pipespec.plan import StepPlan, StepResult, position_margin
@@ -86,7 +86,10 @@ class Stage:
 
     def available_kv_blocks(self) -> int:
         weights = sum(p.numel() * p.element_size() for m in self.modules_with_weights() for p in m.parameters())
-        return memory.available_kv_blocks(self.config, self.model.arch, self.device, weights,
+        # linear-attention states are a fixed amount, like the weights
+        fixed = weights + state_bytes(self._state_shapes(), self.config.scheduler.max_num_seqs,
+                                      self.num_spec_tokens + 1, self.dtype)
+        return memory.available_kv_blocks(self.config, self.model.arch, self.device, fixed,
                                           self._bytes_per_block())
 
     def _state_shapes(self) -> list:

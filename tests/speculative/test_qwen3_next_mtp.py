@@ -120,3 +120,15 @@ def test_mtp_wiring_drafts_two_ahead(kind, checkpoints, prompts):
     assert _acceptance(folder, prompts, pp=2) == 1.0        # the last stage applies the projection too
     for rewire in (_swapped, _no_projection):
         assert _acceptance(folder, prompts, rewire=rewire) < 0.1, rewire.__name__
+
+
+def test_preemption_while_speculating_changes_nothing(checkpoints, prompts, references):
+    """5 KV blocks for four requests: some are preempted with a verify step's candidate states
+    uncommitted; their slots are freed and they restart from position 0."""
+    kwargs = dict(KWARGS, max_model_len=64, num_kv_blocks=5)
+    with LLM(model=checkpoints["qwen3_next", 0.2], pipeline_parallel_size=2, speculative_config=_spec(2),
+             **kwargs) as llm:
+        got = _generate(llm, prompts)
+        assert llm.engine.scheduler.num_preemptions > 0
+        assert_engine_clean(llm)
+    assert got == references["qwen3_next"]
