@@ -59,7 +59,8 @@ class ArchConfig:
         top = cfg
         if model_type in NESTED_MODEL_TYPES:      # a vision-language checkpoint: read its text config
             cfg = dict(cfg.get("text_config") or {})
-            cfg.setdefault("tie_word_embeddings", top.get("tie_word_embeddings", False))
+            # the checkpoint is the top-level model: its flag decides tying (as in transformers)
+            cfg["tie_word_embeddings"] = top.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
 
         def need(key: str):
             if key not in cfg:

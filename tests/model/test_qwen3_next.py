@@ -37,6 +37,13 @@ def test_config_is_read_from_the_nested_text_config(hybrid_models):
     assert not arch.hybrid.fused_linear_proj and arch.hybrid.num_experts == 0
     nxt = resolve_model(str(hybrid_models["qwen3_next"][0])).arch.hybrid
     assert nxt.fused_linear_proj and nxt.moe_layers == (0, 2, 3)
+    # the top-level flag of the vision-language checkpoint decides tying, as in transformers
+    import json
+
+    from pipespec.model.arch import ArchConfig
+    cfg = json.loads((hybrid_models["qwen3_5"][0] / "config.json").read_text())
+    cfg["tie_word_embeddings"] = True
+    assert ArchConfig.from_hf(cfg).tie_word_embeddings
 
 
 def test_vision_tower_is_not_read(hybrid_models):
