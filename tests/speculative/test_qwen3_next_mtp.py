@@ -64,14 +64,16 @@ def references(checkpoints, prompts):
     return out
 
 
-# every kind at PP = 1 for each K; PP = 2 and 3 on a spread of kinds and K (each PP run spawns workers)
-CASES = [(kind, 1, k) for kind in ht.KINDS for k in (1, 2, 3)] + [
-    ("qwen3_5", 2, 2), ("qwen3_next", 2, 3), ("qwen3_5_moe", 3, 3), ("qwen3_next", 3, 1)]
+# every kind at PP = 1 for each K; PP = 2 and 3 on a spread of kinds, K and splits (each PP run spawns
+# workers): "1,3" leaves stage 0 a single linear-attention layer; PP runs check collective symmetry (I3)
+CASES = [(kind, 1, k, None) for kind in ht.KINDS for k in (1, 2, 3)] + [
+    ("qwen3_5", 2, 2, "1,3"), ("qwen3_next", 2, 3, None), ("qwen3_5_moe", 3, 3, None), ("qwen3_next", 3, 1, None)]
 
 
-@pytest.mark.parametrize("kind,pp,k", CASES)
-def test_greedy_with_mtp_equals_greedy_without(kind, pp, k, checkpoints, prompts, references):
-    with LLM(model=checkpoints[kind, 0.2], pipeline_parallel_size=pp, speculative_config=_spec(k), **KWARGS) as llm:
+@pytest.mark.parametrize("kind,pp,k,partition", CASES)
+def test_greedy_with_mtp_equals_greedy_without(kind, pp, k, partition, checkpoints, prompts, references):
+    with LLM(model=checkpoints[kind, 0.2], pipeline_parallel_size=pp, pp_layer_partition=partition,
+             check_collectives=pp > 1, speculative_config=_spec(k), **KWARGS) as llm:
         if pp == 1:
             layer = llm.engine.executor.stage.drafter.layers[0]
             assert isinstance(layer.block.self_attn, GatedAttention)
