@@ -8,9 +8,12 @@ full-attention block, MoE in the MoE models), under pipeline parallelism.
 - Seeded sampling with MTP is the same at PP = 1 and 3.
 - Wiring: on an echo checkpoint (the target predicts t -> t+1) the MTP module as the format wires it
   drafts t + 2, so acceptance is 100% at PP = 1 and on a last stage without the embedding (PP = 2);
-  swapping the concat or skipping the projection drafts t + 1 and acceptance collapses.
+  swapping the concat, skipping the projection or feeding row t its own token (positions misaligned
+  by one) drafts t + 1 and acceptance collapses.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -97,11 +100,18 @@ def test_seeded_sampling_with_mtp_is_the_same_at_every_pipeline_size(checkpoints
     assert outs[0] == outs[1]
 
 
-def _acceptance(folder: str, prompts, pp: int = 1, rewire=None) -> float:
+def _acceptance(folder: str, prompts, pp: int = 1, rewire=None, misalign: bool = False) -> float:
     with LLM(model=folder, pipeline_parallel_size=pp, speculative_config=_spec(3), **KWARGS) as llm:
+        drafter = llm.engine.executor.stage.drafter if pp == 1 else None
         if rewire is not None:
-            layer = llm.engine.executor.stage.drafter.layers[0]
-            layer.combine = rewire(layer)
+            drafter.layers[0].combine = rewire(drafter.layers[0])
+        if misalign:          # row t gets its own token x_t instead of x_{t+1}
+            real = drafter.propose
+
+            def propose(ctx, layout, hidden, last_rows, last_tokens):
+                unshifted = dataclasses.replace(layout, mtp_input_ids=layout.input_ids)
+                return real(ctx, unshifted, hidden, last_rows, layout.input_ids[last_rows])
+            drafter.propose = propose
         _generate(llm, prompts)
         return llm.stats()["spec_decode"]["draft_acceptance_rate"]
 
@@ -122,6 +132,7 @@ def test_mtp_wiring_drafts_two_ahead(kind, checkpoints, prompts):
     assert _acceptance(folder, prompts, pp=2) == 1.0        # the last stage applies the projection too
     for rewire in (_swapped, _no_projection):
         assert _acceptance(folder, prompts, rewire=rewire) < 0.1, rewire.__name__
+    assert _acceptance(folder, prompts, misalign=True) < 0.1
 
 
 def test_preemption_while_speculating_changes_nothing(checkpoints, prompts, references):
