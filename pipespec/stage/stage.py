@@ -11,7 +11,9 @@ pipeline position and for PP = 1 (where the one stage is first and last):
              -> StepResult data [B, result_width(K)]    for the driver
 
 A stage keeps weights and KV cache and nothing derived from earlier steps (I1): every step starts
-from the plan alone.
+from the plan alone. Linear-attention layers (Qwen3-Next / Qwen3.5) also keep per-request states in
+the slots the plan names, a pure function of the plans received: a verify step keeps a candidate per
+row and a later plan's `state_commit` says which one to adopt.
 """
 from __future__ import annotations
 
