@@ -24,12 +24,14 @@ _MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shar
 _VISION = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=H)
 
 
-def hf_model(kind: str):
-    """A random transformers model of `kind`, weights large enough that every tensor matters."""
+def hf_model(kind: str, tied: bool = False):
+    """A random transformers model of `kind`, weights large enough that every tensor matters
+    (`tied`: Qwen3.5 with the LM head tied to the embedding, as the small real ones are)."""
     import transformers as tr
     if kind == "qwen3_5":
         model = tr.Qwen3_5ForConditionalGeneration(tr.Qwen3_5Config(
-            text_config=dict(_TEXT, intermediate_size=48), vision_config=_VISION, tie_word_embeddings=False))
+            text_config=dict(_TEXT, intermediate_size=48, tie_word_embeddings=tied), vision_config=_VISION,
+            tie_word_embeddings=tied))
     elif kind == "qwen3_5_moe":
         model = tr.Qwen3_5MoeForConditionalGeneration(tr.Qwen3_5MoeConfig(
             text_config=dict(_TEXT, **_MOE), vision_config=_VISION, tie_word_embeddings=False))
@@ -74,10 +76,10 @@ def mtp_tensors(kind: str, num_mtp: int, seed: int) -> dict[str, torch.Tensor]:
     return {n: (0.3 if "norm" in n else 0.2) * torch.randn(s, generator=g) for n, s in shapes.items()}
 
 
-def write(folder: Path, kind: str, tokenizer=None, num_mtp: int = 0, mtp: dict | None = None):
+def write(folder: Path, kind: str, tokenizer=None, num_mtp: int = 0, mtp: dict | None = None, tied: bool = False):
     """save_pretrained the transformers model, then add MTP tensors (and `mtp_num_hidden_layers`)."""
     from tests.conftest import write_tokenizer_files
-    model = hf_model(kind)
+    model = hf_model(kind, tied)
     model.save_pretrained(folder)
     if num_mtp:
         path = folder / "model.safetensors"

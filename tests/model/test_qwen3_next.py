@@ -124,3 +124,19 @@ def test_a_stage_of_linear_attention_layers_only_holds_no_kv_cache(hybrid_models
     middle.allocate_kv_cache(8)
     assert middle.kv_caches == [] and len(middle.linear_states) == 1
     assert middle.linear_states[0].rec.shape[0] == 4              # a slot per request it may run
+
+
+def test_tied_qwen3_5_matches_transformers_and_drafts_losslessly_at_pp2(tmp_path, tokenizer, ids):
+    """The small real Qwen3.5 models tie the LM head to the embedding (no lm_head tensor); the last of
+    two stages then drafts with its tied head copy as the MTP embedding."""
+    folder = tmp_path / "tied"
+    hf = ht.write(folder, "qwen3_5", tokenizer, num_mtp=1, tied=True)
+    prompts = [{"prompt_token_ids": ids[:n]} for n in (7, 30)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    with LLM(model=str(folder), **KWARGS) as llm:
+        assert llm.engine.arch.tie_word_embeddings
+        assert (engine_logits(llm, ids) - hf_logits(hf, ids)).abs().max().item() < TOL
+        plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    with LLM(model=str(folder), pipeline_parallel_size=2, speculative_config={"method": "mtp", "num_speculative_tokens": 2},
+             **KWARGS) as llm:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == plain
