@@ -36,6 +36,10 @@ class StepLayout:
     # the drafter's view
     mtp_input_ids: torch.Tensor    # int64 [T] each row's next token where known (the sampled one is
                                    # filled in after verification)
+    # linear-attention layers' view (per request, [B]): state slot, candidate to commit, drafts
+    state_slots: torch.Tensor | None = None
+    state_commit: torch.Tensor | None = None
+    req_num_drafts: torch.Tensor | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -66,7 +70,8 @@ class StepLayout:
                    max_query_len=int((qsl[1:] - qsl[:-1]).max()) if len(qsl) > 1 else 0,
                    sample_rows=plan.sample_rows, verify_rows=torch.from_numpy(verify_rows),
                    num_drafts=torch.from_numpy(drafts), draft_ids=torch.from_numpy(ids[verify_rows[:, 1:]]),
-                   mtp_input_ids=torch.from_numpy(_shift_left(ids, qsl, plan.next_token_ids.numpy())))
+                   mtp_input_ids=torch.from_numpy(_shift_left(ids, qsl, plan.next_token_ids.numpy())),
+                   state_slots=plan.state_slots, state_commit=plan.state_commit, req_num_drafts=plan.num_drafts)
 
     def to(self, device: torch.device) -> "StepLayout":
         if device.type == "cpu":

@@ -35,6 +35,11 @@ class StepPlan:
     # int64 [B] the known token after each request's last row (a prefill chunk that does not end the
     # prompt), -1 where it is still to be sampled; the MTP drafter's shifted input needs it
     next_token_ids: torch.Tensor | None = None
+    # int64 [B] each request's linear-attention state slot (models with Gated DeltaNet layers)
+    state_slots: torch.Tensor | None = None
+    # int64 [B] after a step that verified drafts: its accepted count, i.e. which row's candidate
+    # state every stage commits before running the request again; -1: nothing to commit
+    state_commit: torch.Tensor | None = None
 
     def __post_init__(self):
         b, device = self.seq_lens.shape[0], self.seq_lens.device
@@ -42,6 +47,10 @@ class StepPlan:
             self.num_drafts = torch.zeros(b, dtype=torch.int64, device=device)
         if self.next_token_ids is None:
             self.next_token_ids = torch.full((b,), -1, dtype=torch.int64, device=device)
+        if self.state_slots is None:
+            self.state_slots = torch.arange(b, dtype=torch.int64, device=device)
+        if self.state_commit is None:
+            self.state_commit = torch.full((b,), -1, dtype=torch.int64, device=device)
 
     @property
     def num_reqs(self) -> int:

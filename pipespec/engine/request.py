@@ -15,7 +15,7 @@ class RequestStatus(enum.Enum):
 class Request:
     __slots__ = ("request_id", "prompt", "token_ids", "num_prompt_tokens", "params", "seed",
                  "max_tokens", "stop_ids", "eos_ids", "status", "num_computed_tokens", "block_ids",
-                 "in_flight", "draft_ids", "finish_reason", "stop_reason", "detokenizer")
+                 "in_flight", "draft_ids", "state_slot", "state_commit", "finish_reason", "stop_reason", "detokenizer")
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  params: SamplingParams, seed: int, max_tokens: int, eos_ids: frozenset[int]):
@@ -33,6 +33,8 @@ class Request:
         self.block_ids: list[int] = []
         self.in_flight = False                      # part of a micro-batch not yet returned
         self.draft_ids: list[int] = []              # MTP drafts to verify in the next step
+        self.state_slot: int | None = None          # linear-attention state slot while running
+        self.state_commit = -1                      # candidate state the next plan commits (-1: none)
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.detokenizer = None

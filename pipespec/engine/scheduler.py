@@ -49,6 +49,9 @@ class Scheduler:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.allocator = BlockAllocator(num_blocks)
+        # one linear-attention state slot per running request (models with Gated DeltaNet layers;
+        # cheap bookkeeping otherwise), allocated and freed beside its KV blocks
+        self.state_slots = BlockAllocator(config.max_num_seqs)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -73,6 +76,10 @@ class Scheduler:
     def _release(self, req: Request) -> None:
         self.allocator.free(req.block_ids)
         req.block_ids = []
+        if req.state_slot is not None:
+            self.state_slots.free([req.state_slot])
+            req.state_slot = None
+        req.state_commit = -1
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -139,10 +146,12 @@ class Scheduler:
                 break
             n = self._chunk(req, budget, chunk_limit)
             need = self._blocks_needed(req, self._tokens_with_draft_room(req, n))
-            if not self.allocator.can_allocate(need):
-                break
+            if not self.allocator.can_allocate(need) or not self.state_slots.can_allocate(1):
+                break                      # (a finished request still in flight holds its slot)
             self.waiting.popleft()
             req.block_ids += self.allocator.allocate(need)
+            req.state_slot = self.state_slots.allocate(1)[0]
+            req.state_commit = -1
             req.status = RequestStatus.RUNNING
             req.draft_ids = []          # (re)starting from a prefill: old drafts are stale
             self.running.append(req)
@@ -203,6 +212,8 @@ class Scheduler:
             next_token_ids=torch.tensor([r.token_ids[r.num_computed_tokens + n - d]
                                          if r.num_computed_tokens + n - d < r.num_tokens else -1
                                          for r, n, d in picked], dtype=torch.int64),
+            state_slots=torch.tensor([r.state_slot for r, _, _ in picked], dtype=torch.int64),
+            state_commit=torch.tensor([r.state_commit for r, _, _ in picked], dtype=torch.int64),
         )
 
     def complete(self, batch: ScheduledBatch, result: StepResult | None = None) -> None:
@@ -216,6 +227,9 @@ class Scheduler:
                 continue
             accepted = len(result.tokens(row)) - 1 if d else 0
             req.num_computed_tokens += n - d + accepted
+            # a verify step leaves a candidate linear-attention state per row: the next plan names
+            # the one to commit (committed at once otherwise)
+            req.state_commit = accepted if d else -1
 
 
 def sampling_tensors(reqs: list[Request]) -> SamplingTensors:

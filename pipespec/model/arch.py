@@ -3,10 +3,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mimo",   # mimo: a Qwen2 decoder (+ MTP layers)
-                         "deepseek_v3", "deepseek_v32", "glm4_moe", "glm_moe_dsa")
+from pipespec.model.hybrid_config import HYBRID_MODEL_TYPES, NESTED_MODEL_TYPES, HybridConfig
+
 # families that read their rope (YaRN, partial rotary) and the rest of their shape from `hf_config`
 OWN_CONFIG_TYPES = ("deepseek_v3", "deepseek_v32", "glm4_moe", "glm_moe_dsa")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mimo") + OWN_CONFIG_TYPES + HYBRID_MODEL_TYPES   # mimo: a Qwen2 decoder (+ MTP layers)
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class ArchConfig:
     checkpoint_dtype: str = "float32"
     # config.json as read, for families whose fields go beyond these (OWN_CONFIG_TYPES)
     hf_config: dict | None = field(default=None, compare=False, repr=False)
+    hybrid: HybridConfig | None = None     # Qwen3-Next / Qwen3.5 / Qwen3.6: linear-attention layers, MoE
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -58,6 +60,12 @@ class ArchConfig:
             raise ValueError(f"unsupported model_type {model_type!r} in config.json; "
                              f"pipespec supports {', '.join(SUPPORTED_MODEL_TYPES)}")
 
+        top = cfg
+        if model_type in NESTED_MODEL_TYPES:      # a vision-language checkpoint: read its text config
+            cfg = dict(cfg.get("text_config") or {})
+            # the checkpoint is the top-level model: its flag decides tying (as in transformers)
+            cfg["tie_word_embeddings"] = top.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
+
         def need(key: str):
             if key not in cfg:
                 raise ValueError(f"config.json is missing the key {key!r}")
@@ -72,7 +80,7 @@ class ArchConfig:
             model_type=model_type,
             vocab_size=need("vocab_size"),
             hidden_size=hidden,
-            intermediate_size=need("intermediate_size"),
+            intermediate_size=cfg.get("intermediate_size") or need("moe_intermediate_size"),
             num_layers=need("num_hidden_layers"),
             num_heads=num_heads,
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
@@ -85,8 +93,10 @@ class ArchConfig:
             o_bias=model_type == "llama" and bool(cfg.get("attention_bias", False)),
             qk_norm=model_type == "qwen3",
             rope_scaling=None if model_type in OWN_CONFIG_TYPES else _rope_scaling(rope),
-            checkpoint_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+            checkpoint_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or top.get("torch_dtype")
+                                 or top.get("dtype") or "float32"),
             hf_config=dict(cfg) if model_type in OWN_CONFIG_TYPES else None,
+            hybrid=HybridConfig.from_hf(model_type, cfg) if model_type in HYBRID_MODEL_TYPES else None,
         )
 
 

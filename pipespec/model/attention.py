@@ -66,6 +66,7 @@ class ForwardContext:
     backend: "AttentionBackend"
     attn: object                  # the backend's metadata for this step
     kv_caches: list[KVCache]      # indexed by the stage-local layer index
+    linear: object = None         # linear-attention metadata and states (gated_deltanet.LinearMeta)
 
 
 class AttentionBackend(ABC):

@@ -14,6 +14,7 @@ from pipespec.model.arch import ArchConfig
 from pipespec.model.deepseek.model import DeepseekV3ForCausalLM
 from pipespec.model.glm4_moe import Glm4MoeForCausalLM
 from pipespec.model.llama import LlamaForCausalLM
+from pipespec.model.qwen3_next import Qwen3NextForCausalLM
 
 TARGETS: dict[str, Callable[..., nn.Module]] = {
     "llama": LlamaForCausalLM,
@@ -24,6 +25,9 @@ TARGETS: dict[str, Callable[..., nn.Module]] = {
     "deepseek_v32": DeepseekV3ForCausalLM,   # + sparse attention (the config's index_* keys)
     "glm_moe_dsa": DeepseekV3ForCausalLM,    # GLM-5: V3.2's layout, interleaved indexer rope, shared layers
     "glm4_moe": Glm4MoeForCausalLM,
+    "qwen3_next": Qwen3NextForCausalLM,     # hybrid: Gated DeltaNet + gated attention, MoE
+    "qwen3_5": Qwen3NextForCausalLM,        # Qwen3.5 / 3.6 dense (vision tower skipped)
+    "qwen3_5_moe": Qwen3NextForCausalLM,    # Qwen3.5 / 3.6 MoE
 }
 
 

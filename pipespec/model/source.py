@@ -58,8 +58,13 @@ class ModelSource:
                          tok["bos_token"], tok["eos_token"], tok["chat_template"])
 
     def weights(self):
-        """The checkpoint's tensors; a quantized one's linear weights dequantized (model/quant)."""
+        """The checkpoint's tensors under the names the model asks for: nested text weights and fused
+        experts mapped (Qwen3.5/3.6/Next), a quantized checkpoint's linear weights dequantized."""
         source = SafetensorsSource.from_folder(self.folder)
+        if self.arch.hybrid is not None:
+            from pipespec.model.hybrid_config import NESTED_MODEL_TYPES
+            from pipespec.model.hybrid_weights import HybridWeights
+            source = HybridWeights(source, nested=self.arch.model_type in NESTED_MODEL_TYPES)
         if self.quant is not None:
             return QuantizedSource(source, self.quant)
         return refuse_unrecognised_quantization(source, str(self.folder))

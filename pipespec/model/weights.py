@@ -56,6 +56,14 @@ class SafetensorsSource:
             self._open[path] = safe_open(str(path), framework="pt")
         return self._open[path].get_tensor(name)
 
+    def get_slice(self, name: str):
+        """A lazy view of one tensor: `.get_shape()`, and indexing reads only the part asked for
+        (one expert of a fused [E, ...] tensor, say)."""
+        path = self._where[name]
+        if path not in self._open:
+            self._open[path] = safe_open(str(path), framework="pt")
+        return self._open[path].get_slice(name)
+
 
 def load_weights(model: torch.nn.Module, source: WeightSource, dtype: torch.dtype, device,
                  desc: str = "Loading weights") -> None:

@@ -120,6 +120,12 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         for i, m in enumerate(body.messages):
             content = m.content
             if isinstance(content, list):
+                media = next((p.get("type") for p in content if isinstance(p, dict)
+                              and any(m in str(p.get("type", "")) for m in _MEDIA)), None)
+                if media is not None:       # e.g. Qwen3.5's vision tower is not loaded: text only
+                    raise ApiError(400, f"messages[{i}].content: {media} content is not supported: pipespec "
+                                   "serves text only (a multimodal model's vision tower is not loaded)",
+                                   f"messages[{i}].content")
                 if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                            for p in content):
                     raise ApiError(400, f"messages[{i}].content: only text parts are supported",
@@ -165,6 +171,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 _REQUIRED = {route: tuple(name for name, f in model.model_fields.items() if f.is_required())
              for route, model in (("/v1/completions", CompletionRequest),
                                   ("/v1/chat/completions", ChatCompletionRequest))}
+_MEDIA = ("image", "video", "audio")     # image_url, input_image, video_url, input_audio, ...
 _FIELDS = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields) | {"role", "content"}
 
 

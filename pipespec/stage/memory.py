@@ -7,6 +7,7 @@ from pipespec.config import EngineConfig
 from pipespec.model.arch import ArchConfig
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
+NO_KV_BOUND = 1 << 40       # a stage without paged caches; the engine takes the least over stages
 
 
 def activation_reserve(arch: ArchConfig, config: EngineConfig) -> int:
@@ -24,6 +25,8 @@ def available_kv_blocks(config: EngineConfig, arch: ArchConfig, device: torch.de
     cache = config.cache
     if cache.num_kv_blocks is not None:
         return cache.num_kv_blocks
+    if bytes_per_block == 0:        # no paged cache here (linear-attention layers only): no bound
+        return NO_KV_BOUND
     if device.type == "cuda" and cache.kv_cache_memory is None:
         # this engine may fill `gpu_memory_utilization` of the card with its weights, activations
         # and KV cache, and never more than is free (other engines or processes keep theirs)

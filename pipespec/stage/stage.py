@@ -11,7 +11,9 @@ pipeline position and for PP = 1 (where the one stage is first and last):
              -> StepResult data [B, result_width(K)]    for the driver
 
 A stage keeps weights and KV cache and nothing derived from earlier steps (I1): every step starts
-from the plan alone.
+from the plan alone. Linear-attention layers (Qwen3-Next / Qwen3.5) also keep per-request states in
+the slots the plan names, a pure function of the plans received: a verify step keeps a candidate per
+row and a later plan's `state_commit` says which one to adopt.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import torch
 from pipespec.config import EngineConfig
 from pipespec.layout import StepLayout
 from pipespec.model.attention import CacheShape, ForwardContext, allocate_caches, cache_bytes_per_block
+from pipespec.model.gated_deltanet import LinearMeta, allocate_states, state_bytes
 from pipespec.model.placement import resolve_device, resolve_dtype
 from pipespec.model.source import ModelSource
 from pipespec.plan import StepPlan, StepResult, position_margin
@@ -55,6 +58,7 @@ class Stage:
             for module in self.modules_with_weights():
                 prefer_column_major(module)
         self.kv_caches = None
+        self.linear_states = None          # Gated DeltaNet layers: per-request state slots
         self.num_blocks = 0
         self.graphs: CudaGraphs | None = None
         self.trace = DraftTrace() if config.parallel.check_collectives else None
@@ -84,12 +88,20 @@ class Stage:
 
     def available_kv_blocks(self) -> int:
         weights = sum(p.numel() * p.element_size() for m in self.modules_with_weights() for p in m.parameters())
-        return memory.available_kv_blocks(self.config, self.model.arch, self.device, weights,
+        # linear-attention states are a fixed amount, like the weights
+        fixed = weights + state_bytes(self._state_shapes(), self.config.scheduler.max_num_seqs,
+                                      self.num_spec_tokens + 1, self.dtype)
+        return memory.available_kv_blocks(self.config, self.model.arch, self.device, fixed,
                                           self._bytes_per_block())
+
+    def _state_shapes(self) -> list:
+        return self.model.state_shapes() if hasattr(self.model, "state_shapes") else []
 
     @property
     def uses_cuda_graphs(self) -> bool:
-        return self.backend.supports_cuda_graphs and not self.config.model.enforce_eager
+        # the graphs do not carry linear-attention states yet: hybrid models run eagerly
+        return (self.backend.supports_cuda_graphs and not self.config.model.enforce_eager
+                and not self._state_shapes())
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         graphs = self.uses_cuda_graphs
@@ -99,6 +111,10 @@ class Stage:
         self.kv_caches = caches[:n]
         if self.drafter:
             self.drafter.kv_caches = caches[n:]
+        if self._state_shapes():
+            # one slot per request the scheduler may run, and a candidate per verify row
+            self.linear_states = allocate_states(self._state_shapes(), self.config.scheduler.max_num_seqs,
+                                                 self.num_spec_tokens + 1, self.dtype, self.device)
         self.num_blocks = num_blocks
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB) on %s", num_blocks, self.block_size,
                     num_blocks * self._bytes_per_block() / 2**20, self.device)
@@ -143,6 +159,9 @@ class Stage:
         attn = self.backend.prepare(layout.query_start_loc, layout.seq_lens, layout.positions,
                                     layout.block_tables, self.block_size, max_query_len=layout.max_query_len)
         ctx = ForwardContext(layout.positions, layout.slot_mapping, self.backend, attn, self.kv_caches)
+        if self.linear_states is not None:
+            ctx.linear = LinearMeta.build(layout.query_start_loc, layout.positions, layout.state_slots,
+                                          layout.state_commit, layout.req_num_drafts, self.linear_states)
         hidden, residual = run_target(self.model, ctx, layout.input_ids, inbound)
         return Forward(layout, ctx, hidden, residual)
 

@@ -32,6 +32,12 @@ CASES = [
     ("/v1/chat/completions", json.dumps({"messages": []}).encode(), 400, ["messages"]),
     ("/v1/chat/completions", json.dumps({"messages": [{"role": "wizard", "content": "x"}]}).encode(), 400, ["role"]),
     ("/v1/chat/completions", json.dumps({"messages": [{"role": "user"}]}).encode(), 400, ["content"]),
+    ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}).encode(), 400,
+     ["image_url", "text only"]),
+    ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": [
+        {"type": "video_url", "video_url": {"url": "http://x/v.mp4"}}]}]}).encode(), 400, ["video", "text only"]),
     ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "hi"}],
                                           "stream_options": {"include_usage": True}}).encode(), 400, ["stream"]),
 ]

@@ -5,9 +5,15 @@
     logits = target_head(out)
 
 Tensors: `mtp.pre_fc_norm_embedding`, `mtp.pre_fc_norm_hidden`, `mtp.fc` [H, 2H] and `mtp.norm`
-are one set shared by all layers; `mtp.layers.{i}.` holds layer i's decoder block. The block here
-is the dense Qwen3 kind (q/k norm, no bias); the real Qwen3-Next block (gated attention output,
-MoE) slots in as another `block` when the target families that need it land.
+are one set shared by all layers; `mtp.layers.{i}.` holds layer i's decoder block.
+
+The block: for a Qwen3-Next / Qwen3.5 / Qwen3.6 target (the checkpoints that ship these layers) the
+real one, a gated full-attention layer of the target's kind (`q_proj` yields query and output gate,
+partial rotary; MoE when the target has experts); for a Llama-family target (heads trained by
+pipespec) the dense Qwen3 kind (q/k norm, no bias).
+
+h_t is the target's final-norm output: vLLM's and SGLang's Qwen3-Next / Qwen3.5 MTP predictors take
+the hidden states the target model returns, which are after its final norm.
 """
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ from torch import nn
 from pipespec.model.arch import ArchConfig
 from pipespec.model.mtp.base import MTPLayer, dense_block
 from pipespec.model.norms import ZeroCentredRMSNorm
+from pipespec.model.qwen3_next import HybridDecoderLayer, hybrid_checkpoint_names, partial_rotary
 
 FAMILY_QWEN3_NEXT = "qwen3_next"
 
@@ -43,8 +50,12 @@ class Qwen3NextMTP(MTPLayer):
                  shared: Qwen3NextMTPShared | None = None):
         super().__init__(arch, layer_index, max_position)
         self.shared = shared or Qwen3NextMTPShared(arch)
-        block_arch = dataclasses.replace(arch, qk_norm=True, qkv_bias=False, o_bias=False)
-        self.block = dense_block(block_arch, norm=ZeroCentredRMSNorm)
+        if arch.hybrid is not None:
+            self.block = HybridDecoderLayer(arch, layer_index, linear=False, moe=arch.hybrid.num_experts > 0)
+            self.rotary = partial_rotary(arch, max_position or arch.max_position)
+        else:
+            block_arch = dataclasses.replace(arch, qk_norm=True, qkv_bias=False, o_bias=False)
+            self.block = dense_block(block_arch, norm=ZeroCentredRMSNorm)
 
     @classmethod
     def layer_indices(cls, names: set[str], num_layers: int) -> list[int]:
@@ -61,6 +72,12 @@ class Qwen3NextMTP(MTPLayer):
         if name.startswith("shared."):
             return "mtp." + name.removeprefix("shared.")
         return f"mtp.layers.{self.layer_index}." + name.removeprefix("block.")
+
+    def checkpoint_names(self) -> dict[str, list[str]]:
+        if self.arch.hybrid is None:
+            return super().checkpoint_names()
+        return {name: [self.checkpoint_name(c) for c in ckpts]
+                for name, ckpts in hybrid_checkpoint_names(self).items()}
 
     def combine(self, e: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         s = self.shared

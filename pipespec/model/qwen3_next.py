@@ -1,0 +1,200 @@
+"""Qwen3-Next and Qwen3.5 / Qwen3.6 (dense and MoE) decoders: a hybrid stack of Gated DeltaNet
+(linear attention) and gated full-attention layers (reference: transformers' `qwen3_next`, `qwen3_5`,
+`qwen3_5_moe` modeling files, read for the math and names).
+
+- Every RMSNorm but the DeltaNet's gated one is zero-centred: y = norm(x) * (1 + w).
+- Gated attention: `q_proj` yields per head [query | output gate]; q/k RMS-normed per head; rotary on
+  the first `partial_rotary_factor` of each head only; output times sigmoid(gate) before `o_proj`.
+  For text-only input Qwen3.5's multimodal rotary is 1-D rotary at the token positions.
+- MLP: dense SwiGLU, or MoE on the layers the config names.
+
+A stage holds layers [start, end) as `LlamaForCausalLM` does. Full-attention layers use the paged KV
+cache (`cache_shapes`); linear-attention layers use per-request state slots (`state_shapes`,
+`ctx.linear`), never a KV cache.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from pipespec.model.arch import ArchConfig
+from pipespec.model.attention import CacheShape, ForwardContext
+from pipespec.model.gated_deltanet import GatedDeltaNet, StateShape
+from pipespec.model.hybrid_config import LINEAR
+from pipespec.model.layers import GatedMLP, LMHead, RotaryEmbedding, apply_rope, head_logits
+from pipespec.model.moe import SparseMoE
+from pipespec.model.norms import ZeroCentredRMSNorm
+
+
+def rotary_dim(arch: ArchConfig) -> int:
+    return int(arch.head_dim * arch.hybrid.partial_rotary_factor)
+
+
+def partial_rotary(arch: ArchConfig, max_position: int) -> RotaryEmbedding:
+    """Rotary tables over the rotated part of each head only."""
+    return RotaryEmbedding(dataclasses.replace(arch, head_dim=rotary_dim(arch)), max_position)
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, arch: ArchConfig):
+        super().__init__()
+        h, d = arch.hidden_size, arch.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, d
+        self.rot = rotary_dim(arch)
+        # q_proj (query and gate, interleaved per head), k_proj and v_proj fused into one matrix
+        self.q_size, self.kv_size = 2 * arch.num_heads * d, arch.num_kv_heads * d
+        self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
+        self.o_proj = nn.Linear(arch.num_heads * d, h, bias=arch.qkv_bias)
+        self.q_norm = ZeroCentredRMSNorm(d, arch.rms_norm_eps)
+        self.k_norm = ZeroCentredRMSNorm(d, arch.rms_norm_eps)
+
+    def forward(self, x, rope, cache, ctx: ForwardContext):
+        t, d = x.shape[0], self.head_dim
+        qg, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, gate = qg.view(t, self.num_heads, 2 * d).split([d, d], dim=-1)
+        qk = torch.cat((self.q_norm(q), self.k_norm(k.view(t, self.num_kv_heads, d))), dim=1)
+        qk = torch.cat((apply_rope(qk[..., :self.rot].contiguous(), rope), qk[..., self.rot:]), dim=-1)
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        out = ctx.backend.forward(q.contiguous(), k.contiguous(), v.view(t, self.num_kv_heads, d), cache, ctx,
+                                  d ** -0.5)
+        out = out.reshape(t, self.num_heads * d) * torch.sigmoid(gate.reshape(t, -1))
+        return self.o_proj(out)
+
+
+def make_mlp(arch: ArchConfig, layer: int, moe: bool | None = None) -> nn.Module:
+    c = arch.hybrid
+    if (layer in c.moe_layers) if moe is None else moe:
+        return SparseMoE(arch.hidden_size, c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size,
+                         c.shared_expert_intermediate_size, c.norm_topk_prob)
+    return GatedMLP(arch.hidden_size, arch.intermediate_size)
+
+
+class HybridDecoderLayer(nn.Module):
+    def __init__(self, arch: ArchConfig, layer: int, linear: bool | None = None, moe: bool | None = None):
+        super().__init__()
+        self.linear = arch.hybrid.layer_types[layer] == LINEAR if linear is None else linear
+        h, eps = arch.hidden_size, arch.rms_norm_eps
+        self.input_layernorm = ZeroCentredRMSNorm(h, eps)
+        if self.linear:
+            self.linear_attn = GatedDeltaNet(h, arch.hybrid, eps)
+        else:
+            self.self_attn = GatedAttention(arch)
+        self.post_attention_layernorm = ZeroCentredRMSNorm(h, eps)
+        self.mlp = make_mlp(arch, layer, moe)
+
+    def forward(self, hidden, residual, rope, cache, ctx, state=None):
+        """`cache`: this layer's paged KV (full attention); `state`: its linear-attention states."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        if self.linear:
+            hidden = self.linear_attn(hidden, ctx.linear, state)
+        else:
+            hidden = self.self_attn(hidden, rope, cache, ctx)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+def hybrid_checkpoint_names(module: nn.Module, prefix: str = "") -> dict[str, list[str]]:
+    """Parameter name -> checkpoint tensors, for any module built of these layers (target or MTP)."""
+    names = {}
+    for full, param in module.named_parameters():
+        owner, _, leaf = full.rpartition(".")
+        if owner.endswith("mlp.experts"):
+            names[full] = module.get_submodule(owner).checkpoint_names(prefix + owner)[prefix + full]
+            continue
+        ckpt = prefix + full
+        if full.endswith("linear_attn.in_proj.weight"):
+            parts = module.get_submodule(owner.rpartition(".")[0]).checkpoint_parts()
+            names[full] = [ckpt.replace("in_proj.", p + ".") for p in parts]
+        elif ".qkv_proj." in full:
+            names[full] = [ckpt.replace("qkv_proj", p) for p in ("q_proj", "k_proj", "v_proj")]
+        elif ".gate_up_proj." in full:
+            names[full] = [ckpt.replace("gate_up_proj", p) for p in ("gate_proj", "up_proj")]
+        else:
+            names[full] = [ckpt]
+    return names
+
+
+class HybridModel(nn.Module):
+    def __init__(self, arch: ArchConfig, start: int, end: int, max_position: int):
+        super().__init__()
+        self.start, self.end = start, end
+        self.is_first, self.is_last = start == 0, end == arch.num_layers
+        if self.is_first:
+            self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleDict({str(i): HybridDecoderLayer(arch, i) for i in range(start, end)})
+        if self.is_last:
+            self.norm = ZeroCentredRMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.rotary = partial_rotary(arch, max_position)
+
+
+class Qwen3NextForCausalLM(nn.Module):
+    """One stage of a Qwen3-Next / Qwen3.5 / Qwen3.6 model (the whole model when the range covers it)."""
+
+    def __init__(self, arch: ArchConfig, layer_range: tuple[int, int] | None = None,
+                 max_position: int | None = None):
+        super().__init__()
+        if arch.hybrid is None:
+            raise ValueError(f"model_type {arch.model_type!r} has no linear-attention config")
+        start, end = layer_range or (0, arch.num_layers)
+        if not 0 <= start < end <= arch.num_layers:
+            raise ValueError(f"layer range [{start}, {end}) is outside the model's {arch.num_layers} layers")
+        self.arch = arch
+        self.model = HybridModel(arch, start, end, max_position or arch.max_position)
+        self.owns_head = self.model.is_last and not (arch.tie_word_embeddings and self.model.is_first)
+        if self.owns_head:
+            self.lm_head = LMHead(arch.hidden_size, arch.vocab_size, bias=False)
+
+    @property
+    def num_local_layers(self) -> int:
+        return self.model.end - self.model.start
+
+    def cache_shapes(self) -> list[CacheShape]:
+        """One paged cache per local full-attention layer, in layer order (`ctx.kv_caches`)."""
+        a = self.arch
+        return [CacheShape(a.num_kv_heads, a.head_dim, a.head_dim)
+                for layer in self.model.layers.values() if not layer.linear]
+
+    def state_shapes(self) -> list[StateShape]:
+        """One state per local linear-attention layer, in layer order (`ctx.linear.states`)."""
+        return [layer.linear_attn.state_shape() for layer in self.model.layers.values() if layer.linear]
+
+    def checkpoint_names(self) -> dict[str, list[str]]:
+        names = hybrid_checkpoint_names(self)
+        if self.owns_head and self.arch.tie_word_embeddings:
+            names["lm_head.weight"] = ["model.embed_tokens.weight"]
+        return names
+
+    def forward(self, ctx: ForwardContext, input_ids: torch.Tensor | None = None,
+                hidden: torch.Tensor | None = None, residual: torch.Tensor | None = None):
+        m = self.model
+        if ctx.linear is None and self.state_shapes():
+            raise ValueError(f"{self.arch.model_type} has linear-attention layers, which need per-request state "
+                             "slots (ForwardContext.linear, built by the stage from the plan); this caller "
+                             "provides none (teacher-forced training and evaluation do not support it yet)")
+        if m.is_first:
+            hidden, residual = m.embed_tokens(input_ids), None
+        rope = m.rotary(ctx.positions)
+        n_full = n_linear = 0
+        for layer in m.layers.values():
+            if layer.linear:
+                hidden, residual = layer(hidden, residual, rope, None, ctx, ctx.linear.states[n_linear])
+                n_linear += 1
+            else:
+                hidden, residual = layer(hidden, residual, rope, ctx.kv_caches[n_full], ctx)
+                n_full += 1
+        if m.is_last:
+            hidden, _ = m.norm(hidden, residual)
+            residual = None
+        return hidden, residual
+
+    def head_weight(self) -> torch.Tensor:
+        return self.lm_head.weight if self.owns_head else self.model.embed_tokens.weight
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return head_logits(hidden, self.head_weight())
