@@ -11,7 +11,8 @@ from torch import nn
 
 from pipespec.model.arch import ArchConfig
 from pipespec.model.attention import CacheShape, ForwardContext, KVCache
-from pipespec.model.layers import GatedMLP, LMHead, RMSNorm, Rope, RotaryEmbedding, apply_rope, head_logits
+from pipespec.model.layers import GatedMLP, RMSNorm, Rope, RotaryEmbedding, apply_rope
+from pipespec.model.slice import SliceModel, StageSlice, layer_span
 
 
 class Attention(nn.Module):
@@ -61,38 +62,17 @@ class DecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-class LlamaModel(nn.Module):
-    def __init__(self, arch: ArchConfig, start: int, end: int, max_position: int):
-        super().__init__()
-        self.start, self.end = start, end
-        self.is_first, self.is_last = start == 0, end == arch.num_layers
-        if self.is_first:
-            self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(arch) for i in range(start, end)})
-        if self.is_last:
-            self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.rotary = RotaryEmbedding(arch, max_position)
-
-
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(StageSlice):
     """One stage of a Llama-family causal LM (the whole model when the range covers every layer)."""
 
     def __init__(self, arch: ArchConfig, layer_range: tuple[int, int] | None = None,
                  max_position: int | None = None):
         super().__init__()
-        start, end = layer_range or (0, arch.num_layers)
-        if not 0 <= start < end <= arch.num_layers:
-            raise ValueError(f"layer range [{start}, {end}) is outside the model's {arch.num_layers} layers")
+        start, end = layer_span(arch, layer_range)
         self.arch = arch
-        self.model = LlamaModel(arch, start, end, max_position or arch.max_position)
-        # A tied head on a stage without the embedding loads its own copy of the embedding matrix.
-        self.owns_head = self.model.is_last and not (arch.tie_word_embeddings and self.model.is_first)
-        if self.owns_head:
-            self.lm_head = LMHead(arch.hidden_size, arch.vocab_size, bias=False)
-
-    @property
-    def num_local_layers(self) -> int:
-        return self.model.end - self.model.start
+        self.model = SliceModel(arch, {i: DecoderLayer(arch) for i in range(start, end)},
+                                RotaryEmbedding(arch, max_position or arch.max_position))
+        self._init_head()
 
     def cache_shapes(self) -> list[CacheShape]:
         """The paged cache of each local layer, in `ctx.kv_caches` order."""
@@ -109,9 +89,7 @@ class LlamaForCausalLM(nn.Module):
                 names[name] = [name.replace("gate_up_proj", p) for p in ("gate_proj", "up_proj")]
             else:
                 names[name] = [name]
-        if self.owns_head and self.arch.tie_word_embeddings:
-            names["lm_head.weight"] = ["model.embed_tokens.weight"]
-        return names
+        return self._tie_head(names)
 
     def forward(self, ctx: ForwardContext, input_ids: torch.Tensor | None = None,
                 hidden: torch.Tensor | None = None, residual: torch.Tensor | None = None):
@@ -119,20 +97,8 @@ class LlamaForCausalLM(nn.Module):
 
         Returns (hidden, residual); on the last stage hidden is final-normed and residual is None.
         """
-        m = self.model
-        if m.is_first:
-            hidden, residual = m.embed_tokens(input_ids), None
-        rope = m.rotary(ctx.positions)
-        for local, layer in enumerate(m.layers.values()):
+        hidden, residual = self._embed(input_ids, hidden, residual)
+        rope = self.model.rotary(ctx.positions)
+        for local, layer in enumerate(self.model.layers.values()):
             hidden, residual = layer(hidden, residual, rope, ctx.kv_caches[local], ctx)
-        if m.is_last:
-            hidden, _ = m.norm(hidden, residual)
-            residual = None
-        return hidden, residual
-
-    def head_weight(self) -> torch.Tensor:
-        # resolved at call time through the owner, never captured (DESIGN.md, I5)
-        return self.lm_head.weight if self.owns_head else self.model.embed_tokens.weight
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return head_logits(hidden, self.head_weight())
+        return self._finish(hidden, residual)

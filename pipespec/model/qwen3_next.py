@@ -23,9 +23,10 @@ from pipespec.model.arch import ArchConfig
 from pipespec.model.attention import CacheShape, ForwardContext
 from pipespec.model.gated_deltanet import GatedDeltaNet, StateShape
 from pipespec.model.hybrid_config import LINEAR
-from pipespec.model.layers import GatedMLP, LMHead, RotaryEmbedding, apply_rope, head_logits
+from pipespec.model.layers import GatedMLP, RotaryEmbedding, apply_rope
 from pipespec.model.moe import SparseMoE
 from pipespec.model.norms import ZeroCentredRMSNorm
+from pipespec.model.slice import SliceModel, StageSlice, layer_span
 
 
 def rotary_dim(arch: ArchConfig) -> int:
@@ -120,20 +121,7 @@ def hybrid_checkpoint_names(module: nn.Module, prefix: str = "") -> dict[str, li
     return names
 
 
-class HybridModel(nn.Module):
-    def __init__(self, arch: ArchConfig, start: int, end: int, max_position: int):
-        super().__init__()
-        self.start, self.end = start, end
-        self.is_first, self.is_last = start == 0, end == arch.num_layers
-        if self.is_first:
-            self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleDict({str(i): HybridDecoderLayer(arch, i) for i in range(start, end)})
-        if self.is_last:
-            self.norm = ZeroCentredRMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.rotary = partial_rotary(arch, max_position)
-
-
-class Qwen3NextForCausalLM(nn.Module):
+class Qwen3NextForCausalLM(StageSlice):
     """One stage of a Qwen3-Next / Qwen3.5 / Qwen3.6 model (the whole model when the range covers it)."""
 
     def __init__(self, arch: ArchConfig, layer_range: tuple[int, int] | None = None,
@@ -141,18 +129,11 @@ class Qwen3NextForCausalLM(nn.Module):
         super().__init__()
         if arch.hybrid is None:
             raise ValueError(f"model_type {arch.model_type!r} has no linear-attention config")
-        start, end = layer_range or (0, arch.num_layers)
-        if not 0 <= start < end <= arch.num_layers:
-            raise ValueError(f"layer range [{start}, {end}) is outside the model's {arch.num_layers} layers")
+        start, end = layer_span(arch, layer_range)
         self.arch = arch
-        self.model = HybridModel(arch, start, end, max_position or arch.max_position)
-        self.owns_head = self.model.is_last and not (arch.tie_word_embeddings and self.model.is_first)
-        if self.owns_head:
-            self.lm_head = LMHead(arch.hidden_size, arch.vocab_size, bias=False)
-
-    @property
-    def num_local_layers(self) -> int:
-        return self.model.end - self.model.start
+        self.model = SliceModel(arch, {i: HybridDecoderLayer(arch, i) for i in range(start, end)},
+                                partial_rotary(arch, max_position or arch.max_position), norm=ZeroCentredRMSNorm)
+        self._init_head()
 
     def cache_shapes(self) -> list[CacheShape]:
         """One paged cache per local full-attention layer, in layer order (`ctx.kv_caches`)."""
@@ -165,10 +146,7 @@ class Qwen3NextForCausalLM(nn.Module):
         return [layer.linear_attn.state_shape() for layer in self.model.layers.values() if layer.linear]
 
     def checkpoint_names(self) -> dict[str, list[str]]:
-        names = hybrid_checkpoint_names(self)
-        if self.owns_head and self.arch.tie_word_embeddings:
-            names["lm_head.weight"] = ["model.embed_tokens.weight"]
-        return names
+        return self._tie_head(hybrid_checkpoint_names(self))
 
     def forward(self, ctx: ForwardContext, input_ids: torch.Tensor | None = None,
                 hidden: torch.Tensor | None = None, residual: torch.Tensor | None = None):
@@ -177,8 +155,7 @@ class Qwen3NextForCausalLM(nn.Module):
             raise ValueError(f"{self.arch.model_type} has linear-attention layers, which need per-request state "
                              "slots (ForwardContext.linear, built by the stage from the plan); this caller "
                              "provides none (teacher-forced training and evaluation do not support it yet)")
-        if m.is_first:
-            hidden, residual = m.embed_tokens(input_ids), None
+        hidden, residual = self._embed(input_ids, hidden, residual)
         rope = m.rotary(ctx.positions)
         n_full = n_linear = 0
         for layer in m.layers.values():
@@ -188,13 +165,4 @@ class Qwen3NextForCausalLM(nn.Module):
             else:
                 hidden, residual = layer(hidden, residual, rope, ctx.kv_caches[n_full], ctx)
                 n_full += 1
-        if m.is_last:
-            hidden, _ = m.norm(hidden, residual)
-            residual = None
-        return hidden, residual
-
-    def head_weight(self) -> torch.Tensor:
-        return self.lm_head.weight if self.owns_head else self.model.embed_tokens.weight
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return head_logits(hidden, self.head_weight())
+        return self._finish(hidden, residual)

@@ -15,7 +15,8 @@ from pipespec.model.deepseek.dsa import Selection
 from pipespec.model.deepseek.mla import MLAttention
 from pipespec.model.deepseek.moe import MoE
 from pipespec.model.deepseek.rope import SliceRope
-from pipespec.model.layers import GatedMLP, LMHead, RMSNorm, head_logits
+from pipespec.model.layers import GatedMLP, RMSNorm
+from pipespec.model.slice import SliceModel, StageSlice, layer_span
 
 
 def fused_names(module: nn.Module, prefix: str = "") -> dict[str, list[str]]:
@@ -72,20 +73,7 @@ def make_layer(arch: ArchConfig, cfg: DeepSeekConfig, index: int) -> DecoderLaye
     return DecoderLayer(arch, cfg.moe, index, attention)
 
 
-class MoEModel(nn.Module):
-    def __init__(self, arch: ArchConfig, layers: dict[int, nn.Module], rotary: nn.Module):
-        super().__init__()
-        self.start, self.end = min(layers), max(layers) + 1
-        self.is_first, self.is_last = self.start == 0, self.end == arch.num_layers
-        if self.is_first:
-            self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleDict({str(i): layer for i, layer in layers.items()})
-        if self.is_last:
-            self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.rotary = rotary
-
-
-class DeepseekV3ForCausalLM(nn.Module):
+class DeepseekV3ForCausalLM(StageSlice):
     """One stage of DeepSeek-V3; a family with another attention overrides `parse`, `make_layer`
     and `make_rope` (GLM-4.5)."""
 
@@ -96,9 +84,7 @@ class DeepseekV3ForCausalLM(nn.Module):
     def __init__(self, arch: ArchConfig, layer_range: tuple[int, int] | None = None,
                  max_position: int | None = None):
         super().__init__()
-        start, end = layer_range or (0, arch.num_layers)
-        if not 0 <= start < end <= arch.num_layers:
-            raise ValueError(f"layer range [{start}, {end}) is outside the model's {arch.num_layers} layers")
+        start, end = layer_span(arch, layer_range)
         self.arch = arch
         self.cfg = self.parse(arch.hf_config)
         index = getattr(self.cfg, "index", None)
@@ -107,41 +93,21 @@ class DeepseekV3ForCausalLM(nn.Module):
             raise ValueError(f"pipeline stage starting at layer {start} would need the sparse-attention selection "
                              f"of an earlier stage (indexer_types: layer {start} is 'shared'); choose a "
                              "pipeline size whose stages start at 'full' layers")
-        self.model = MoEModel(arch, {i: self.make_layer(arch, self.cfg, i) for i in range(start, end)},
-                              self.make_rope(self.cfg, max_position or arch.max_position))
-        self.owns_head = self.model.is_last and not (arch.tie_word_embeddings and self.model.is_first)
-        if self.owns_head:
-            self.lm_head = LMHead(arch.hidden_size, arch.vocab_size, bias=False)
-
-    @property
-    def num_local_layers(self) -> int:
-        return self.model.end - self.model.start
+        self.model = SliceModel(arch, {i: self.make_layer(arch, self.cfg, i) for i in range(start, end)},
+                                self.make_rope(self.cfg, max_position or arch.max_position))
+        self._init_head()
 
     def cache_shapes(self) -> list[CacheShape]:
         return [layer.self_attn.cache_shape() for layer in self.model.layers.values()]
 
     def checkpoint_names(self) -> dict[str, list[str]]:
-        names = fused_names(self)
-        if self.owns_head and self.arch.tie_word_embeddings:
-            names["lm_head.weight"] = ["model.embed_tokens.weight"]
-        return names
+        return self._tie_head(fused_names(self))
 
     def forward(self, ctx: ForwardContext, input_ids: torch.Tensor | None = None,
                 hidden: torch.Tensor | None = None, residual: torch.Tensor | None = None):
-        m = self.model
-        if m.is_first:
-            hidden, residual = m.embed_tokens(input_ids), None
-        rope = m.rotary(ctx.positions)
+        hidden, residual = self._embed(input_ids, hidden, residual)
+        rope = self.model.rotary(ctx.positions)
         selection = Selection() if getattr(self.cfg, "index", None) is not None else None   # this call's alone
-        for local, layer in enumerate(m.layers.values()):
+        for local, layer in enumerate(self.model.layers.values()):
             hidden, residual = layer(hidden, residual, rope, ctx.kv_caches[local], ctx, selection)
-        if m.is_last:
-            hidden, _ = m.norm(hidden, residual)
-            residual = None
-        return hidden, residual
-
-    def head_weight(self) -> torch.Tensor:
-        return self.lm_head.weight if self.owns_head else self.model.embed_tokens.weight
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return head_logits(hidden, self.head_weight())
+        return self._finish(hidden, residual)
