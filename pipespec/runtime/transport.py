@@ -178,7 +178,7 @@ class Link:
     """This rank's point-to-point messages over the ctrl and data groups.
 
     `send` is asynchronous: the returned handle keeps the buffer alive until `wait`ed. `recv` blocks
-    for at most `timeout` seconds. With `check` (PIPESPEC_CHECK_COLLECTIVES=1) every message is
+    for at most `timeout` seconds. With `check` (`check_collectives`) every message is
     preceded by its descriptor and checked against the receiver's expectation before it is received.
     """
 
