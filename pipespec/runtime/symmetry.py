@@ -3,11 +3,12 @@ dtype); and the I4 one: the first stage embeds the draft ids the last stage veri
 
 Turned on with `check_collectives=True` (`PIPESPEC_CHECK_COLLECTIVES=1` sets the config's default).
 Then each point-to-point message is preceded by a fixed-width descriptor `[seq, op, dtype, ndim,
-d0..d3]`, and the receiver compares it with what it is about to receive, before receiving it: a disagreement fails loudly on the spot, naming both sides,
-instead of hanging or silently reading garbage (gloo accepts a short message into a longer buffer).
-Each rank also keeps, per peer and direction, a count and a running digest of what it sent or
-received; `compare_reports` checks that the two ends of every channel saw the same sequence, and
-that the stages' per-step draft digests (`stage/trace.py`) agree.
+d0..d3]`, and the receiver compares it with what it is about to receive, before receiving it: a
+disagreement fails loudly on the spot, naming both sides, instead of hanging or silently reading
+garbage (gloo accepts a short message into a longer buffer). Each rank also keeps, per peer and
+direction, a count and a running digest of what it sent or received; `compare_reports` checks that
+the two ends of every channel saw the same sequence, and that the stages' per-step draft digests
+(`stage/trace.py`) agree.
 """
 from __future__ import annotations
 
