@@ -13,6 +13,7 @@ from pipespec.model.arch import ArchConfig
 from pipespec.model.attention import CacheShape, ForwardContext, KVCache
 from pipespec.model.layers import GatedMLP, RMSNorm, Rope, RotaryEmbedding, apply_rope
 from pipespec.model.slice import SliceModel, StageSlice, layer_span
+from pipespec.model.weights import fused_parts
 
 
 class Attention(nn.Module):
@@ -81,15 +82,7 @@ class LlamaForCausalLM(StageSlice):
 
     def checkpoint_names(self) -> dict[str, list[str]]:
         """Parameter name -> the checkpoint tensors it is loaded from (concatenated along dim 0)."""
-        names = {}
-        for name in self.state_dict():
-            if ".qkv_proj." in name:
-                names[name] = [name.replace("qkv_proj", p) for p in ("q_proj", "k_proj", "v_proj")]
-            elif ".gate_up_proj." in name:
-                names[name] = [name.replace("gate_up_proj", p) for p in ("gate_proj", "up_proj")]
-            else:
-                names[name] = [name]
-        return self._tie_head(names)
+        return self._tie_head({name: fused_parts(name) for name in self.state_dict()})
 
     def forward(self, ctx: ForwardContext, input_ids: torch.Tensor | None = None,
                 hidden: torch.Tensor | None = None, residual: torch.Tensor | None = None):

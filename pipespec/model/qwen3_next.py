@@ -27,6 +27,7 @@ from pipespec.model.layers import GatedMLP, RotaryEmbedding, apply_rope
 from pipespec.model.moe import SparseMoE
 from pipespec.model.norms import ZeroCentredRMSNorm
 from pipespec.model.slice import SliceModel, StageSlice, layer_span
+from pipespec.model.weights import fused_parts
 
 
 def rotary_dim(arch: ArchConfig) -> int:
@@ -112,12 +113,8 @@ def hybrid_checkpoint_names(module: nn.Module, prefix: str = "") -> dict[str, li
         if full.endswith("linear_attn.in_proj.weight"):
             parts = module.get_submodule(owner.rpartition(".")[0]).checkpoint_parts()
             names[full] = [ckpt.replace("in_proj.", p + ".") for p in parts]
-        elif ".qkv_proj." in full:
-            names[full] = [ckpt.replace("qkv_proj", p) for p in ("q_proj", "k_proj", "v_proj")]
-        elif ".gate_up_proj." in full:
-            names[full] = [ckpt.replace("gate_up_proj", p) for p in ("gate_proj", "up_proj")]
         else:
-            names[full] = [ckpt]
+            names[full] = fused_parts(ckpt)
     return names
 
 

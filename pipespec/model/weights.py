@@ -15,6 +15,19 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 
+# fused projections of the model and the checkpoint tensors they concatenate (along dim 0)
+_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def fused_parts(name: str) -> list[str]:
+    """The checkpoint tensors a parameter is loaded from: a fused q/k/v or gate/up projection's are
+    its parts' names, anything else's its own."""
+    for fused, parts in _FUSED.items():
+        if f".{fused}." in name:
+            return [name.replace(fused, p) for p in parts]
+    return [name]
+
+
 class WeightSource(Protocol):
     def names(self) -> set[str]: ...
     def get(self, name: str) -> torch.Tensor: ...

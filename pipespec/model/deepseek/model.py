@@ -17,6 +17,7 @@ from pipespec.model.deepseek.moe import MoE
 from pipespec.model.deepseek.rope import SliceRope
 from pipespec.model.layers import GatedMLP, RMSNorm
 from pipespec.model.slice import SliceModel, StageSlice, layer_span
+from pipespec.model.weights import fused_parts
 
 
 def fused_names(module: nn.Module, prefix: str = "") -> dict[str, list[str]]:
@@ -24,12 +25,8 @@ def fused_names(module: nn.Module, prefix: str = "") -> dict[str, list[str]]:
     names = {}
     for name in module.state_dict():
         full = prefix + name
-        if ".gate_up_proj." in name:
-            names[full] = [full.replace("gate_up_proj", p) for p in ("gate_proj", "up_proj")]
-        elif ".qkv_proj." in name:
-            names[full] = [full.replace("qkv_proj", p) for p in ("q_proj", "k_proj", "v_proj")]
-        elif not name.endswith(("experts_gate_up", "experts_down")):
-            names[full] = [full]
+        if not name.endswith(("experts_gate_up", "experts_down")):
+            names[full] = fused_parts(full)
     for mname, m in module.named_modules():
         if isinstance(m, MoE):
             names.update(m.checkpoint_names(f"{prefix}{mname}."))

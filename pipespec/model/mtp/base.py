@@ -22,8 +22,8 @@ from pipespec.model.arch import ArchConfig
 from pipespec.model.attention import CacheShape, ForwardContext, KVCache
 from pipespec.model.layers import RMSNorm, RotaryEmbedding, head_logits
 from pipespec.model.llama import DecoderLayer
+from pipespec.model.weights import fused_parts
 
-_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 def dense_block(arch: ArchConfig, norm: type[nn.Module] = RMSNorm) -> DecoderLayer:
@@ -93,14 +93,7 @@ class MTPLayer(nn.Module):
 
     def checkpoint_names(self) -> dict[str, list[str]]:
         """Parameter name -> the checkpoint tensors it is loaded from (concatenated along dim 0)."""
-        names = {}
-        for name in self.state_dict():
-            parts = [name]
-            for fused, split in _FUSED.items():
-                if f".{fused}." in name:
-                    parts = [name.replace(fused, s) for s in split]
-            names[name] = [self.checkpoint_name(p) for p in parts]
-        return names
+        return {name: [self.checkpoint_name(p) for p in fused_parts(name)] for name in self.state_dict()}
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """The module's weights under their checkpoint names (fused tensors split), on CPU."""
