@@ -1,7 +1,7 @@
 """Sparse MoE of Qwen3-Next / Qwen3.5-MoE: softmax router, top-k, renormalised weights, and a shared
 expert scaled by a sigmoid gate. Expert weights are held stacked ([E * 2I, H] gate+up, [E * H, I]
 down) and loaded from per-expert checkpoint tensors (fused 3-D ones are shown per expert by the
-weight source). On CPU a loop over the experts that got tokens; GPU grouped GEMMs can replace it."""
+weight source); they run as grouped GEMMs (`routed_experts`)."""
 from __future__ import annotations
 
 import torch
@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipespec.model.layers import GatedMLP
+from pipespec.model.routed_experts import routed_experts
 
 
 class Experts(nn.Module):
@@ -25,15 +26,8 @@ class Experts(nn.Module):
                 f"{prefix}.down_proj": [f"{prefix}.{e}.down_proj.weight" for e in range(self.num)]}
 
     def forward(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj.view(self.num, 2 * self.inter, self.hidden)
-        down = self.down_proj.view(self.num, self.hidden, self.inter)
-        out = torch.zeros_like(x)
-        for e in index.unique().tolist():
-            tok, slot = (index == e).nonzero(as_tuple=True)
-            g, u = F.linear(x[tok], gate_up[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(g) * u, down[e]) * weight[tok, slot, None]
-            out.index_add_(0, tok, y.to(out.dtype))
-        return out
+        return routed_experts(x, index, weight, self.gate_up_proj.view(self.num, 2 * self.inter, self.hidden),
+                              self.down_proj.view(self.num, self.hidden, self.inter))
 
 
 class SparseMoE(nn.Module):
@@ -51,5 +45,5 @@ class SparseMoE(nn.Module):
         weight, index = probs.topk(self.top_k, dim=-1)
         if self.norm_topk:
             weight = weight / weight.sum(-1, keepdim=True)
-        out = self.experts(x, index, weight.to(x.dtype))
+        out = self.experts(x, index, weight)
         return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

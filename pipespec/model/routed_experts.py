@@ -1,0 +1,34 @@
+"""Routed experts of a sparse MoE as two grouped matrix products, for every MoE family.
+
+The (token, slot) pairs are sorted by expert on the device, each expert's rows are contiguous, and
+`torch._grouped_mm` runs every expert's gate-up and down products in one launch each (CUTLASS
+grouped GEMMs on Hopper, a loop inside PyTorch on the CPU). Nothing reads a count back to the host,
+so a step with MoE layers can be captured in a CUDA graph, and the weights are read once per step
+whatever the batch. The per-slot outputs are put back in (token, slot) order and summed over the
+slots, so the result does not depend on how the experts' rows were ordered.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                   down: torch.Tensor) -> torch.Tensor:
+    """sum over slots j of weights[t, j] * expert_{ids[t, j]}(x[t]).
+
+    x [T, H]; ids [T, k] int64; weights [T, k]; gate_up [E, 2I, H] (per expert: gate rows, then up
+    rows); down [E, H, I]. Returns [T, H] in x's dtype."""
+    t, k = ids.shape
+    flat = ids.reshape(-1)
+    order = flat.argsort(stable=True)                     # (token, slot) pairs grouped by expert
+    counts = torch.zeros(gate_up.shape[0], dtype=torch.int32, device=x.device)
+    counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    ends = counts.cumsum(0, dtype=torch.int32)            # end row of each expert's group
+    rows = x[order // k]
+    gate, up = torch._grouped_mm(rows, gate_up.transpose(-1, -2), offs=ends).chunk(2, dim=-1)
+    y = torch._grouped_mm(F.silu(gate) * up, down.transpose(-1, -2), offs=ends)
+    per_slot = torch.empty_like(y)
+    per_slot[order] = y                                   # back to (token, slot) order
+    w = weights.reshape(t, k, 1).float()
+    return (per_slot.view(t, k, -1).float() * w).sum(1).to(x.dtype)
