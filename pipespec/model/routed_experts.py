@@ -2,7 +2,8 @@
 
 The (token, slot) pairs are sorted by expert on the device, each expert's rows are contiguous, and
 `torch._grouped_mm` runs every expert's gate-up and down products in one launch each (CUTLASS
-grouped GEMMs on Hopper, a loop inside PyTorch on the CPU). Nothing reads a count back to the host,
+grouped GEMMs on Hopper, a loop inside PyTorch on the CPU). On a GPU it takes bf16 only; other
+dtypes there (float32 test runs) multiply by each pair's gathered expert weights instead. Nothing reads a count back to the host,
 so a step with MoE layers can be captured in a CUDA graph, and the weights are read once per step
 whatever the batch. The per-slot outputs are put back in (token, slot) order and summed over the
 slots, so the result does not depend on how the experts' rows were ordered.
@@ -26,8 +27,13 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ga
     counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
     ends = counts.cumsum(0, dtype=torch.int32)            # end row of each expert's group
     rows = x[order // k]
-    gate, up = torch._grouped_mm(rows, gate_up.transpose(-1, -2), offs=ends).chunk(2, dim=-1)
-    y = torch._grouped_mm(F.silu(gate) * up, down.transpose(-1, -2), offs=ends)
+    if x.is_cuda and x.dtype != torch.bfloat16:
+        experts = flat[order]
+        gate, up = torch.bmm(gate_up[experts], rows[:, :, None]).squeeze(-1).chunk(2, dim=-1)
+        y = torch.bmm(down[experts], (F.silu(gate) * up)[:, :, None]).squeeze(-1)
+    else:
+        gate, up = torch._grouped_mm(rows, gate_up.transpose(-1, -2), offs=ends).chunk(2, dim=-1)
+        y = torch._grouped_mm(F.silu(gate) * up, down.transpose(-1, -2), offs=ends)
     per_slot = torch.empty_like(y)
     per_slot[order] = y                                   # back to (token, slot) order
     w = weights.reshape(t, k, 1).float()

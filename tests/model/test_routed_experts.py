@@ -63,3 +63,12 @@ def test_bf16_cuda_grouped_gemm_and_graph_capture():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, got)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_float32_cuda_gathers_expert_weights():
+    args = _case(9, 16, 4, h=24, i=40, dtype=torch.float32, device="cuda")
+    got = routed_experts(*args)
+    ref = loop_reference(*(a.cpu() for a in args))
+    assert torch.allclose(got.cpu(), ref, atol=1e-4, rtol=1e-4)
