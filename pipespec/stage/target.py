@@ -15,7 +15,9 @@ def load_target(source: ModelSource, config: EngineConfig, layer_range: tuple[in
                 dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
     model = build_target(source.arch, layer_range, max_position)
     if config.model.load_format == "dummy":
-        init_dummy_weights(model, dtype, device)
+        # a tied head on a stage without the embedding draws the embedding's values, as it loads them
+        tied = {"lm_head.weight": "model.embed_tokens.weight"} if source.arch.tie_word_embeddings else None
+        init_dummy_weights(model, dtype, device, key=tied)
     else:
         load_weights(model, source.weights(), dtype, device,
                      desc=f"Loading layers {layer_range[0]}-{layer_range[1] - 1}")
