@@ -78,10 +78,36 @@ class SafetensorsSource:
         return self._open[path].get_slice(name)
 
 
+def checkpoint_shards(model: torch.nn.Module) -> dict:
+    """Parameter name -> the `tp_layers.Shard` of its checkpoint tensors this rank reads, for every
+    tensor-parallel layer of `model` (a layer says so with `checkpoint_shards()`)."""
+    out = {}
+    for prefix, module in model.named_modules():
+        shards = getattr(module, "checkpoint_shards", None)
+        if callable(shards):
+            out.update({f"{prefix}.{name}" if prefix else name: s for name, s in shards().items()})
+    return out
+
+
+def _read(source: WeightSource, name: str, shard, part: int) -> torch.Tensor:
+    """One checkpoint tensor, or only this rank's slice of it: through the source's lazy slices when
+    it has them (safetensors reads just those bytes), else cut from the whole tensor."""
+    if shard is None:
+        return source.get(name)
+    start, stop = shard.ranges[part]
+    get_slice = getattr(source, "get_slice", None)
+    if get_slice is not None:
+        index = (slice(None),) * shard.dim + (slice(start, stop),)
+        return get_slice(name)[index]
+    return source.get(name).narrow(shard.dim, start, stop - start)
+
+
 def load_weights(model: torch.nn.Module, source: WeightSource, dtype: torch.dtype, device,
                  desc: str = "Loading weights") -> None:
-    """Fill every parameter of `model` from `source`; the model is moved to (dtype, device)."""
+    """Fill every parameter of `model` from `source`; the model is moved to (dtype, device). A
+    tensor-parallel layer's parameters read only their shard (`checkpoint_shards`)."""
     wanted: dict[str, list[str]] = model.checkpoint_names()
+    shards = checkpoint_shards(model)
     available = source.names()
     missing = sorted(c for ckpts in wanted.values() for c in ckpts if c not in available)
     if missing:
@@ -93,12 +119,16 @@ def load_weights(model: torch.nn.Module, source: WeightSource, dtype: torch.dtyp
     params = dict(model.named_parameters())
     for name, ckpts in tqdm(sorted(wanted.items()), desc=desc, unit="tensor", leave=False, disable=None):
         param = params[name]
-        parts = [source.get(c) for c in ckpts]
+        shard = shards.get(name)
+        parts = [_read(source, c, shard, i) for i, c in enumerate(ckpts)]
         for c, part in zip(ckpts, parts):
             if not part.is_floating_point() or part.element_size() < 2:   # int or float8: quantized
                 raise ValueError(f"tensor {c} is {part.dtype}, not a plain float weight: the checkpoint is "
                                  "quantized in a way pipespec did not recognise")
         tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        if shard is not None and shard.pad and tensor.shape[0] < param.shape[0]:
+            # the last vocabulary shard: rows past the vocabulary stay zero, never looked up
+            tensor = torch.cat((tensor, tensor.new_zeros(param.shape[0] - tensor.shape[0], *tensor.shape[1:])))
         if tuple(tensor.shape) != tuple(param.shape):
             shapes = ", ".join(f"{c} {tuple(p.shape)}" for c, p in zip(ckpts, parts))
             raise ValueError(f"tensor shape mismatch: {shapes}; the model expects {tuple(param.shape)}"

@@ -7,8 +7,9 @@ d0..d3]`, and the receiver compares it with what it is about to receive, before 
 disagreement fails loudly on the spot, naming both sides, instead of hanging or silently reading
 garbage (gloo accepts a short message into a longer buffer). Each rank also keeps, per peer and
 direction, a count and a running digest of what it sent or received; `compare_reports` checks that
-the two ends of every channel saw the same sequence, and that the stages' per-step draft digests
-(`stage/trace.py`) agree.
+the two ends of every channel saw the same sequence, that the ranks of each tensor-parallel group
+issued the same collectives (op, shape, dtype, in the same order), and that the stages' per-step
+draft digests (`stage/trace.py`) agree.
 """
 from __future__ import annotations
 
@@ -104,10 +105,25 @@ def compare_draft_traces(reports: dict[int, dict]) -> list[str]:
     return [f"I4 broken: {p}" for p in problems[:5]] + ([f"... {len(problems) - 5} more"] if len(problems) > 5 else [])
 
 
+def compare_collectives(reports: dict[int, dict]) -> list[str]:
+    """I3 inside a TP group: every rank of the group issued the same collectives in the same order."""
+    groups: dict[str, dict[int, list]] = {}
+    for rank, report in reports.items():
+        for key, value in report.items():
+            if key.startswith("coll|"):
+                groups.setdefault(key.split("|")[1], {})[rank] = value
+    problems = []
+    for group, seen in sorted(groups.items()):
+        if len({(count, digest) for count, digest, _ in seen.values()}) > 1:
+            problems.append(f"{group} group: its ranks issued different collectives: " + "; ".join(
+                f"rank {r}: {count} (last: {', '.join(last) or '-'})" for r, (count, _, last) in sorted(seen.items())))
+    return problems
+
+
 def compare_reports(reports: dict[int, dict]) -> list[str]:
-    """Problems found between the ends of every channel, and in the draft traces (empty when all
-    ranks agree)."""
-    problems = compare_draft_traces(reports)
+    """Problems found between the ends of every channel, inside every TP group, and in the draft
+    traces (empty when all ranks agree)."""
+    problems = compare_draft_traces(reports) + compare_collectives(reports)
     reports = {rank: _channels(report) for rank, report in reports.items()}
     for rank, report in sorted(reports.items()):
         for key, (count, digest, last) in report.items():

@@ -27,6 +27,7 @@ from pipespec.model.attention import CacheShape, ForwardContext, allocate_caches
 from pipespec.model.gated_deltanet import LinearMeta, allocate_states, state_bytes
 from pipespec.model.placement import resolve_device, resolve_dtype
 from pipespec.model.source import ModelSource
+from pipespec.parallel import TensorParallel
 from pipespec.plan import StepPlan, StepResult, position_margin
 from pipespec.speculative.loading import build_proposer
 from pipespec.speculative.rejection import verify
@@ -41,19 +42,23 @@ logger = logging.getLogger(__name__)
 
 class Stage:
     def __init__(self, source: ModelSource, config: EngineConfig, layer_range: tuple[int, int],
-                 max_model_len: int):
+                 max_model_len: int, tp: TensorParallel | None = None):
+        """`tp`: this rank's place in the stage's tensor-parallel group (None: TP = 1); the runtime
+        attaches its process group before the first step."""
         self.config = config
+        self.tp = tp or TensorParallel()
         self.device = use_device(resolve_device(config.model.device))
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.block_size = config.cache.block_size
         self.max_model_len = max_model_len
         self.num_spec_tokens = config.num_spec_tokens
         max_position = max_model_len + position_margin(self.num_spec_tokens)
-        self.model = load_target(source, config, layer_range, max_position, self.dtype, self.device)
+        self.model = load_target(source, config, layer_range, max_position, self.dtype, self.device, self.tp)
         self.backend = choose_backend(config.model.attention_backend, self.device)
         self.drafter = None
         if self.is_last and self.num_spec_tokens:
-            self.drafter = build_proposer(self.model, source, config, self.dtype, self.device, max_position)
+            self.drafter = build_proposer(self.model, source, config, self.dtype, self.device, max_position,
+                                          self.tp)
         if self.device.type == "cpu":
             for module in self.modules_with_weights():
                 prefer_column_major(module)

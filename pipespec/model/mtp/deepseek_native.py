@@ -28,6 +28,7 @@ from torch import nn
 from pipespec.model.arch import ArchConfig
 from pipespec.model.attention import CacheShape
 from pipespec.model.mtp.deepseek import DeepSeekMTP
+from pipespec.model.tp_layers import refuse_tp
 
 
 def _family_block(arch: ArchConfig, index: int, max_position: int):
@@ -46,6 +47,7 @@ class NativeDeepSeekMTP(DeepSeekMTP):
     """A DeepSeek-style MTP layer whose block is the target family's decoder layer."""
 
     def make_block(self, arch: ArchConfig, max_position: int | None) -> nn.Module:
+        refuse_tp(self.tp, f"{arch.model_type} MTP layers")
         block, self.rotary = _family_block(arch, self.layer_index, max_position or arch.max_position)
         return block
 
