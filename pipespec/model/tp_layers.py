@@ -30,6 +30,7 @@ SINGLE = TensorParallel()      # size 1: holds no group and no state, safe to sh
 class Shard:
     dim: int
     ranges: tuple[tuple[int, int], ...]   # per checkpoint part, concatenated along dim 0
+    sizes: tuple[int, ...]                # each part's full length along dim (dummy weights draw it whole)
     pad: bool = False                     # the parameter may be longer than the slice (vocab padding)
 
 
@@ -47,12 +48,13 @@ def kv_head_range(num_kv_heads: int, tp: TensorParallel) -> tuple[int, int]:
 class ColumnParallelLinear(nn.Linear):
     """Output rows split: `parts` are (start, length) of this rank's rows of each fused part."""
 
-    def __init__(self, in_features: int, parts: list[tuple[int, int]], bias: bool):
+    def __init__(self, in_features: int, parts: list[tuple[int, int]], bias: bool, sizes: list[int]):
         super().__init__(in_features, sum(n for _, n in parts), bias=bias)
         self.ranges = tuple((s, s + n) for s, n in parts)
+        self.sizes = tuple(sizes)
 
     def checkpoint_shards(self) -> dict[str, Shard]:
-        shard = Shard(0, self.ranges)
+        shard = Shard(0, self.ranges, self.sizes)
         return {"weight": shard, "bias": shard} if self.bias is not None else {"weight": shard}
 
 
@@ -62,7 +64,7 @@ class RowParallelLinear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel, what: str):
         start, n = tp.split(in_features, what)
         super().__init__(n, out_features, bias=bias)
-        self.tp, self.start = tp, start
+        self.tp, self.start, self.full = tp, start, in_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -71,12 +73,12 @@ class RowParallelLinear(nn.Linear):
         return out if self.bias is None else out + self.bias
 
     def checkpoint_shards(self) -> dict[str, Shard]:
-        return {"weight": Shard(1, ((self.start, self.start + self.in_features),))}
+        return {"weight": Shard(1, ((self.start, self.start + self.in_features),), (self.full,))}
 
 
 def vocab_shard(vocab: int, tp: TensorParallel) -> Shard:
     start, per = tp.vocab_range(vocab)
-    return Shard(0, ((min(start, vocab), min(start + per, vocab)),), pad=True)
+    return Shard(0, ((min(start, vocab), min(start + per, vocab)),), (vocab,), pad=True)
 
 
 def vocab_embedding(input_ids: torch.Tensor, weight: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
@@ -117,14 +119,15 @@ def qkv_parallel(hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, 
     q0, nq = tp.split(num_heads, "num_attention_heads")
     k0, nk = kv_head_range(num_kv_heads, tp)
     d = head_dim
-    layer = ColumnParallelLinear(hidden, [(q0 * d, nq * d), (k0 * d, nk * d), (k0 * d, nk * d)], bias)
+    layer = ColumnParallelLinear(hidden, [(q0 * d, nq * d), (k0 * d, nk * d), (k0 * d, nk * d)], bias,
+                                 [num_heads * d, num_kv_heads * d, num_kv_heads * d])
     return layer, nq, nk
 
 
 def gate_up_parallel(hidden: int, intermediate: int, tp: TensorParallel) -> tuple[ColumnParallelLinear, int]:
     """A fused gate/up projection keeping this rank's slice of each; (layer, local intermediate)."""
     s, n = tp.split(intermediate, "intermediate_size")
-    return ColumnParallelLinear(hidden, [(s, n), (s, n)], bias=False), n
+    return ColumnParallelLinear(hidden, [(s, n), (s, n)], False, [intermediate, intermediate]), n
 
 
 def refuse_tp(tp: TensorParallel, what: str) -> None:

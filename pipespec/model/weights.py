@@ -142,13 +142,26 @@ def init_dummy_weights(model: torch.nn.Module, dtype: torch.dtype, device, seed:
     """Random weights of the right shapes, made on the device (`load_format="dummy"`): norms 1,
     everything else N(0, 0.02), so activations stay finite through any depth. Each tensor is drawn
     from a generator keyed by its (global) name, so a model is the same however its layers are
-    split into stages."""
+    split into stages; a tensor-parallel shard is cut from the whole tensor drawn so, so it is also
+    the same at every tensor-parallel size."""
     model.to(device=device)
     gen = torch.Generator(device=device)
+    shards = checkpoint_shards(model)
     for name, param in model.named_parameters():
         param.data = torch.empty(param.shape, dtype=dtype, device=device)
         if "norm" in name.rsplit(".", 2)[-2]:
             param.data.fill_(1.0)
-        else:
-            gen.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            continue
+        gen.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        shard = shards.get(name)
+        if shard is None:
             param.data.normal_(0.0, 0.02, generator=gen)
+            continue
+        shape = list(param.shape)
+        shape[shard.dim] = sum(shard.sizes)
+        whole = torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=gen)
+        offsets = [sum(shard.sizes[:i]) for i in range(len(shard.sizes))]
+        pieces = [whole.narrow(shard.dim, off + a, b - a) for off, (a, b) in zip(offsets, shard.ranges)]
+        cut = torch.cat(pieces, dim=shard.dim)
+        param.data.zero_()
+        param.data.narrow(shard.dim, 0, cut.shape[shard.dim]).copy_(cut)

@@ -96,3 +96,22 @@ def test_indivisible_heads_are_refused_by_name(tiny_models):
         LlamaForCausalLM(arch, tp=TensorParallel(0, 3))
     with pytest.raises(ValueError, match="num_key_value_heads=3 is smaller than tensor_parallel_size=4"):
         LlamaForCausalLM(dataclasses.replace(arch, num_heads=12, num_kv_heads=3), tp=TensorParallel(0, 4))
+
+
+def test_dummy_weights_are_the_same_model_at_every_tp_size(tiny_models):
+    """`load_format="dummy"` cuts each rank's shard from the tensor TP = 1 draws (benchmarks compare
+    TP sizes on the same random model)."""
+    from pipespec.model.weights import init_dummy_weights
+    arch = resolve_model(str(tiny_models["llama"][0])).arch
+    full = LlamaForCausalLM(arch)
+    init_dummy_weights(full, torch.float32, "cpu")
+    f = dict(full.named_parameters())
+    for rank in range(2):
+        part = LlamaForCausalLM(arch, tp=TensorParallel(rank, 2))
+        init_dummy_weights(part, torch.float32, "cpu")
+        p = dict(part.named_parameters())
+        i, v = arch.intermediate_size // 2, arch.vocab_size // 2
+        assert torch.equal(p["model.layers.2.mlp.down_proj.weight"], f["model.layers.2.mlp.down_proj.weight"][:, rank * i:(rank + 1) * i])
+        assert torch.equal(p["model.embed_tokens.weight"], f["model.embed_tokens.weight"][rank * v:(rank + 1) * v])
+        gate_up = f["model.layers.2.mlp.gate_up_proj.weight"]
+        assert torch.equal(p["model.layers.2.mlp.gate_up_proj.weight"][i:], gate_up[2 * i + rank * i:2 * i + (rank + 1) * i])
