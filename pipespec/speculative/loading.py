@@ -38,9 +38,10 @@ def no_head_message(model: str | None) -> str:
 
 def _load_layers(source, config, dtype, device, max_position: int, tp: TensorParallel) -> tuple[list[nn.Module], str]:
     """MTP layers from speculative_config.model, else the checkpoint's own, else the bundled head."""
-    arch, spec, weights = source.arch, config.speculative, source.weights()
-    if spec.model is not None:
+    arch, spec = source.arch, config.speculative
+    if spec.model is not None:      # checked first: a dummy-weight target has no checkpoint to read
         return [load_mtp_file(spec.model, arch, dtype, device, max_position, tp=tp)[0]], spec.model
+    weights = source.weights()
     hit = detect_mtp(weights.names(), arch.num_layers)
     if hit is not None:
         layers = load_mtp_layers(weights, arch, dtype, device, max_position,
