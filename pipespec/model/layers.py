@@ -133,11 +133,12 @@ class GatedMLP(nn.Module):
     """SiLU-gated MLP; with TP its gate/up columns and down rows are this rank's slice of the
     intermediate size, and down_proj all-reduces."""
 
-    def __init__(self, hidden: int, intermediate: int, tp: TensorParallel = SINGLE):
+    def __init__(self, hidden: int, intermediate: int, tp: TensorParallel = SINGLE, reduce: bool = True,
+                 what: str = "intermediate_size"):
         super().__init__()
         # gate and up, fused
-        self.gate_up_proj, self.intermediate = gate_up_parallel(hidden, intermediate, tp)
-        self.down_proj = RowParallelLinear(intermediate, hidden, False, tp, "intermediate_size")
+        self.gate_up_proj, self.intermediate = gate_up_parallel(hidden, intermediate, tp, what)
+        self.down_proj = RowParallelLinear(intermediate, hidden, False, tp, what, reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if kernels.enabled(x):

@@ -29,7 +29,9 @@ SINGLE = TensorParallel()      # size 1: holds no group and no state, safe to sh
 @dataclass(frozen=True)
 class Shard:
     dim: int
-    ranges: tuple[tuple[int, int], ...]   # per checkpoint part, concatenated along dim 0
+    # per checkpoint part, concatenated along dim 0: (start, stop), or several (start, stop) pairs
+    # concatenated (a tensor holding q, k and v heads one after the other, say)
+    ranges: tuple
     sizes: tuple[int, ...]                # each part's full length along dim (dummy weights draw it whole)
     pad: bool = False                     # the parameter may be longer than the slice (vocab padding)
 
@@ -58,18 +60,31 @@ class ColumnParallelLinear(nn.Linear):
         return {"weight": shard, "bias": shard} if self.bias is not None else {"weight": shard}
 
 
-class RowParallelLinear(nn.Linear):
-    """Input columns split over the group; the output is all-reduced, then the bias added."""
+def pairs(part_range) -> list[tuple[int, int]]:
+    """A part's (start, stop) pairs (see `Shard.ranges`)."""
+    return [part_range] if isinstance(part_range[0], int) else list(part_range)
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel, what: str):
+
+class RowParallelLinear(nn.Linear):
+    """Input columns split over the group; the output is all-reduced, then the bias added. With
+    `reduce=False` it returns this rank's partial sum, for a caller that adds several partial sums
+    and reduces once (an MoE's experts and its shared expert)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel, what: str,
+                 reduce: bool = True):
         start, n = tp.split(in_features, what)
         super().__init__(n, out_features, bias=bias)
-        self.tp, self.start, self.full = tp, start, in_features
+        if bias and not reduce and tp.size > 1:
+            raise ValueError("a row-parallel layer that does not reduce cannot add its bias")
+        self.tp, self.start, self.full, self.reduce = tp, start, in_features, reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return super().forward(x)
-        out = self.tp.all_reduce(nn.functional.linear(x, self.weight))
+        out = nn.functional.linear(x, self.weight)
+        if not self.reduce:
+            return out
+        out = self.tp.all_reduce(out)
         return out if self.bias is None else out + self.bias
 
     def checkpoint_shards(self) -> dict[str, Shard]:
@@ -124,9 +139,16 @@ def qkv_parallel(hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, 
     return layer, nq, nk
 
 
-def gate_up_parallel(hidden: int, intermediate: int, tp: TensorParallel) -> tuple[ColumnParallelLinear, int]:
+def expert_range(num_experts: int, tp: TensorParallel) -> tuple[int, int]:
+    """(first expert, count) this rank holds: the routed experts are split across the TP group; each
+    rank runs the tokens routed to its own and the partial outputs are summed by one all-reduce."""
+    return tp.split(num_experts, "the number of routed experts")
+
+
+def gate_up_parallel(hidden: int, intermediate: int, tp: TensorParallel,
+                     what: str = "intermediate_size") -> tuple[ColumnParallelLinear, int]:
     """A fused gate/up projection keeping this rank's slice of each; (layer, local intermediate)."""
-    s, n = tp.split(intermediate, "intermediate_size")
+    s, n = tp.split(intermediate, what)
     return ColumnParallelLinear(hidden, [(s, n), (s, n)], False, [intermediate, intermediate]), n
 
 

@@ -14,6 +14,8 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from pipespec.model.tp_layers import pairs
+
 
 # fused projections of the model and the checkpoint tensors they concatenate (along dim 0)
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -94,12 +96,15 @@ def _read(source: WeightSource, name: str, shard, part: int) -> torch.Tensor:
     it has them (safetensors reads just those bytes), else cut from the whole tensor."""
     if shard is None:
         return source.get(name)
-    start, stop = shard.ranges[part]
+    spans = pairs(shard.ranges[part])
     get_slice = getattr(source, "get_slice", None)
     if get_slice is not None:
-        index = (slice(None),) * shard.dim + (slice(start, stop),)
-        return get_slice(name)[index]
-    return source.get(name).narrow(shard.dim, start, stop - start)
+        lazy = get_slice(name)
+        pieces = [lazy[(slice(None),) * shard.dim + (slice(a, b),)] for a, b in spans]
+    else:
+        whole = source.get(name)
+        pieces = [whole.narrow(shard.dim, a, b - a) for a, b in spans]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=shard.dim)
 
 
 def load_weights(model: torch.nn.Module, source: WeightSource, dtype: torch.dtype, device,
@@ -161,7 +166,8 @@ def init_dummy_weights(model: torch.nn.Module, dtype: torch.dtype, device, seed:
         shape[shard.dim] = sum(shard.sizes)
         whole = torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=gen)
         offsets = [sum(shard.sizes[:i]) for i in range(len(shard.sizes))]
-        pieces = [whole.narrow(shard.dim, off + a, b - a) for off, (a, b) in zip(offsets, shard.ranges)]
+        pieces = [whole.narrow(shard.dim, off + a, b - a) for off, r in zip(offsets, shard.ranges)
+                  for a, b in pairs(r)]
         cut = torch.cat(pieces, dim=shard.dim)
         param.data.zero_()
         param.data.narrow(shard.dim, 0, cut.shape[shard.dim]).copy_(cut)
