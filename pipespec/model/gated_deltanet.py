@@ -16,6 +16,11 @@ Speculative verification runs 1 + K rows that may be rejected, and a recurrent s
 rolled back by position. So for a request that verifies drafts the committed state is left as it
 was and the state after each row is kept as a candidate; the next plan names the candidate to commit
 (`state_commit`: the accepted count), and every stage commits it before running the request again.
+
+With tensor parallelism each rank keeps linear_num_key_heads / T key heads and their value heads:
+its rows of the input projection (q, k, v, z, b, a of its heads; in Qwen3-Next's fused layout a
+contiguous block of key-head groups), of the depthwise conv, dt_bias and A_log, and its columns of
+out_proj (which all-reduces). The recurrence is per head, so its states hold only its own heads.
 """
 from __future__ import annotations
 
@@ -26,6 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipespec.model.hybrid_config import HybridConfig
+from pipespec.model.tp_layers import SINGLE, RowParallelLinear, Shard
+from pipespec.parallel import TensorParallel
 
 
 @dataclass(frozen=True)
@@ -131,12 +138,16 @@ class GatedRMSNorm(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, hidden: int, cfg: HybridConfig, eps: float):
+    def __init__(self, hidden: int, cfg: HybridConfig, eps: float, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.hk, self.hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        if self.hv % self.hk:
-            raise ValueError(f"linear_num_value_heads={self.hv} is not a multiple of linear_num_key_heads={self.hk}")
+        if hv % hk:
+            raise ValueError(f"linear_num_value_heads={hv} is not a multiple of linear_num_key_heads={hk}")
+        k0, self.hk = tp.split(hk, "linear_num_key_heads")        # this rank's key heads
+        r = hv // hk
+        self.hv = self.hk * r                                      # and their value heads
+        self.tp, self._heads = tp, (hk, hv, k0, k0 * r)
         self.key_size, self.value_size = self.hk * self.dk, self.hv * self.dv
         self.conv_dim = 2 * self.key_size + self.value_size
         self.kernel = cfg.conv_kernel
@@ -148,7 +159,26 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(self.hv))
         self.A_log = nn.Parameter(torch.zeros(self.hv))
         self.norm = GatedRMSNorm(self.dv, eps)
-        self.out_proj = nn.Linear(self.value_size, hidden, bias=False)
+        self.out_proj = RowParallelLinear(hv * self.dv, hidden, False, tp, "linear value heads * head dim")
+
+    def checkpoint_shards(self) -> dict[str, Shard]:
+        """This rank's rows of the input projection's parts, the conv, dt_bias and A_log."""
+        if self.tp.size == 1:
+            return {}
+        hk, hv, k0, v0 = self._heads
+        nk, nv, dk, dv = self.hk, self.hv, self.dk, self.dv
+        qkv = ((k0 * dk, (k0 + nk) * dk), (hk * dk + k0 * dk, hk * dk + (k0 + nk) * dk),
+               (2 * hk * dk + v0 * dv, 2 * hk * dk + (v0 + nv) * dv))
+        conv_full = 2 * hk * dk + hv * dv
+        if self.fused:         # per key head: [q | k | v of its value heads | z of them], then [b | a]
+            w1, w2 = 2 * dk + 2 * (hv // hk) * dv, 2 * (hv // hk)
+            in_proj = Shard(0, ((k0 * w1, (k0 + nk) * w1), (k0 * w2, (k0 + nk) * w2)), (hk * w1, hk * w2))
+        else:
+            in_proj = Shard(0, (qkv, (v0 * dv, (v0 + nv) * dv), (v0, v0 + nv), (v0, v0 + nv)),
+                            (conv_full, hv * dv, hv, hv))
+        heads = Shard(0, ((v0, v0 + nv),), (hv,))
+        return {"in_proj.weight": in_proj, "conv1d.weight": Shard(0, (qkv,), (conv_full,)),
+                "dt_bias": heads, "A_log": heads}
 
     def checkpoint_parts(self) -> list[str]:
         return ["in_proj_qkvz", "in_proj_ba"] if self.fused else ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"]

@@ -34,7 +34,7 @@ TARGETS: dict[str, Callable[..., nn.Module]] = {
 
 
 # families whose slices split over a tensor-parallel group (take `tp=`)
-TENSOR_PARALLEL = {LlamaForCausalLM, DeepseekV3ForCausalLM, Glm4MoeForCausalLM}
+TENSOR_PARALLEL = {LlamaForCausalLM, DeepseekV3ForCausalLM, Glm4MoeForCausalLM, Qwen3NextForCausalLM}
 
 
 def build_target(arch: ArchConfig, layer_range: tuple[int, int], max_position: int,

@@ -25,7 +25,7 @@ from torch import nn
 from pipespec.model.arch import ArchConfig
 from pipespec.model.mtp.base import MTPLayer, dense_block
 from pipespec.model.norms import ZeroCentredRMSNorm
-from pipespec.model.tp_layers import SINGLE, refuse_tp
+from pipespec.model.tp_layers import SINGLE
 from pipespec.model.qwen3_next import HybridDecoderLayer, hybrid_checkpoint_names, partial_rotary
 
 FAMILY_QWEN3_NEXT = "qwen3_next"
@@ -52,8 +52,8 @@ class Qwen3NextMTP(MTPLayer):
         super().__init__(arch, layer_index, max_position, tp or SINGLE)
         self.shared = shared or Qwen3NextMTPShared(arch)
         if arch.hybrid is not None:
-            refuse_tp(self.tp, f"{arch.model_type} MTP layers")
-            self.block = HybridDecoderLayer(arch, layer_index, linear=False, moe=arch.hybrid.num_experts > 0)
+            self.block = HybridDecoderLayer(arch, layer_index, linear=False, moe=arch.hybrid.num_experts > 0,
+                                            tp=self.tp)
             self.rotary = partial_rotary(arch, max_position or arch.max_position)
         else:
             block_arch = dataclasses.replace(arch, qk_norm=True, qkv_bias=False, o_bias=False)
