@@ -41,6 +41,16 @@ class TensorParallel:
             raise ValueError(f"a process group of {group.size()} ranks for a TP group of {self.size}")
         self._group, self._record = group, record
 
+    def abort(self) -> None:
+        """Abort the group's communicator (NCCL: ends a collective stuck on a dead peer, also one
+        replayed from a CUDA graph, which NCCL's watchdog does not watch). The group is unusable after."""
+        abort = getattr(self._group, "abort", None) or getattr(self._group, "_abort", None)
+        if abort is not None:
+            try:
+                abort()
+            except Exception:   # noqa: BLE001 - best effort on a path that is failing anyway
+                pass
+
     # -- how a dimension is split ---------------------------------------------------------------
 
     def split(self, n: int, what: str) -> tuple[int, int]:

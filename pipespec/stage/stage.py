@@ -34,7 +34,8 @@ from pipespec.speculative.rejection import verify
 from pipespec.stage import memory
 from pipespec.stage.cuda_graphs import CudaGraphs, Forward
 from pipespec.stage.target import load_target, run_target
-from pipespec.stage.device import choose_backend, prefer_column_major, tensors_off_device, use_device
+from pipespec.stage.device import (choose_backend, finish_within, prefer_column_major, tensors_off_device,
+                                   use_device)
 from pipespec.stage.trace import DraftTrace
 
 logger = logging.getLogger(__name__)
@@ -151,8 +152,17 @@ class Stage:
         else:
             fwd = self._forward(layout, inbound)
         if not self.is_last:
-            return torch.stack((fwd.hidden, fwd.residual))
+            out = torch.stack((fwd.hidden, fwd.residual))
+            self._bounded_wait(plan)
+            return out
         return self._sample(plan, fwd).data
+
+    def _bounded_wait(self, plan: StepPlan) -> None:
+        """TP on CUDA: the step's collectives may be in a replayed graph, out of NCCL's watchdog's
+        sight; wait for them with a bound (`finish_within`)."""
+        if self.tp.size > 1 and self.device.type == "cuda":
+            finish_within(self.config.parallel.stage_timeout, self.tp,
+                          f"step {plan.step_id} of TP rank {self.tp.rank}")
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan, inbound: torch.Tensor | None = None) -> Forward:
@@ -195,6 +205,7 @@ class Stage:
                 drafts = self.graphs.propose(last_rows, last_tokens)
             else:
                 drafts = self.drafter.propose(fwd.ctx, layout, fwd.hidden, last_rows, last_tokens)
+        self._bounded_wait(plan)      # before the result's copy to the host, a sync without a bound
         return StepResult.from_verification(plan.step_id, plan.num_reqs, k, layout.sample_rows, tokens,
                                             num_sampled, drafts)
 
