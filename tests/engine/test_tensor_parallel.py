@@ -127,3 +127,25 @@ def test_cli_tensor_parallel_flag(monkeypatch):
     assert (par.tensor_parallel_size, par.pipeline_parallel_size, par.world_size) == (2, 3, 6)
     with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
         EngineConfig.from_kwargs(tensor_parallel_size=0)
+
+
+def test_torchrun_launch_tp2_pp2_matches_tp1(tiny_models):
+    """4 ranks by torchrun, -tp 2: the pipeline size defaults to WORLD_SIZE / T = 2."""
+    import shutil
+    import subprocess
+    torchrun = shutil.which("torchrun")
+    if torchrun is None:
+        pytest.skip("torchrun is not installed")
+    folder = str(tiny_models["llama"][0])
+    prompts = ["Hello there", "The sky is"]
+    with LLM(model=folder, **TINY_KWARGS) as llm:
+        expected = [o.outputs[0].text for o in
+                    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+                                 use_tqdm=False)]
+    cmd = [torchrun, "--standalone", "--nproc-per-node", "4", "-m", "pipespec", "--log-level", "WARNING",
+           "generate", "-tp", "2", "--model", folder, "--device", "cpu", "--dtype", "float32",
+           "--max-model-len", "256", "--num-kv-blocks", "64", "--max-tokens", "8", "--ignore-eos", *prompts]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stderr[-3000:]
+    texts = [block.split("\n", 1)[1].rsplit("\n### ", 1)[0] for block in run.stdout.split("### prompt: ")[1:]]
+    assert texts == expected, run.stdout
