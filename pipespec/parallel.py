@@ -28,7 +28,8 @@ class TensorParallel:
             raise ValueError(f"a tensor-parallel rank must be in [0, size), got rank {rank} of {size}")
         self.rank, self.size = rank, size
         self._group = None
-        # debug (check_collectives): called with (op, shape, dtype) before every collective
+        # debug (check_collectives): called with (op, shape, dtype) before every collective; it may
+        # raise (the runtime's checker compares the group's descriptors, runtime/symmetry.py)
         self._record: Callable[[str, tuple, torch.dtype], None] | None = None
 
     def __repr__(self) -> str:
@@ -37,6 +38,8 @@ class TensorParallel:
     def attach(self, group, record: Callable | None = None) -> None:
         """The group's process group (gloo or NCCL, `size` ranks, this one `rank`); `record` logs
         each collective for the symmetry check."""
+        if self.size == 1:
+            raise ValueError("a TP group of one rank needs no process group")
         if group is not None and group.size() != self.size:
             raise ValueError(f"a process group of {group.size()} ranks for a TP group of {self.size}")
         self._group, self._record = group, record

@@ -21,7 +21,7 @@ import torch
 DESCRIPTOR_LEN = 8
 _MAX_DIMS = DESCRIPTOR_LEN - 4
 
-OPS = ("plan.header", "plan.payload", "activations", "result")
+OPS = ("plan.header", "plan.payload", "activations", "result", "tp.all_reduce", "tp.all_gather")
 _OP_CODE = {name: i + 1 for i, name in enumerate(OPS)}
 _DTYPES = (torch.int64, torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.uint8,
            torch.float64)
@@ -87,6 +87,30 @@ class SymmetryRecorder:
         """JSON-able summary: {"send|data|1": [count, digest, last entries], ...}."""
         return {f"{d}|{g}|{p}": [log.count, log.digest.hexdigest(), list(log.last)]
                 for (d, g, p), log in sorted(self._logs.items())}
+
+
+class CollectiveChecker:
+    """I3 inside a tensor-parallel group, on the spot: before each collective every rank records
+    (op, shape, dtype) and the group all-gathers the descriptors, so ranks about to issue different
+    collectives fail loudly, naming both, instead of hanging or summing garbage. Inside a CUDA graph
+    capture it only records (a capture cannot read the descriptors back; replays repeat what was
+    checked at capture)."""
+
+    def __init__(self, recorder: SymmetryRecorder, group, name: str, tp_rank: int, size: int, device):
+        self.recorder, self.group, self.name = recorder, group, name
+        self.tp_rank, self.size, self.device = tp_rank, size, device
+
+    def __call__(self, op: str, shape, dtype) -> None:
+        seq = self.recorder.record("coll", self.name, -1, op, shape, dtype)
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return
+        desc = encode(seq, op, shape, dtype).to(self.device)
+        descs = [torch.empty_like(desc) for _ in range(self.size)]
+        self.group.allgather([descs], [desc]).wait()
+        seen = [decode(d.cpu()) for d in descs]
+        if any(s != seen[self.tp_rank] for s in seen):
+            raise CollectiveMismatch(f"the {self.name} group's ranks are about to issue different collectives: " + "; ".join(
+                f"TP rank {r}: {describe(s[1], s[2], s[3])} (#{s[0]})" for r, s in enumerate(seen)))
 
 
 def _channels(report: dict) -> dict:

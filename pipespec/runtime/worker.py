@@ -89,10 +89,10 @@ def join_tp_group(store, rank: int, stage, settings: WorkerSettings) -> symmetry
     pg = launch.tp_group(store, settings.stage_of(rank), settings.tp_rank_of(rank), settings.tensor_parallel_size,
                          backend, stage.device, settings.stage_timeout)
     recorder = symmetry.SymmetryRecorder(rank) if settings.check else None
-    group = f"tp{settings.stage_of(rank)}"
-    record = None if recorder is None else (
-        lambda op, shape, dtype: recorder.record("coll", group, -1, op, shape, dtype))
-    stage.tp.attach(pg, record)
+    check = None if recorder is None else symmetry.CollectiveChecker(
+        recorder, pg, f"tp{settings.stage_of(rank)}", settings.tp_rank_of(rank), settings.tensor_parallel_size,
+        stage.device)
+    stage.tp.attach(pg, check)
     return recorder
 
 
