@@ -8,14 +8,12 @@ allocated (`StepPlan.state_slots`). Per token t, with q and k L2-normalised and 
     S <- S + k_t (beta_t (v_t - S^T k_t))^T                                  beta_t = sigmoid(b_t)
     o_t = S^T q_t
 
-then o is RMS-normed per head, times silu(z), and projected out. This is the plain PyTorch
-reference (one token at a time, all requests of a step at once); it is also what GPU kernels are
-checked against.
+then o is RMS-normed per head, times silu(z), and projected out. `gated_delta_rule` is the plain
+PyTorch recurrence (one token at a time, all requests of a step at once): decode and verify lines
+run it (a few rows, inside CUDA graphs), and it is the oracle of the GPU kernels. Prefill chunks on
+a GPU run fla-core's chunked kernel when it is installed (`kernels/fla_delta_rule.py`).
 
-Speculative verification runs 1 + K rows that may be rejected, and a recurrent state cannot be
-rolled back by position. So for a request that verifies drafts the committed state is left as it
-was and the state after each row is kept as a candidate; the next plan names the candidate to commit
-(`state_commit`: the accepted count), and every stage commits it before running the request again.
+States, candidates for verify rows and the step's view of them: `model/linear_state.py`.
 
 With tensor parallelism each rank keeps linear_num_key_heads / T key heads and their value heads:
 its rows of the input projection (q, k, v, z, b, a of its heads; in Qwen3-Next's fused layout a
@@ -24,78 +22,23 @@ out_proj (which all-reduces). The recurrence is per head, so its states hold onl
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipespec.kernels.fla_delta_rule import chunked_delta_rule, fla_available
 from pipespec.model.hybrid_config import HybridConfig
+from pipespec.model.linear_state import LinearMeta, LinearState, StateShape
 from pipespec.model.tp_layers import SINGLE, RowParallelLinear, Shard
 from pipespec.parallel import TensorParallel
 
 
-@dataclass(frozen=True)
-class StateShape:
-    conv_dim: int
-    conv_width: int          # conv_kernel - 1 past inputs
-    heads: int
-    key_dim: int
-    value_dim: int
-
-
-@dataclass
-class LinearState:
-    """One layer's states for every slot: committed, and a candidate after each verify row."""
-
-    conv: torch.Tensor        # [slots, conv_width, conv_dim]
-    rec: torch.Tensor         # float32 [slots, heads, key_dim, value_dim]
-    cand_conv: torch.Tensor   # [slots, rows, conv_width, conv_dim]
-    cand_rec: torch.Tensor    # float32 [slots, rows, heads, key_dim, value_dim]
-
-
-def allocate_states(shapes: list[StateShape], slots: int, rows: int, dtype: torch.dtype, device) -> list[LinearState]:
-    # zeros: a slot is reset by its request's first row (position 0) anyway, but zeros keep unused
-    # slots finite
-    out = []
-    for s in shapes:
-        out.append(LinearState(
-            torch.zeros(slots, s.conv_width, s.conv_dim, dtype=dtype, device=device),
-            torch.zeros(slots, s.heads, s.key_dim, s.value_dim, dtype=torch.float32, device=device),
-            torch.zeros(slots, rows, s.conv_width, s.conv_dim, dtype=dtype, device=device),
-            torch.zeros(slots, rows, s.heads, s.key_dim, s.value_dim, dtype=torch.float32, device=device)))
-    return out
-
-
-def state_bytes(shapes: list[StateShape], slots: int, rows: int, dtype: torch.dtype) -> int:
-    """What `allocate_states` takes: committed plus `rows` candidates per slot."""
-    item = torch.empty((), dtype=dtype).element_size()
-    return sum(slots * (1 + rows) * (s.conv_width * s.conv_dim * item + s.heads * s.key_dim * s.value_dim * 4)
-               for s in shapes)
-
-
-@dataclass
-class LinearMeta:
-    """A step's requests as padded lines of rows, with their slots: built once per step from the plan."""
-
-    rows: torch.Tensor        # int64 [B, L] flat row of each padded position (pad: 0)
-    valid: torch.Tensor       # bool [B, L]
-    lengths: torch.Tensor     # int64 [B]
-    slots: torch.Tensor       # int64 [B]
-    fresh: torch.Tensor       # bool [B] the request starts here (position 0): zero state
-    commit: torch.Tensor      # int64 [B] candidate to commit before running (-1: none)
-    candidates: torch.Tensor  # bool [B] the request verifies drafts: keep a candidate per row
-    states: list[LinearState]  # per local linear-attention layer
-
-    @classmethod
-    def build(cls, query_start_loc, positions, slots, commit, num_drafts, states) -> "LinearMeta":
-        starts, lengths = query_start_loc[:-1], query_start_loc[1:] - query_start_loc[:-1]
-        width = int(lengths.max()) if lengths.numel() else 0
-        off = torch.arange(width, device=positions.device)
-        valid = off[None, :] < lengths[:, None]
-        rows = torch.where(valid, starts[:, None] + off[None, :], torch.zeros_like(valid, dtype=torch.int64))
-        fresh = positions[starts] == 0
-        return cls(rows, valid, lengths, slots, fresh, commit, num_drafts > 0, states)
+def use_chunked_kernel(x: torch.Tensor, meta: LinearMeta) -> bool:
+    """fla-core's chunked kernel for bf16/fp16 prefill chunks on a GPU (its products run in tf32 at
+    best, so float32 engines keep the exact recurrence); the reference recurrence for decode and
+    verify lines, whose per-row candidate states it keeps."""
+    return (x.is_cuda and x.dtype != torch.float32 and fla_available() and not meta.flags.verify
+            and meta.flags.width > 8)
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -200,7 +143,7 @@ class GatedDeltaNet(nn.Module):
         return qkv, z.reshape(t, self.hv, self.dv), b.reshape(t, self.hv), a.reshape(t, self.hv)
 
     def forward(self, x: torch.Tensor, meta: LinearMeta, state: LinearState) -> torch.Tensor:
-        self._commit(meta, state)
+        meta.commit_candidates(state)
         qkv, z, b, a = self._split(self.in_proj(x))
         B, L = meta.rows.shape
         lines = qkv[meta.rows] * meta.valid[..., None]                            # [B, L, C]
@@ -218,34 +161,11 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a[meta.rows].float() + self.dt_bias.float())
         beta = b[meta.rows].float().sigmoid()
         rec0 = torch.where(meta.fresh[:, None, None, None], torch.zeros((), device=x.device), state.rec[meta.slots])
-        keep = bool(meta.candidates.any())
-        o, final, after = gated_delta_rule(q, k, v, g, beta, rec0, meta.valid, keep)
-        self._store(meta, state, full, final, after)
-        flat = torch.empty(x.shape[0], self.hv, self.dv, dtype=x.dtype, device=x.device)
-        flat[meta.rows[meta.valid]] = o[meta.valid].to(x.dtype)
+        if use_chunked_kernel(x, meta):
+            (o, final), after = chunked_delta_rule(q.to(x.dtype), k.to(x.dtype), v, g, beta, rec0, meta.valid), None
+        else:
+            o, final, after = gated_delta_rule(q, k, v, g, beta, rec0, meta.valid, keep=meta.flags.verify)
+        meta.store(state, full, final, after)
+        flat = o[meta.line, meta.offset].to(x.dtype)                              # [T, Hv, Dv]
         out = self.norm(flat, z).reshape(x.shape[0], self.value_size)
         return self.out_proj(out)
-
-    @staticmethod
-    def _commit(meta: LinearMeta, state: LinearState) -> None:
-        """Adopt each request's accepted candidate from its last verify step (named by the plan)."""
-        which = meta.commit >= 0
-        if not bool(which.any()):
-            return
-        slots, rows = meta.slots[which], meta.commit[which]
-        state.conv[slots] = state.cand_conv[slots, rows]
-        state.rec[slots] = state.cand_rec[slots, rows]
-
-    def _store(self, meta, state, full, final, after) -> None:
-        w = self.kernel - 1
-        plain = ~meta.candidates
-        if bool(plain.any()):                    # prefill chunks, plain decode: commit at once
-            idx = meta.lengths[plain][:, None] + torch.arange(w, device=full.device)[None, :]
-            state.conv[meta.slots[plain]] = full[plain].gather(1, idx[..., None].expand(-1, -1, full.shape[-1]))
-            state.rec[meta.slots[plain]] = final[plain]
-        if after is not None:                    # verify lines: the state after each row, kept aside
-            c = meta.candidates
-            n = min(after.shape[1], state.cand_rec.shape[1])
-            windows = full[c].unfold(1, w, 1)[:, 1:n + 1].transpose(-1, -2)    # after row j: inputs j+1 .. j+w
-            state.cand_conv[meta.slots[c], :n] = windows
-            state.cand_rec[meta.slots[c], :n] = after[c][:, :n]

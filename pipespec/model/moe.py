@@ -1,7 +1,7 @@
 """Sparse MoE of Qwen3-Next / Qwen3.5-MoE: softmax router, top-k, renormalised weights, and a shared
 expert scaled by a sigmoid gate. Expert weights are held stacked ([E * 2I, H] gate+up, [E * H, I]
 down) and loaded from per-expert checkpoint tensors (fused 3-D ones are shown per expert by the
-weight source). On CPU a loop over the experts that got tokens; GPU grouped GEMMs can replace it.
+weight source); they run as grouped GEMMs (`routed_experts`).
 
 With tensor parallelism the routed experts are split across the TP group (E / T per rank; the router
 and the shared expert's gate are replicated, so every rank routes alike), the shared expert by its
@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipespec.model.layers import GatedMLP
+from pipespec.model.routed_experts import routed_experts
 from pipespec.model.tp_layers import SINGLE, expert_range
 from pipespec.parallel import TensorParallel
 
@@ -21,6 +22,7 @@ class Experts(nn.Module):
     def __init__(self, num: int, hidden: int, inter: int, tp: TensorParallel = SINGLE):
         super().__init__()
         self.first, num = expert_range(num, tp)           # this rank's experts
+        self.split = tp.size > 1
         self.num, self.hidden, self.inter = num, hidden, inter
         self.gate_up_proj = nn.Parameter(torch.empty(num * 2 * inter, hidden))
         self.down_proj = nn.Parameter(torch.empty(num * hidden, inter))
@@ -33,18 +35,9 @@ class Experts(nn.Module):
                 f"{prefix}.down_proj": [f"{prefix}.{e}.down_proj.weight" for e in experts]}
 
     def forward(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj.view(self.num, 2 * self.inter, self.hidden)
-        down = self.down_proj.view(self.num, self.hidden, self.inter)
-        out = torch.zeros_like(x)
-        for e in index.unique().tolist():
-            if not self.first <= e < self.first + self.num:
-                continue                                  # another rank's expert
-            tok, slot = (index == e).nonzero(as_tuple=True)
-            local = e - self.first
-            g, u = F.linear(x[tok], gate_up[local]).chunk(2, dim=-1)
-            y = F.linear(F.silu(g) * u, down[local]) * weight[tok, slot, None]
-            out.index_add_(0, tok, y.to(out.dtype))
-        return out
+        return routed_experts(x, index, weight, self.gate_up_proj.view(self.num, 2 * self.inter, self.hidden),
+                              self.down_proj.view(self.num, self.hidden, self.inter),
+                              self.first if self.split else None)
 
 
 class SparseMoE(nn.Module):
@@ -63,5 +56,5 @@ class SparseMoE(nn.Module):
         weight, index = probs.topk(self.top_k, dim=-1)
         if self.norm_topk:
             weight = weight / weight.sum(-1, keepdim=True)
-        out = self.experts(x, index, weight.to(x.dtype))
+        out = self.experts(x, index, weight)
         return self.tp.all_reduce(out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x))

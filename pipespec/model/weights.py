@@ -143,22 +143,25 @@ def load_weights(model: torch.nn.Module, source: WeightSource, dtype: torch.dtyp
 
 
 @torch.no_grad()
-def init_dummy_weights(model: torch.nn.Module, dtype: torch.dtype, device, seed: int = 0) -> None:
+def init_dummy_weights(model: torch.nn.Module, dtype: torch.dtype, device, seed: int = 0,
+                       key: dict[str, str] | None = None) -> None:
     """Random weights of the right shapes, made on the device (`load_format="dummy"`): norms 1,
     everything else N(0, 0.02), so activations stay finite through any depth. Each tensor is drawn
     from a generator keyed by its (global) name, so a model is the same however its layers are
     split into stages; a tensor-parallel shard is cut from the whole tensor drawn so, so it is also
-    the same at every tensor-parallel size."""
+    the same at every tensor-parallel size. `key` renames parameters whose name elsewhere differs (a
+    copy of a tensor another module owns draws the same values as the original)."""
     model.to(device=device)
     gen = torch.Generator(device=device)
     shards = checkpoint_shards(model)
-    for name, param in model.named_parameters():
+    for own, param in model.named_parameters():
+        name = (key or {}).get(own, own)
         param.data = torch.empty(param.shape, dtype=dtype, device=device)
         if "norm" in name.rsplit(".", 2)[-2]:
             param.data.fill_(1.0)
             continue
         gen.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-        shard = shards.get(name)
+        shard = shards.get(own)
         if shard is None:
             param.data.normal_(0.0, 0.02, generator=gen)
             continue

@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 from pipespec.heads import bundled_head_path
-from pipespec.model.mtp import declared_mtp_layers, detect_mtp, load_mtp_file, load_mtp_layers
+from pipespec.model.mtp import declared_mtp_layers, detect_mtp, dummy_mtp_layers, load_mtp_file, load_mtp_layers
 from pipespec.model.tp_layers import SINGLE, VocabParallelEmbedding
-from pipespec.model.weights import load_weights
+from pipespec.model.weights import init_dummy_weights, load_weights
 from pipespec.parallel import TensorParallel
 from pipespec.speculative.proposer import MTPProposer
 
@@ -37,15 +37,23 @@ def no_head_message(model: str | None) -> str:
 
 
 def _load_layers(source, config, dtype, device, max_position: int, tp: TensorParallel) -> tuple[list[nn.Module], str]:
-    """MTP layers from speculative_config.model, else the checkpoint's own, else the bundled head."""
+    """MTP layers from speculative_config.model, else the checkpoint's own (random ones, as many as
+    config.json declares, with load_format='dummy'), else the bundled head."""
     arch, spec = source.arch, config.speculative
-    if spec.model is not None:      # checked first: a dummy-weight target has no checkpoint to read
+    if spec.model is not None:
         return [load_mtp_file(spec.model, arch, dtype, device, max_position, tp=tp)[0]], spec.model
+    declared = declared_mtp_layers(source.folder)
+    if config.model.load_format == "dummy":
+        if not declared:
+            raise ValueError(f"load_format='dummy' reads no weights, and {source.folder} declares no MTP layers "
+                             "(config.json: num_nextn_predict_layers / mtp_num_hidden_layers) to draw at random; "
+                             "pass a head file as speculative_config['model']")
+        return (dummy_mtp_layers(arch, declared, dtype, device, max_position, tp=tp),
+                f"{declared} random layer(s) (dummy)")
     weights = source.weights()
     hit = detect_mtp(weights.names(), arch.num_layers)
     if hit is not None:
-        layers = load_mtp_layers(weights, arch, dtype, device, max_position,
-                                 declared=declared_mtp_layers(source.folder), tp=tp)
+        layers = load_mtp_layers(weights, arch, dtype, device, max_position, declared=declared, tp=tp)
         return layers, f"the checkpoint's own {hit[0].family} MTP layers"
     head = bundled_head_path(config.model.model)
     if head is None:
@@ -75,5 +83,8 @@ def build_proposer(target: nn.Module, source, config, dtype: torch.dtype, device
         embed = None
         if any(layer.own_embedding() is None for layer in layers):
             copy = EmbeddingCopy(arch.vocab_size, arch.hidden_size, tp)
-            load_weights(copy, source.weights(), dtype, device, desc="Loading embedding copy for MTP")
+            if config.model.load_format == "dummy":     # the values stage 0's embedding drew
+                init_dummy_weights(copy, dtype, device, key={"weight": "model.embed_tokens.weight"})
+            else:
+                load_weights(copy, source.weights(), dtype, device, desc="Loading embedding copy for MTP")
     return MTPProposer(layers, k, config.cache.block_size, embed, target.head_weight, embedding=copy)

@@ -11,7 +11,10 @@ The graphs read a typed static buffer (`StepInts`, views of one flat int64 tenso
 copy from a pinned mirror) and the attention metadata the backend built over it at capture
 (`capture_metadata`; `before_replay` is its hook to refresh anything a replay cannot read there).
 Padding requests of a bucket live in one spare KV block that no request owns (`pad_block`): their
-table rows name only that block, so whatever they write (target or draft KV) lands there.
+table rows name only that block, so whatever they write (target or draft KV) lands there. Models with
+linear-attention layers likewise give them a spare state slot (`pad_slot`); in a steady step every
+request verifies (or, without speculation, none does), so the graph's state updates need no host
+branch (`LinearFlags.steady`).
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import torch
 
 from pipespec.layout import StepLayout
 from pipespec.model.attention import AttentionBackend, ForwardContext, KVCache
+from pipespec.model.linear_state import LinearFlags, LinearMeta
 from pipespec.stage.target import run_target
 
 logger = logging.getLogger(__name__)
@@ -51,9 +55,12 @@ class StepInts:
     slot_mapping: torch.Tensor     # [nb * q]
     mtp_input_ids: torch.Tensor    # [nb * q]
     seq_lens: torch.Tensor         # [nb]
+    state_slots: torch.Tensor      # [nb] linear-attention state slot (models that have such layers)
+    state_commit: torch.Tensor     # [nb] candidate state to commit first (-1: none)
     block_tables: torch.Tensor     # [nb, W]
 
     PER_TOKEN = ("input_ids", "positions", "slot_mapping", "mtp_input_ids")
+    PER_REQUEST = ("seq_lens", "state_slots", "state_commit")
 
     @classmethod
     def views(cls, flat: torch.Tensor, like: "StepInts") -> "StepInts":
@@ -69,12 +76,14 @@ class StepInts:
         return torch.cat([getattr(self, f.name).reshape(-1) for f in fields(self)])
 
 
-def _padding(nb: int, q: int, pad_block: int, block_size: int, max_blocks: int) -> StepInts:
+def _padding(nb: int, q: int, pad_block: int, block_size: int, max_blocks: int, pad_slot: int) -> StepInts:
     positions = torch.arange(q, dtype=torch.int64).repeat(nb)
     return StepInts(input_ids=torch.zeros(nb * q, dtype=torch.int64), positions=positions,
                     slot_mapping=pad_block * block_size + positions,
                     mtp_input_ids=torch.zeros(nb * q, dtype=torch.int64),
                     seq_lens=torch.full((nb,), q, dtype=torch.int64),
+                    state_slots=torch.full((nb,), pad_slot, dtype=torch.int64),
+                    state_commit=torch.full((nb,), -1, dtype=torch.int64),
                     block_tables=torch.full((nb, max_blocks), pad_block, dtype=torch.int64))
 
 
@@ -92,8 +101,10 @@ class CudaGraphs:
     host_buffers = ("_host_flat", "_pad_flat", "pad", "host")   # host mirrors, by design (device check)
 
     def __init__(self, model, drafter, backend: AttentionBackend, kv_caches: list[KVCache], block_size: int,
-                 num_spec_tokens: int, max_batch: int, pad_block: int, max_blocks_per_seq: int):
+                 num_spec_tokens: int, max_batch: int, pad_block: int, max_blocks_per_seq: int,
+                 linear_states: list | None = None, pad_slot: int = 0):
         self.model, self.drafter, self.backend, self.kv_caches = model, drafter, backend, kv_caches
+        self.linear_states = linear_states
         self.block_size = block_size
         self.num_spec_tokens = num_spec_tokens
         self.rows_per_req = num_spec_tokens + 1
@@ -102,7 +113,7 @@ class CudaGraphs:
         nb, q = self.buckets[-1], self.rows_per_req
         device = next(model.parameters()).device
         i64 = dict(dtype=torch.int64, device=device)
-        self.pad = _padding(nb, q, pad_block, block_size, max_blocks_per_seq)
+        self.pad = _padding(nb, q, pad_block, block_size, max_blocks_per_seq, pad_slot)
         self._pad_flat = self.pad.flat()
         self._host_flat = self._pad_flat.clone().pin_memory()
         self._flat = self._pad_flat.to(device)
@@ -139,7 +150,16 @@ class CudaGraphs:
                           sample_rows=self.sample_rows[:b], verify_rows=self.verify_rows[:b],
                           num_drafts=self.num_drafts[:b],
                           draft_ids=ints.input_ids[:n].view(b, self.rows_per_req)[:, 1:],
-                          mtp_input_ids=ints.mtp_input_ids[:n])
+                          mtp_input_ids=ints.mtp_input_ids[:n], state_slots=ints.state_slots[:b],
+                          state_commit=ints.state_commit[:b], req_num_drafts=self.num_drafts[:b])
+
+    def _context(self, layout: StepLayout, attn) -> ForwardContext:
+        ctx = ForwardContext(layout.positions, layout.slot_mapping, self.backend, attn, self.kv_caches)
+        if self.linear_states is not None:
+            ctx.linear = LinearMeta.build(layout.query_start_loc, layout.positions, layout.state_slots,
+                                          layout.state_commit, layout.req_num_drafts, self.linear_states,
+                                          LinearFlags.steady(self.num_spec_tokens))
+        return ctx
 
     def _forward(self, layout: StepLayout, ctx: ForwardContext) -> Forward:
         n = layout.input_ids.shape[0]
@@ -165,7 +185,7 @@ class CudaGraphs:
             layout = self._layout(b)
             attn = self.backend.capture_metadata(layout.query_start_loc, layout.seq_lens, layout.positions,
                                                  layout.block_tables, self.block_size, self.rows_per_req)
-            ctx = ForwardContext(layout.positions, layout.slot_mapping, self.backend, attn, self.kv_caches)
+            ctx = self._context(layout, attn)
             graph, out = self._capture(pool, lambda: self._forward(layout, ctx))
             bucket = _Bucket(layout, graph, out, attn)
             if self.drafting:
@@ -199,8 +219,12 @@ class CudaGraphs:
             host = getattr(self.host, name)
             host[:n_req * q].copy_(getattr(layout, name))
             host[n_req * q:b * q].copy_(getattr(self.pad, name)[n_req * q:b * q])
-        self.host.seq_lens[:n_req].copy_(layout.seq_lens)
-        self.host.seq_lens[n_req:b].copy_(self.pad.seq_lens[n_req:b])
+        for name in StepInts.PER_REQUEST:
+            live = getattr(layout, name)
+            host = getattr(self.host, name)
+            if live is not None:              # state slots: only models with linear attention
+                host[:n_req].copy_(live)
+            host[n_req:b].copy_(getattr(self.pad, name)[n_req:b])
         self.host.block_tables[:n_req, :layout.block_tables.shape[1]].copy_(layout.block_tables)
         self.host.block_tables[n_req:b].copy_(self.pad.block_tables[n_req:b])
         end = self._tables_at + b * self.ints.block_tables.shape[1]

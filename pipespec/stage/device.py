@@ -2,6 +2,7 @@
 the check that it holds nothing on another device."""
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -10,6 +11,9 @@ from pipespec import kernels
 from pipespec.model.attention import AttentionBackend, TorchReferenceBackend
 from pipespec.model.layers import LMHead
 from pipespec.parallel import TensorParallel
+
+logger = logging.getLogger(__name__)
+
 
 def use_device(device: torch.device) -> torch.device:
     """Make `device` this process's current CUDA device, and return it with its index.
@@ -46,8 +50,17 @@ def finish_within(timeout: float, tp: TensorParallel, what: str) -> None:
         time.sleep(0)
 
 
-def choose_backend(choice: str, device: torch.device) -> AttentionBackend:
-    """The attention backend for `choice` ("auto", "torch", "triton") on `device`."""
+def choose_backend(choice: str, device: torch.device, model=None) -> AttentionBackend:
+    """The attention backend for `choice` ("auto", "torch", "triton") on `device`, for `model` (a
+    family may run on the torch backend only: `reference_attention_only`)."""
+    if getattr(model, "reference_attention_only", False):
+        if choice == "triton":
+            raise ValueError(f"attention_backend='triton' does not serve {model.arch.model_type} (DeepSeek sparse "
+                             "attention runs on the torch backend); use attention_backend='auto' or 'torch'")
+        if device.type == "cuda":
+            logger.info("%s: sparse attention runs on the torch attention backend (eager, no CUDA graphs)",
+                        model.arch.model_type)
+        return TorchReferenceBackend()
     can_triton = device.type == "cuda" and kernels.HAVE_TRITON
     if choice == "triton" and not can_triton:
         raise ValueError(f"attention_backend='triton' needs a CUDA device and the triton package; "

@@ -24,7 +24,7 @@ import torch
 from pipespec.config import EngineConfig
 from pipespec.layout import StepLayout
 from pipespec.model.attention import CacheShape, ForwardContext, allocate_caches, cache_bytes_per_block
-from pipespec.model.gated_deltanet import LinearMeta, allocate_states, state_bytes
+from pipespec.model.linear_state import LinearFlags, LinearMeta, allocate_states, state_bytes
 from pipespec.model.placement import resolve_device, resolve_dtype
 from pipespec.model.source import ModelSource
 from pipespec.parallel import TensorParallel
@@ -55,7 +55,7 @@ class Stage:
         self.num_spec_tokens = config.num_spec_tokens
         max_position = max_model_len + position_margin(self.num_spec_tokens)
         self.model = load_target(source, config, layer_range, max_position, self.dtype, self.device, self.tp)
-        self.backend = choose_backend(config.model.attention_backend, self.device)
+        self.backend = choose_backend(config.model.attention_backend, self.device, self.model)
         self.drafter = None
         if self.is_last and self.num_spec_tokens:
             self.drafter = build_proposer(self.model, source, config, self.dtype, self.device, max_position,
@@ -95,19 +95,21 @@ class Stage:
     def available_kv_blocks(self) -> int:
         weights = sum(p.numel() * p.element_size() for m in self.modules_with_weights() for p in m.parameters())
         # linear-attention states are a fixed amount, like the weights
-        fixed = weights + state_bytes(self._state_shapes(), self.config.scheduler.max_num_seqs,
-                                      self.num_spec_tokens + 1, self.dtype)
+        fixed = weights + state_bytes(self._state_shapes(), self._state_slots(), self.num_spec_tokens + 1, self.dtype)
         return memory.available_kv_blocks(self.config, self.model.arch, self.device, fixed,
                                           self._bytes_per_block())
 
     def _state_shapes(self) -> list:
         return self.model.state_shapes() if hasattr(self.model, "state_shapes") else []
 
+    def _state_slots(self) -> int:
+        # one per request the scheduler may run, and one more, never handed out, that takes the
+        # writes of a CUDA graph's padding requests
+        return self.config.scheduler.max_num_seqs + 1
+
     @property
     def uses_cuda_graphs(self) -> bool:
-        # the graphs do not carry linear-attention states yet: hybrid models run eagerly
-        return (self.backend.supports_cuda_graphs and not self.config.model.enforce_eager
-                and not self._state_shapes())
+        return self.backend.supports_cuda_graphs and not self.config.model.enforce_eager
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         graphs = self.uses_cuda_graphs
@@ -118,8 +120,8 @@ class Stage:
         if self.drafter:
             self.drafter.kv_caches = caches[n:]
         if self._state_shapes():
-            # one slot per request the scheduler may run, and a candidate per verify row
-            self.linear_states = allocate_states(self._state_shapes(), self.config.scheduler.max_num_seqs,
+            # a slot per request and a candidate per verify row
+            self.linear_states = allocate_states(self._state_shapes(), self._state_slots(),
                                                  self.num_spec_tokens + 1, self.dtype, self.device)
         self.num_blocks = num_blocks
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB) on %s", num_blocks, self.block_size,
@@ -128,7 +130,8 @@ class Stage:
             max_blocks = -(-(self.max_model_len + position_margin(self.num_spec_tokens)) // self.block_size)
             self.graphs = CudaGraphs(self.model, self.drafter, self.backend, self.kv_caches, self.block_size,
                                      self.num_spec_tokens, self.config.scheduler.max_num_seqs,
-                                     pad_block=num_blocks, max_blocks_per_seq=max_blocks)
+                                     pad_block=num_blocks, max_blocks_per_seq=max_blocks,
+                                     linear_states=self.linear_states, pad_slot=self._state_slots() - 1)
             self.graphs.capture()
         off = tensors_off_device(self, self.device)
         if off:   # cheap, once: a stage touching another device fails at its first kernel otherwise
@@ -175,8 +178,9 @@ class Stage:
                                     layout.block_tables, self.block_size, max_query_len=layout.max_query_len)
         ctx = ForwardContext(layout.positions, layout.slot_mapping, self.backend, attn, self.kv_caches)
         if self.linear_states is not None:
+            flags = LinearFlags.of(host_layout.max_query_len, host_layout.state_commit, host_layout.req_num_drafts)
             ctx.linear = LinearMeta.build(layout.query_start_loc, layout.positions, layout.state_slots,
-                                          layout.state_commit, layout.req_num_drafts, self.linear_states)
+                                          layout.state_commit, layout.req_num_drafts, self.linear_states, flags)
         hidden, residual = run_target(self.model, ctx, layout.input_ids, inbound)
         return Forward(layout, ctx, hidden, residual)
 

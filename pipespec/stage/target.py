@@ -17,7 +17,9 @@ def load_target(source: ModelSource, config: EngineConfig, layer_range: tuple[in
                 dtype: torch.dtype, device: torch.device, tp: TensorParallel = SINGLE) -> torch.nn.Module:
     model = build_target(source.arch, layer_range, max_position, tp)
     if config.model.load_format == "dummy":
-        init_dummy_weights(model, dtype, device)
+        # a tied head on a stage without the embedding draws the embedding's values, as it loads them
+        tied = {"lm_head.weight": "model.embed_tokens.weight"} if source.arch.tie_word_embeddings else None
+        init_dummy_weights(model, dtype, device, key=tied)
     else:
         shard = f" (TP rank {tp.rank} of {tp.size})" if tp.size > 1 else ""
         load_weights(model, source.weights(), dtype, device,

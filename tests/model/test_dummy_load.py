@@ -47,3 +47,59 @@ def test_dummy_weights_are_the_same_at_every_pipeline_split(tmp_path, tokenizer)
     parts = {**Stage(source, config, (0, 1), 64).model.state_dict(), **Stage(source, config, (1, 3), 64).model.state_dict()}
     assert whole.keys() == parts.keys()
     assert all(torch.equal(whole[name], parts[name]) for name in whole)
+
+
+def test_a_tied_head_on_a_later_stage_draws_the_embedding(tmp_path, tokenizer):
+    """A tied model split at PP = 2: the last stage's own head copy holds stage 0's embedding values."""
+    from pipespec.config import EngineConfig
+    from pipespec.model.source import resolve_model
+    from pipespec.stage import Stage
+    from tests.conftest import _tiny_config, write_tokenizer_files
+    cfg = _tiny_config("llama")
+    cfg.tie_word_embeddings = True
+    cfg.save_pretrained(tmp_path)
+    write_tokenizer_files(tmp_path, tokenizer)
+    source = resolve_model(str(tmp_path))
+    config = EngineConfig.from_kwargs(model=str(tmp_path), load_format="dummy", device="cpu", num_kv_blocks=4)
+    first, last = Stage(source, config, (0, 1), 64).model, Stage(source, config, (1, 3), 64).model
+    assert last.owns_head and torch.equal(last.head_weight(), first.model.embed_tokens.weight)
+
+
+def _greedy(folder, **kw):
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    with LLM(model=str(folder), load_format="dummy", device="cpu", num_kv_blocks=32, max_model_len=64, **kw) as llm:
+        out = llm.generate([{"prompt_token_ids": [5, 6, 7, 8, 9]}], params, use_tqdm=False)[0].outputs[0].token_ids
+        return out, llm.stats().get("spec_decode")
+
+
+def test_dummy_mtp_layers_of_the_families_that_ship_them(tmp_path, tokenizer):
+    """A config-only folder that declares MTP layers drafts with random layers of its family (the
+    benchmarks' MTP step cost), losslessly at PP = 1 and 2; a family that ships none is refused."""
+    import pytest
+
+    from tests.conftest import write_tokenizer_files
+    from tests.model import hybrid_tiny as ht
+    from tests.model.deepseek import tiny as ds
+    folders = {}
+    for name, hf in (("qwen3_5_moe", ht.hf_model("qwen3_5_moe").config), ("deepseek_v3", ds.hf_config("lora_yarn"))):
+        folder = tmp_path / name
+        hf.save_pretrained(folder)
+        cfg = json.loads((folder / "config.json").read_text())
+        (cfg.get("text_config") or cfg)["mtp_num_hidden_layers" if "text_config" in cfg else "num_nextn_predict_layers"] = 1
+        (folder / "config.json").write_text(json.dumps(cfg))
+        write_tokenizer_files(folder, tokenizer)
+        folders[name] = folder
+    for folder in folders.values():
+        want, _ = _greedy(folder)
+        for pp in (1, 2):
+            got, stats = _greedy(folder, pipeline_parallel_size=pp,
+                                 speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+            assert got == want and stats["num_drafts"] > 0
+    llama = _config_only_folder(tmp_path / "llama", tokenizer)
+    spec = {"method": "mtp", "num_speculative_tokens": 1}
+    with pytest.raises(ValueError, match="declares no MTP layers"):
+        _greedy(llama, speculative_config=spec)
+    cfg = json.loads((llama / "config.json").read_text())
+    (llama / "config.json").write_text(json.dumps(dict(cfg, num_nextn_predict_layers=1)))
+    with pytest.raises(ValueError, match="llama ships none"):
+        _greedy(llama, speculative_config=spec)

@@ -8,7 +8,8 @@ import copy
 import pytest
 import torch
 
-from pipespec.model.gated_deltanet import GatedDeltaNet, LinearMeta, allocate_states, gated_delta_rule, l2_normalize
+from pipespec.model.gated_deltanet import GatedDeltaNet, gated_delta_rule, l2_normalize
+from pipespec.model.linear_state import LinearFlags, LinearMeta, allocate_states
 from pipespec.model.hybrid_config import HybridConfig
 
 CFG = HybridConfig(layer_types=("linear_attention",), linear_num_key_heads=2, linear_num_value_heads=4,
@@ -36,8 +37,9 @@ def test_recurrence_equals_transformers_chunked_rule():
 
 def _run(layer, states, x, pos0, slot=0, commit=-1, drafts=0):
     n = x.shape[0]
+    commit, drafts = torch.tensor([commit]), torch.tensor([drafts])
     meta = LinearMeta.build(torch.tensor([0, n]), torch.arange(pos0, pos0 + n), torch.tensor([slot]),
-                            torch.tensor([commit]), torch.tensor([drafts]), states)
+                            commit, drafts, states, LinearFlags.of(n, commit, drafts))
     return layer(x, meta, states[0])
 
 

@@ -123,7 +123,7 @@ def test_a_stage_of_linear_attention_layers_only_holds_no_kv_cache(hybrid_models
     assert middle.available_kv_blocks() > 10**9                    # no bound from this stage
     middle.allocate_kv_cache(8)
     assert middle.kv_caches == [] and len(middle.linear_states) == 1
-    assert middle.linear_states[0].rec.shape[0] == 4              # a slot per request it may run
+    assert middle.linear_states[0].rec.shape[0] == 4 + 1          # a slot per request it may run, one for padding
 
 
 def test_tied_qwen3_5_matches_transformers_and_drafts_losslessly_at_pp2(tmp_path, tokenizer, ids):

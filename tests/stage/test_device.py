@@ -49,3 +49,21 @@ def test_a_stage_holding_a_tensor_on_another_device_is_named(tiny_models):
                                                        "stage.kv_caches.1.value on meta"]
     with pytest.raises(RuntimeError, match=r"stage on cpu holds tensors elsewhere: stage\.model\.model\.norm\.weight on meta"):
         stage.allocate_kv_cache(4)
+
+
+@pytest.mark.parametrize("shape,sparse", [("lora_yarn", False), ("v32", True)])
+def test_sparse_attention_models_take_the_torch_backend(shape, sparse):
+    """DeepSeek sparse attention selects keys on the torch backend only: 'auto' picks it (on a GPU
+    too), an explicit 'triton' is refused by name; dense MLA is not held back."""
+    from pipespec.model.arch import ArchConfig
+    from pipespec.model.registry import build_target
+    from tests.model.deepseek.tiny import hf_config
+
+    cfg = hf_config(shape).to_dict()
+    model = build_target(ArchConfig.from_hf(cfg), (0, cfg["num_hidden_layers"]), 64)
+    assert model.reference_attention_only is sparse
+    for device in ("cpu", "cuda"):
+        assert isinstance(choose_backend("auto", torch.device(device), model), TorchReferenceBackend) or not sparse
+    if sparse:
+        with pytest.raises(ValueError, match="does not serve deepseek_v32"):
+            choose_backend("triton", torch.device("cuda"), model)

@@ -9,6 +9,8 @@ Two equal ways to attend (plain PyTorch reference, CPU; `TorchReferenceBackend`'
 - absorbed, for decode and verify rows: q_nope is folded through W_uk into latent space, so each row
   scores against the cached [c | k_rope] directly (one shared "head" of width R + dr) and the
   weighted sum of latents goes through W_uv afterwards: the cache is never expanded.
+On a GPU (the Triton backend) every row takes the absorbed form in one kernel over the paged cache
+(`kernels/mla_attention.py`), which reads no device tensor on the host and so runs in CUDA graphs.
 
 With DeepSeek sparse attention (V3.2) each cache entry also holds the indexer's key (index_head_dim
 values), and each row attends only to the keys its indexer selects (model/deepseek/dsa.py).
@@ -95,6 +97,15 @@ class MLAttention(nn.Module):
         out = self._attend(q_nope, q_rope, cache.key, ctx, index_q, selection)
         return self.o_proj(out.reshape(t, nh * c.v_head_dim))
 
+    def _attend_paged(self, q_nope, q_rope, latents, ctx: ForwardContext) -> torch.Tensor:
+        from pipespec.kernels.mla_attention import mla_paged_attention
+        w_uk, w_uv = self._weights()
+        q_lat = torch.einsum("thd,hdr->thr", q_nope, w_uk)
+        meta = ctx.attn
+        o_lat = mla_paged_attention(q_lat, q_rope.contiguous(), latents, meta.block_tables, meta.query_start_loc,
+                                    meta.seq_lens, meta.max_query_len, self.scale, meta.block_size)
+        return torch.einsum("thr,hvr->thv", o_lat, w_uv)
+
     def _weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj split per head: W_uk [H, dn, R], W_uv [H, dv, R]."""
         c = self.cfg
@@ -104,7 +115,9 @@ class MLAttention(nn.Module):
     def _attend(self, q_nope, q_rope, latents, ctx: ForwardContext, index_q=None,
                 selection: Selection | None = None) -> torch.Tensor:
         if not isinstance(ctx.backend, TorchReferenceBackend):
-            raise NotImplementedError(f"MLA runs on the torch reference backend; got {type(ctx.backend).__name__}")
+            if index_q is not None or self.reuses_selection:
+                raise NotImplementedError("DeepSeek sparse attention runs on the torch attention backend only")
+            return self._attend_paged(q_nope, q_rope, latents, ctx)
         c, nh = self.cfg, self.num_heads
         out = q_nope.new_empty(q_nope.shape[0], nh, c.v_head_dim)
         w_uk, w_uv = self._weights()

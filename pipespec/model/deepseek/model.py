@@ -99,6 +99,12 @@ class DeepseekV3ForCausalLM(StageSlice):
                                 self.make_rope(self.cfg, max_position or arch.max_position), tp=tp)
         self._init_head()
 
+    @property
+    def reference_attention_only(self) -> bool:
+        """Sparse attention (V3.2, GLM-5) selects keys per row on the torch backend only; dense MLA
+        also runs on the GPU's paged kernel."""
+        return getattr(self.cfg, "index", None) is not None
+
     def cache_shapes(self) -> list[CacheShape]:
         return [layer.self_attn.cache_shape() for layer in self.model.layers.values()]
 

@@ -2,8 +2,8 @@
 group-limited top-k, routed experts plus always-on shared experts.
 
 Routed experts live in two stacked parameters, loaded from the per-expert checkpoint tensors
-(`mlp.experts.{e}.gate_proj/up_proj/down_proj`) concatenated along dim 0. The CPU path loops over
-the experts that got tokens; a GPU path would run grouped GEMMs over the same stacked weights.
+(`mlp.experts.{e}.gate_proj/up_proj/down_proj`) concatenated along dim 0, and run as grouped GEMMs
+(`routed_experts`).
 
 With tensor parallelism the routed experts are split across the TP group (each rank loads and runs
 its own E / T; the router is replicated, so every rank routes alike) and the shared experts are split
@@ -16,6 +16,7 @@ from torch import nn
 
 from pipespec.model.deepseek.config import MoEConfig
 from pipespec.model.layers import GatedMLP
+from pipespec.model.routed_experts import routed_experts
 from pipespec.model.tp_layers import SINGLE, expert_range
 from pipespec.parallel import TensorParallel
 
@@ -67,23 +68,8 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         e, i, h = self.cfg.num_experts, self.cfg.intermediate_size, x.shape[-1]
         weights, ids = self.gate(x)
-        gate_up = self.experts_gate_up.view(self.local, 2 * i, h)
-        down = self.experts_down.view(self.local, h, i)
-        out = torch.zeros_like(x)
-        flat = ids.reshape(-1)
-        order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=e).tolist()
-        rows = order // ids.shape[1]                      # token of each (token, slot), grouped by expert
-        w = weights.reshape(-1)[order]
-        start = 0
-        for expert, n in enumerate(counts):
-            if n and self.first <= expert < self.first + self.local:
-                tok = rows[start:start + n]
-                local = expert - self.first
-                g, u = nn.functional.linear(x[tok], gate_up[local]).split(i, dim=-1)
-                y = nn.functional.linear(nn.functional.silu(g) * u, down[local])
-                out.index_add_(0, tok, (y * w[start:start + n, None]).to(out.dtype))
-            start += n
+        out = routed_experts(x, ids, weights, self.experts_gate_up.view(self.local, 2 * i, h),
+                             self.experts_down.view(self.local, h, i), self.first if self.tp.size > 1 else None)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return self.tp.all_reduce(out)

@@ -83,6 +83,28 @@ def load_mtp_layers(source, arch: ArchConfig, dtype: torch.dtype, device, max_po
     return layers
 
 
+# the MTP family each model type's checkpoints ship: what a dummy load builds with no tensor names
+_SHIPPED = {"deepseek_v3": NativeDeepSeekMTP, "deepseek_v32": NativeDeepSeekMTP, "glm_moe_dsa": NativeDeepSeekMTP,
+            "glm4_moe": NativeDeepSeekMTP, "qwen3_next": Qwen3NextMTP, "qwen3_5": Qwen3NextMTP,
+            "qwen3_5_moe": Qwen3NextMTP}
+
+
+def dummy_mtp_layers(arch: ArchConfig, count: int, dtype: torch.dtype, device,
+                     max_position: int | None = None, tp: TensorParallel = SINGLE) -> list[MTPLayer]:
+    """`count` MTP layers of the family `arch.model_type` ships, with random weights (benchmarks)."""
+    from pipespec.model.weights import init_dummy_weights
+
+    family = _SHIPPED.get(arch.model_type)
+    if family is None:
+        raise ValueError(f"load_format='dummy' builds MTP layers for {', '.join(sorted(_SHIPPED))}; "
+                         f"{arch.model_type} ships none (pass a head file as speculative_config['model'])")
+    first = 0 if family is Qwen3NextMTP else arch.num_layers        # mtp.layers.{i} / model.layers.{N + i}
+    layers = family.build(arch, list(range(first, first + count)), set(), max_position, tp=tp)
+    for layer in layers:
+        init_dummy_weights(layer, dtype, device, seed=1 + layer.layer_index)
+    return layers
+
+
 def load_mtp(source, arch: ArchConfig, dtype: torch.dtype, device, layer_index: int | None = None,
              max_position: int | None = None, tp: TensorParallel = SINGLE) -> MTPLayer:
     """One MTP layer (default: the checkpoint's first), with any embedding or head copy it ships."""

@@ -1,0 +1,187 @@
+"""The MTP families at real shapes with random weights (`--load-format dummy`, bf16) on one GPU:
+decode tokens/s at each batch against transformers on the same GPU, the batch-1 fraction of the
+weight-bandwidth roofline, MTP K = 1..3 step cost, and PP = 2 over NCCL when two GPUs are there.
+
+Shapes (from the published configs where this machine could read them; see SHAPES):
+  qwen3_5_2b        Qwen3.5-2B-class hybrid (Gated DeltaNet + gated attention), dense
+  qwen3_5_35b_a3b   Qwen3.5-35B-A3B: 40 layers, 256 experts top-8, hidden 2048
+  glm_flash         GLM-4.7-Flash / DeepSeek-V2-Lite-class MLA + MoE (~30B total, ~3B active)
+  deepseek_v3_slice DeepSeek-V3's real hidden size, heads and experts, 3 layers (per-layer figures)
+
+Usage (GPU machine): python benchmarks/family_gpu.py --model qwen3_5_2b [--batch 1 64] [--k 0 2]
+       [--new-tokens 64] [--repeats 3] [--skip-hf] [--pp 2] [--json out.json]
+The roofline counts the bytes one batch-1 step must read: every weight but the routed experts, and
+top_k / num_experts of those (the experts one token uses). Transformers runs after pipespec is shut
+down when both would not fit (its tokens/s is then from a separate phase of the same run).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu_bench import PipespecRunner, TransformersRunner, copy_bandwidth  # noqa: E402
+
+_HYBRID = dict(full_attention_interval=4, head_dim=256, linear_conv_kernel_dim=4, linear_key_head_dim=128,
+               linear_value_head_dim=128, partial_rotary_factor=0.25, rms_norm_eps=1e-6, vocab_size=248320,
+               max_position_embeddings=32768, rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                                                               "partial_rotary_factor": 0.25},
+               mtp_num_hidden_layers=1)
+_MLA = dict(rms_norm_eps=1e-5, max_position_embeddings=32768, rope_interleave=True, n_group=1, topk_group=1,
+            norm_topk_prob=True, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            num_nextn_predict_layers=1, tie_word_embeddings=False)
+SHAPES = {
+    "qwen3_5_2b": ("qwen3_5", dict(_HYBRID, hidden_size=2048, num_hidden_layers=24, num_attention_heads=8,
+                                   num_key_value_heads=2, linear_num_key_heads=16, linear_num_value_heads=16,
+                                   intermediate_size=6144, tie_word_embeddings=True)),
+    "qwen3_5_35b_a3b": ("qwen3_5_moe", dict(_HYBRID, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16,
+                                            num_key_value_heads=2, linear_num_key_heads=16, linear_num_value_heads=32,
+                                            num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+                                            shared_expert_intermediate_size=512, tie_word_embeddings=False)),
+    "glm_flash": ("deepseek_v3", dict(_MLA, hidden_size=2048, num_hidden_layers=47, intermediate_size=10240,
+                                      first_k_dense_replace=1, n_routed_experts=64, num_experts_per_tok=4,
+                                      moe_intermediate_size=1536, n_shared_experts=1, num_attention_heads=20,
+                                      num_key_value_heads=20, q_lora_rank=768, kv_lora_rank=512,
+                                      qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256,
+                                      routed_scaling_factor=1.8, vocab_size=154880)),
+    "deepseek_v3_slice": ("deepseek_v3", dict(_MLA, hidden_size=7168, num_hidden_layers=3, intermediate_size=18432,
+                                              first_k_dense_replace=1, n_routed_experts=256, num_experts_per_tok=8,
+                                              moe_intermediate_size=2048, n_shared_experts=1, num_attention_heads=128,
+                                              num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512,
+                                              qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                                              n_group=8, topk_group=4, routed_scaling_factor=2.5, vocab_size=129280)),
+}
+
+
+def write_folder(name: str) -> tuple[str, dict]:
+    """A checkpoint folder holding only config.json and a word-level tokenizer (weights: dummy)."""
+    from tokenizers import Tokenizer, models
+    model_type, text = SHAPES[name]
+    folder = Path(tempfile.mkdtemp(prefix=f"{name}-"))
+    text = dict(text, bos_token_id=1, eos_token_id=2)
+    if model_type.startswith("qwen3_5"):     # the released multimodal layout: text config nested
+        cfg = {"model_type": model_type, "architectures": ["Qwen3_5ForConditionalGeneration"],
+               "text_config": dict(text, model_type=model_type + "_text"),
+               "tie_word_embeddings": text["tie_word_embeddings"]}
+    else:
+        cfg = dict(text, model_type=model_type, architectures=["DeepseekV3ForCausalLM"])
+    (folder / "config.json").write_text(json.dumps(cfg, indent=1))
+    vocab = {f"t{i}": i for i in range(text["vocab_size"])}
+    Tokenizer(models.WordLevel(vocab, unk_token="t0")).save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "t2", "bos_token": "t1"}))
+    return str(folder), text
+
+
+def hf_model(name: str, text: dict):
+    import transformers as tr
+    model_type = SHAPES[name][0]
+    if model_type == "qwen3_5":
+        cls, cfg = tr.Qwen3_5ForCausalLM, tr.Qwen3_5TextConfig(**text)
+    elif model_type == "qwen3_5_moe":
+        cls, cfg = tr.Qwen3_5MoeForCausalLM, tr.Qwen3_5MoeTextConfig(**text)
+    else:
+        cls, cfg = tr.DeepseekV3ForCausalLM, tr.DeepseekV3Config(**text)
+    with torch.device("cuda"):
+        return cls(cfg).to(torch.bfloat16).eval()
+
+
+_ROUTED = ("experts_gate_up", "experts_down", "experts.gate_up_proj", "experts.down_proj")
+
+
+def active_bytes(model) -> tuple[int, int]:
+    """(all weight bytes, bytes one token's step reads: routed experts at top_k / num_experts)."""
+    hybrid, moe = model.arch.hybrid, getattr(getattr(model, "cfg", None), "moe", None)
+    share = (moe.top_k / moe.num_experts if moe is not None else
+             hybrid.num_experts_per_tok / hybrid.num_experts if hybrid is not None and hybrid.num_experts else 1.0)
+    total = active = 0
+    for name, p in model.named_parameters():
+        n = p.numel() * p.element_size()
+        total += n
+        active += int(n * share) if name.endswith(_ROUTED) else n
+    return total, active
+
+
+def run(args) -> dict:
+    folder, text = write_folder(args.model)
+    g = torch.Generator().manual_seed(0)
+    groups = {b: [torch.randint(3, text["vocab_size"], (args.prompt_len,), generator=g).tolist() for _ in range(b)]
+              for b in args.batch}
+    report = {"model": args.model, "date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(0),
+              "torch": torch.__version__, "new_tokens": args.new_tokens, "repeats": args.repeats, "rows": []}
+    bandwidth = copy_bandwidth()
+    common = dict(model=folder, load_format="dummy", gpu_memory_utilization=args.util, max_model_len=2048,
+                  max_num_seqs=max(args.batch))
+    speeds: dict[tuple, list[float]] = {}
+    steps: dict[tuple, list[float]] = {}
+    for k in args.k:
+        t0 = time.perf_counter()
+        eng = PipespecRunner(f"pipespec K={k}" if k else "pipespec", k, pipeline_parallel_size=args.pp, **common)
+        report.setdefault("startup_s", {})[k] = round(time.perf_counter() - t0, 1)
+        stage = getattr(eng.llm.engine.executor, "stage", None)
+        if k == 0 and stage is not None:
+            total, active = active_bytes(stage.model)
+            report.update(weight_GB=round(total / 1e9, 2), active_GB_per_token=round(active / 1e9, 2),
+                          copy_bandwidth_TBps=round(bandwidth / 1e12, 2),
+                          roofline_tokens_per_s_batch1=round(bandwidth / active, 1),
+                          cuda_graphs=stage.graphs is not None)
+        for b, prompts in groups.items():
+            eng.run(prompts, args.new_tokens)                       # warm-up on the timed shape
+            for _ in range(args.repeats):
+                secs, drafts, accepted = eng.run(prompts, args.new_tokens)
+                speeds.setdefault(("pipespec", k, b), []).append(b * args.new_tokens / secs)
+                # steps of one request: new tokens over tokens per step (1 + accepted drafts per step)
+                per_step = 1 + (accepted / drafts * k if drafts else 0)
+                steps.setdefault(("pipespec", k, b), []).append(secs / (args.new_tokens / per_step) * 1e3)
+        eng.close()
+    if not args.skip_hf:
+        hf = TransformersRunner("transformers eager", hf_model(args.model, text), 0)
+        for b, prompts in groups.items():
+            hf.run(prompts, args.new_tokens)
+            for _ in range(args.repeats):
+                secs = hf.run(prompts, args.new_tokens)[0]
+                speeds.setdefault(("transformers eager", 0, b), []).append(b * args.new_tokens / secs)
+        hf.close()
+    for (engine, k, b), values in speeds.items():
+        tps = statistics.median(values)
+        row = {"engine": engine, "pp": args.pp if engine == "pipespec" else 1, "k": k, "batch": b,
+               "tokens_per_s": round(tps, 1)}
+        peer = speeds.get(("transformers eager", 0, b))
+        if peer and engine == "pipespec":
+            row["vs_transformers"] = round(tps / statistics.median(peer), 2)
+        if (engine, k, b) in steps:
+            row["step_ms"] = round(statistics.median(steps[engine, k, b]), 3)
+        if b == 1 and engine == "pipespec" and "roofline_tokens_per_s_batch1" in report:
+            row["roofline_fraction"] = round(tps / report["roofline_tokens_per_s_batch1"], 3)
+        report["rows"].append(row)
+        print(json.dumps(row), flush=True)
+    return report
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True, choices=sorted(SHAPES))
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--k", type=int, nargs="+", default=[0])
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--util", type=float, default=0.85)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    report = run(args)
+    print(json.dumps({k: v for k, v in report.items() if k != "rows"}), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""Routed experts of a sparse MoE as two grouped matrix products, for every MoE family.
+
+The (token, slot) pairs are sorted by expert on the device, each expert's rows are contiguous, and
+`torch._grouped_mm` runs every expert's gate-up and down products in one launch each (CUTLASS
+grouped GEMMs on Hopper, a loop inside PyTorch on the CPU). On a GPU it takes bf16 only; other
+dtypes there (float32 test runs) multiply by each pair's gathered expert weights instead. Nothing reads a count back to the host,
+so a step with MoE layers can be captured in a CUDA graph, and the weights are read once per step
+whatever the batch. The per-slot outputs are put back in (token, slot) order and summed over the
+slots, so the result does not depend on how the experts' rows were ordered.
+
+With tensor parallelism a rank holds experts [first, first + E_local) only (`first` given): pairs
+routed to other ranks' experts are sorted past the last group, left out of the products, and add
+nothing here (their rank adds them; the caller all-reduces).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                   down: torch.Tensor, first: int | None = None) -> torch.Tensor:
+    """sum over slots j of weights[t, j] * expert_{ids[t, j]}(x[t]).
+
+    x [T, H]; ids [T, k] int64; weights [T, k]; gate_up [E, 2I, H] (per expert: gate rows, then up
+    rows); down [E, H, I]. Returns [T, H] in x's dtype. `first`: the global id of gate_up's first
+    expert when this rank holds only some (pairs routed elsewhere contribute nothing)."""
+    t, k = ids.shape
+    e = gate_up.shape[0]
+    flat = ids.reshape(-1)
+    mine = None
+    if first is not None:                                 # another rank's experts: a group past the last
+        flat = flat - first
+        mine = (flat >= 0) & (flat < e)
+        flat = torch.where(mine, flat, torch.full_like(flat, e))
+    order = flat.argsort(stable=True)                     # (token, slot) pairs grouped by expert
+    counts = torch.zeros(e + (mine is not None), dtype=torch.int32, device=x.device)
+    counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    ends = counts[:e].cumsum(0, dtype=torch.int32)        # end row of each expert's group
+    rows = x[order // k]
+    if x.is_cuda and x.dtype != torch.bfloat16:
+        experts = flat[order].clamp(max=e - 1)
+        gate, up = torch.bmm(gate_up[experts], rows[:, :, None]).squeeze(-1).chunk(2, dim=-1)
+        y = torch.bmm(down[experts], (F.silu(gate) * up)[:, :, None]).squeeze(-1)
+    else:
+        gate, up = torch._grouped_mm(rows, gate_up.transpose(-1, -2), offs=ends).chunk(2, dim=-1)
+        y = torch._grouped_mm(F.silu(gate) * up, down.transpose(-1, -2), offs=ends)
+    if mine is not None:                                  # rows past the last group are left unwritten
+        y = torch.where(mine[order][:, None], y, torch.zeros((), dtype=y.dtype, device=y.device))
+    per_slot = torch.empty_like(y)
+    per_slot[order] = y                                   # back to (token, slot) order
+    w = weights.reshape(t, k, 1).float()
+    return (per_slot.view(t, k, -1).float() * w).sum(1).to(x.dtype)
