@@ -98,11 +98,19 @@ def _read(source: WeightSource, name: str, shard, part: int) -> torch.Tensor:
         return source.get(name)
     spans = pairs(shard.ranges[part])
     get_slice = getattr(source, "get_slice", None)
+    whole = lazy = None
     if get_slice is not None:
         lazy = get_slice(name)
-        pieces = [lazy[(slice(None),) * shard.dim + (slice(a, b),)] for a, b in spans]
+        shape = list(lazy.get_shape())
     else:
         whole = source.get(name)
+        shape = list(whole.shape)
+    if len(shape) <= shard.dim or shape[shard.dim] != shard.sizes[part]:
+        raise ValueError(f"tensor shape mismatch: {name} {tuple(shape)}; the model expects {shard.sizes[part]} "
+                         f"along dim {shard.dim} (it reads a slice of it)")
+    if lazy is not None:
+        pieces = [lazy[(slice(None),) * shard.dim + (slice(a, b),)] for a, b in spans]
+    else:
         pieces = [whole.narrow(shard.dim, a, b - a) for a, b in spans]
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=shard.dim)
 
