@@ -115,3 +115,21 @@ def test_dummy_weights_are_the_same_model_at_every_tp_size(tiny_models):
         assert torch.equal(p["model.embed_tokens.weight"], f["model.embed_tokens.weight"][rank * v:(rank + 1) * v])
         gate_up = f["model.layers.2.mlp.gate_up_proj.weight"]
         assert torch.equal(p["model.layers.2.mlp.gate_up_proj.weight"][i:], gate_up[2 * i + rank * i:2 * i + (rank + 1) * i])
+
+
+def test_routed_experts_split_over_ranks_sum_to_the_whole():
+    """Expert parallelism inside a TP group: each rank runs the pairs routed to its own experts and
+    adds nothing for the others'; the partial outputs (summed by the all-reduce) are the whole."""
+    from pipespec.model.routed_experts import routed_experts
+    g = torch.Generator().manual_seed(3)
+    t, h, inter, e, k = 7, 16, 8, 8, 3
+    x = torch.randn(t, h, generator=g)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    weights = torch.rand(t, k, generator=g)
+    gate_up, down = torch.randn(e, 2 * inter, h, generator=g), torch.randn(e, h, inter, generator=g)
+    whole = routed_experts(x, ids, weights, gate_up, down)
+    for size in (2, 4):
+        per = e // size
+        parts = [routed_experts(x, ids, weights, gate_up[r * per:(r + 1) * per], down[r * per:(r + 1) * per], r * per)
+                 for r in range(size)]
+        torch.testing.assert_close(sum(parts), whole, rtol=1e-5, atol=1e-5)
