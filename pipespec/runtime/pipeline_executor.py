@@ -1,11 +1,11 @@
 """PipelineExecutor: P stages of T ranks each in T x P processes, up to P micro-batches in flight.
 
 The driver process runs stage 0 (its TP rank 0) itself; PP = 1 with TP > 1 runs here too, the
-driver's stage then being the last one (its result is at hand after the step). Every rank gets
-every plan from the driver; see `worker.py` for who sends what to whom. `submit(plan)` sends the plan to every worker, runs stage 0
-and sends its activations to stage 1, then returns: while the workers carry that micro-batch on,
-the driver schedules and runs stage 0 of the next. `receive` waits (bounded) for the oldest
-micro-batch's StepResult from the last stage.
+driver's stage then being the last one (its result is at hand after the step). `submit(plan)` sends
+the plan to every worker (every rank gets every plan; `worker.py` says who sends what to whom), runs
+stage 0 and sends its activations to stage 1, then returns: while the workers carry that
+micro-batch on, the driver schedules and runs stage 0 of the next. `receive` waits (bounded) for the
+oldest micro-batch's StepResult from the last stage.
 
 Any failure (a stage that raises, dies or stays silent past the stage timeout) is final: the
 executor marks itself failed, collects what it can learn (errors the workers posted, exit codes),
