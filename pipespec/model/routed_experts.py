@@ -9,8 +9,9 @@ whatever the batch. The per-slot outputs are put back in (token, slot) order and
 slots, so the result does not depend on how the experts' rows were ordered.
 
 With tensor parallelism a rank holds experts [first, first + E_local) only (`first` given): pairs
-routed to other ranks' experts are sorted past the last group, left out of the products, and add
-nothing here (their rank adds them; the caller all-reduces).
+routed to other ranks' experts ride along in its last expert's group (so the groups still cover
+every row, as a grouped GEMM may require, with no data-dependent shape) and their outputs are masked
+to zero here (their own rank adds them; the caller all-reduces).
 """
 from __future__ import annotations
 
@@ -29,23 +30,23 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ga
     e = gate_up.shape[0]
     flat = ids.reshape(-1)
     mine = None
-    if first is not None:                                 # another rank's experts: a group past the last
+    if first is not None:                                 # another rank's experts: into the last group
         flat = flat - first
         mine = (flat >= 0) & (flat < e)
-        flat = torch.where(mine, flat, torch.full_like(flat, e))
+        flat = torch.where(mine, flat, torch.full_like(flat, e - 1))
     order = flat.argsort(stable=True)                     # (token, slot) pairs grouped by expert
-    counts = torch.zeros(e + (mine is not None), dtype=torch.int32, device=x.device)
+    counts = torch.zeros(e, dtype=torch.int32, device=x.device)
     counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-    ends = counts[:e].cumsum(0, dtype=torch.int32)        # end row of each expert's group
+    ends = counts.cumsum(0, dtype=torch.int32)            # end row of each expert's group
     rows = x[order // k]
     if x.is_cuda and x.dtype != torch.bfloat16:
-        experts = flat[order].clamp(max=e - 1)
+        experts = flat[order]
         gate, up = torch.bmm(gate_up[experts], rows[:, :, None]).squeeze(-1).chunk(2, dim=-1)
         y = torch.bmm(down[experts], (F.silu(gate) * up)[:, :, None]).squeeze(-1)
     else:
         gate, up = torch._grouped_mm(rows, gate_up.transpose(-1, -2), offs=ends).chunk(2, dim=-1)
         y = torch._grouped_mm(F.silu(gate) * up, down.transpose(-1, -2), offs=ends)
-    if mine is not None:                                  # rows past the last group are left unwritten
+    if mine is not None:                                  # other ranks' pairs add nothing here
         y = torch.where(mine[order][:, None], y, torch.zeros((), dtype=y.dtype, device=y.device))
     per_slot = torch.empty_like(y)
     per_slot[order] = y                                   # back to (token, slot) order
