@@ -109,7 +109,10 @@ class Stage:
 
     @property
     def uses_cuda_graphs(self) -> bool:
-        return self.backend.supports_cuda_graphs and not self.config.model.enforce_eager
+        # a TP group over gloo (distributed_backend='gloo', GPUs shared for testing) runs its
+        # collectives on the host, which a graph cannot capture
+        gloo_tp = self.tp.size > 1 and self.config.parallel.distributed_backend == "gloo"
+        return self.backend.supports_cuda_graphs and not self.config.model.enforce_eager and not gloo_tp
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         graphs = self.uses_cuda_graphs
