@@ -125,12 +125,13 @@ def run(args) -> dict:
         eng = PipespecRunner(f"pipespec K={k}" if k else "pipespec", k, pipeline_parallel_size=args.pp, **common)
         report.setdefault("startup_s", {})[k] = round(time.perf_counter() - t0, 1)
         stage = getattr(eng.llm.engine.executor, "stage", None)
-        if k == 0 and stage is not None:
+        if k == 0 and stage is not None and args.pp == 1:   # the roofline of the whole model on one GPU
             total, active = active_bytes(stage.model)
             report.update(weight_GB=round(total / 1e9, 2), active_GB_per_token=round(active / 1e9, 2),
                           copy_bandwidth_TBps=round(bandwidth / 1e12, 2),
                           roofline_tokens_per_s_batch1=round(bandwidth / active, 1),
                           cuda_graphs=stage.graphs is not None)
+        stage = None                          # hold nothing of the engine past its close (its KV cache)
         for b, prompts in groups.items():
             eng.run(prompts, args.new_tokens)                       # warm-up on the timed shape
             for _ in range(args.repeats):

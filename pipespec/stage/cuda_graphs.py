@@ -153,15 +153,13 @@ class CudaGraphs:
                           mtp_input_ids=ints.mtp_input_ids[:n], state_slots=ints.state_slots[:b],
                           state_commit=ints.state_commit[:b], req_num_drafts=self.num_drafts[:b])
 
-    def _context(self, layout: StepLayout, attn) -> ForwardContext:
-        ctx = ForwardContext(layout.positions, layout.slot_mapping, self.backend, attn, self.kv_caches)
+    def _forward(self, layout: StepLayout, ctx: ForwardContext) -> Forward:
         if self.linear_states is not None:
+            # built inside the capture: its tensors (which requests start fresh, ...) live in the
+            # graph's pool and are recomputed from the static inputs at every replay
             ctx.linear = LinearMeta.build(layout.query_start_loc, layout.positions, layout.state_slots,
                                           layout.state_commit, layout.req_num_drafts, self.linear_states,
                                           LinearFlags.steady(self.num_spec_tokens))
-        return ctx
-
-    def _forward(self, layout: StepLayout, ctx: ForwardContext) -> Forward:
         n = layout.input_ids.shape[0]
         inbound = None if self.is_first else self.inbound[:, :n]
         hidden, residual = run_target(self.model, ctx, layout.input_ids, inbound)
@@ -185,7 +183,7 @@ class CudaGraphs:
             layout = self._layout(b)
             attn = self.backend.capture_metadata(layout.query_start_loc, layout.seq_lens, layout.positions,
                                                  layout.block_tables, self.block_size, self.rows_per_req)
-            ctx = self._context(layout, attn)
+            ctx = ForwardContext(layout.positions, layout.slot_mapping, self.backend, attn, self.kv_caches)
             graph, out = self._capture(pool, lambda: self._forward(layout, ctx))
             bucket = _Bucket(layout, graph, out, attn)
             if self.drafting:

@@ -130,13 +130,18 @@ def _indexer_types(cfg: dict) -> list[str]:
     return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
 
 
+# every layer sparse, with its indexer: transformers 5.24 writes the first name, 5.17 the second
+_SPARSE = ("indexed_attention", "deepseek_sparse_attention")
+
+
 def parse_index(cfg: dict) -> IndexConfig | None:
     model_type = cfg.get("model_type")
     if model_type not in ("deepseek_v32", "glm_moe_dsa"):
         return None
-    kinds = set(cfg.get("layer_types") or ["indexed_attention"])
-    if kinds != {"indexed_attention"}:
-        raise ValueError(f"unsupported layer_types {sorted(kinds)}; pipespec supports indexed_attention")
+    kinds = set(cfg.get("layer_types") or [_SPARSE[0]])
+    if not kinds <= set(_SPARSE):
+        raise ValueError(f"unsupported layer_types {sorted(kinds)}; pipespec supports {' / '.join(_SPARSE)} "
+                         "(every layer with the indexer)")
     shared = ()
     if model_type == "glm_moe_dsa":
         shared = tuple(i for i, kind in enumerate(_indexer_types(cfg)) if kind == "shared")

@@ -87,3 +87,16 @@ def test_a_stage_cannot_start_at_a_layer_reusing_an_earlier_selection():
     DeepseekV3ForCausalLM(arch, (2, 4))
     with pytest.raises(ValueError, match="layer 1 is 'shared'"):
         DeepseekV3ForCausalLM(arch, (1, 4))
+
+
+@pytest.mark.parametrize("kinds,ok", [(["indexed_attention"], True), (["deepseek_sparse_attention"], True),
+                                      (["full_attention"], False)])
+def test_both_transformers_names_of_the_sparse_layer_type_are_read(kinds, ok):
+    """transformers 5.24 writes layer_types 'indexed_attention', 5.17 'deepseek_sparse_attention'."""
+    from pipespec.model.deepseek.config import parse_index
+    cfg = dict(tiny.hf_config("v32").to_dict(), layer_types=kinds * tiny.V32["num_hidden_layers"])
+    if ok:
+        assert parse_index(cfg).topk == tiny.V32["index_topk"]
+    else:
+        with pytest.raises(ValueError, match="unsupported layer_types"):
+            parse_index(cfg)
