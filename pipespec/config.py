@@ -101,6 +101,8 @@ _BACKENDS = ("auto", "gloo", "nccl")
 @dataclass(frozen=True)
 class ParallelConfig:
     pipeline_parallel_size: int = 1
+    # ranks of each stage, splitting its heads, intermediate size and vocabulary (T x P ranks in all)
+    tensor_parallel_size: int = 1
     # layers of each stage, e.g. (10, 10, 10) or "10,10,10"; None: as even as possible, extra
     # layers going to the first stages (the last one also runs the LM head)
     pp_layer_partition: tuple[int, ...] | str | None = None
@@ -117,6 +119,9 @@ class ParallelConfig:
         p = self.pipeline_parallel_size
         _require(isinstance(p, int) and not isinstance(p, bool) and p >= 1,
                  f"pipeline_parallel_size must be an integer >= 1, got {p!r}")
+        t = self.tensor_parallel_size
+        _require(isinstance(t, int) and not isinstance(t, bool) and t >= 1,
+                 f"tensor_parallel_size must be an integer >= 1, got {t!r}")
         part = self.pp_layer_partition
         if part is not None:
             if isinstance(part, str):
@@ -139,6 +144,11 @@ class ParallelConfig:
         _require(self.threads_per_stage is None or (isinstance(self.threads_per_stage, int)
                                                     and self.threads_per_stage >= 1),
                  f"threads_per_stage must be an integer >= 1, got {self.threads_per_stage!r}")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in all: T per stage, P stages."""
+        return self.pipeline_parallel_size * self.tensor_parallel_size
 
     def layer_ranges(self, num_layers: int) -> list[tuple[int, int]]:
         """[start, end) of each stage's layers, checked against the model's layer count."""

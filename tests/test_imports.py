@@ -12,7 +12,7 @@ ROOT = Path(pipespec.__file__).parent
 
 # higher layers may import lower ones, never the reverse
 LAYERS = {
-    "config": 0, "sampling": 0, "plan": 0, "layout": 0,
+    "config": 0, "sampling": 0, "plan": 0, "layout": 0, "parallel": 0,
     "kernels": 1,
     "model": 2,
     "heads": 3,

@@ -37,9 +37,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='MTP speculative decoding, e.g. \'{"method": "mtp", "num_speculative_tokens": 3}\' '
                         '(add "model": PATH for a head file)')
-    pp = p.add_argument_group("pipeline parallelism")
+    pp = p.add_argument_group("pipeline and tensor parallelism")
     pp.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None,
-                    help="pipeline stages, one process each (default: 1, or WORLD_SIZE under torchrun)")
+                    help="pipeline stages (default: 1, or WORLD_SIZE / tensor-parallel size under torchrun)")
+    pp.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                    help="ranks (GPUs) per stage, splitting its heads, intermediate size and vocabulary; "
+                         "T x P processes in all (default: 1)")
     pp.add_argument("--pp-layer-partition", default=None, metavar="N,N,...",
                     help="layers of each stage, e.g. 10,10,10 (default: as even as possible)")
     pp.add_argument("--stage-timeout", type=float, default=30.0,
@@ -60,15 +63,21 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_chunked_prefill=not args.no_chunked_prefill,
                 long_prefill_token_threshold=args.long_prefill_token_threshold,
-                pipeline_parallel_size=_pipeline_size(args.pipeline_parallel_size),
+                pipeline_parallel_size=_pipeline_size(args.pipeline_parallel_size, args.tensor_parallel_size),
+                tensor_parallel_size=args.tensor_parallel_size,
                 pp_layer_partition=args.pp_layer_partition, stage_timeout=args.stage_timeout,
                 distributed_backend=args.distributed_backend, threads_per_stage=args.threads_per_stage,
                 speculative_config=args.speculative_config)
 
 
-def _pipeline_size(asked: int | None) -> int:
+def _pipeline_size(asked: int | None, tp: int) -> int:
     if asked is not None:
         return asked
     from pipespec.runtime.launch import torchrun_env
     env = torchrun_env()
-    return env.world_size if env is not None else 1
+    if env is None:
+        return 1
+    if tp < 1 or env.world_size % tp:
+        raise ValueError(f"torchrun started {env.world_size} processes, which --tensor-parallel-size {tp} "
+                         "does not divide")
+    return env.world_size // tp

@@ -1,6 +1,7 @@
-"""How the engine gets its stages: one Stage per pipeline rank, each with its own config (device), in
-this process (PP = 1), in spawned workers, or in a torchrun world; and the entry point of a torchrun
-rank > 0, which serves its stage until the driver stops it.
+"""How the engine gets its stages: one Stage per rank (T ranks per pipeline stage, rank = stage * T +
+tp_rank), each with its own config (device) and its `TensorParallel` place, in this process (one
+rank), in spawned workers, or in a torchrun world; and the entry point of a torchrun rank > 0, which
+serves its stage until the driver stops it.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from pipespec.config import EngineConfig
 from pipespec.model.placement import weights_dtype
 from pipespec.model.source import ModelSource, resolve_model
+from pipespec.parallel import TensorParallel
 from pipespec.runtime import launch
 from pipespec.runtime.cpu_threads import capped_threads, stage_threads, usable_cores
 from pipespec.runtime.executor import Executor, LocalExecutor
@@ -32,9 +34,9 @@ def check_max_model_len(asked: int | None, model_max: int) -> int:
 
 
 def _stage_config(config: EngineConfig, rank: int, env: launch.TorchrunEnv | None) -> EngineConfig:
-    """Stage `rank`'s config: with PP > 1 on CUDA every stage gets its own GPU (cuda:rank on one
+    """Rank `rank`'s config: with several ranks on CUDA every rank gets its own GPU (cuda:rank on one
     machine, cuda:LOCAL_RANK under torchrun)."""
-    p = config.parallel.pipeline_parallel_size
+    p = config.parallel.world_size
     device = config.model.device
     if p == 1:
         return config
@@ -43,8 +45,8 @@ def _stage_config(config: EngineConfig, rank: int, env: launch.TorchrunEnv | Non
     if device == "cpu":
         return config if config.model.device == "cpu" else _with_device(config, "cpu")
     if device != "cuda":
-        raise ValueError(f"with pipeline_parallel_size > 1 give device='cuda' (stage i then runs on "
-                         f"cuda:i, or cuda:LOCAL_RANK under torchrun) or 'cpu', not {device!r}")
+        raise ValueError(f"with pipeline_parallel_size or tensor_parallel_size > 1 give device='cuda' (rank "
+                         f"i then runs on cuda:i, or cuda:LOCAL_RANK under torchrun) or 'cpu', not {device!r}")
     if env is not None:
         return _with_device(config, f"cuda:{env.local_rank}")
     count = torch.cuda.device_count()
@@ -52,9 +54,9 @@ def _stage_config(config: EngineConfig, rank: int, env: launch.TorchrunEnv | Non
         raise ValueError("device 'cuda' was asked for, but CUDA is not available")
     if count < p:
         if config.parallel.distributed_backend != "gloo":
-            raise ValueError(f"pipeline_parallel_size={p} on CUDA needs {p} GPUs, found {count} "
-                             "(distributed_backend='gloo' lets stages share GPUs, for testing)")
-        logger.warning("%d stages share %d GPU(s)", p, count)
+            raise ValueError(f"pipeline_parallel_size x tensor_parallel_size = {p} ranks on CUDA needs {p} "
+                             f"GPUs, found {count} (distributed_backend='gloo' lets ranks share GPUs, for testing)")
+        logger.warning("%d ranks share %d GPU(s)", p, count)
     return _with_device(config, f"cuda:{rank % count}")
 
 
@@ -64,29 +66,40 @@ def _with_device(config: EngineConfig, device: str) -> EngineConfig:
 
 def _worker_settings(config: EngineConfig, hidden_size: int, env: launch.TorchrunEnv | None) -> WorkerSettings:
     par = config.parallel
-    p = par.pipeline_parallel_size
     on_cpu = config.model.device == "cpu" or (config.model.device == "auto" and not torch.cuda.is_available())
-    threads = stage_threads(par.threads_per_stage, on_cpu, env.local_world_size if env is not None else p)
-    return WorkerSettings(world_size=p, hidden_size=hidden_size, num_spec_tokens=config.num_spec_tokens, stage_timeout=par.stage_timeout,
+    threads = stage_threads(par.threads_per_stage, on_cpu, env.local_world_size if env is not None else par.world_size)
+    return WorkerSettings(world_size=par.pipeline_parallel_size, hidden_size=hidden_size,
+                          num_spec_tokens=config.num_spec_tokens, stage_timeout=par.stage_timeout,
                           startup_timeout=par.startup_timeout, backend=par.distributed_backend,
                           threads=threads, check=par.check_collectives,
-                          log_level=logging.getLogger("pipespec").getEffectiveLevel())
+                          log_level=logging.getLogger("pipespec").getEffectiveLevel(),
+                          tensor_parallel_size=par.tensor_parallel_size)
 
 
 def _torchrun_env(config: EngineConfig) -> launch.TorchrunEnv | None:
     env = launch.torchrun_env()
-    p = config.parallel.pipeline_parallel_size
-    if env is not None and env.world_size != p:
-        raise ValueError(f"launched by torchrun with WORLD_SIZE={env.world_size}, but "
-                         f"pipeline_parallel_size is {p}; they must be equal")
+    par = config.parallel
+    if env is not None and env.world_size != par.world_size:
+        raise ValueError(f"launched by torchrun with WORLD_SIZE={env.world_size}, but pipeline_parallel_size x "
+                         f"tensor_parallel_size is {par.pipeline_parallel_size} x {par.tensor_parallel_size}; "
+                         "they must be equal")
     return env
+
+
+def _make_stage(source: ModelSource, config: EngineConfig, ranges, max_model_len: int, rank: int,
+                env: launch.TorchrunEnv | None):
+    """Rank `rank`'s stage factory (picklable: spawned workers call it)."""
+    t = config.parallel.tensor_parallel_size
+    tp = TensorParallel(rank % t, t) if t > 1 else None
+    return functools.partial(Stage, source, _stage_config(config, rank, env), ranges[rank // t], max_model_len,
+                             tp=tp)
 
 
 def build_executor(config: EngineConfig, source: ModelSource, max_model_len: int) -> Executor:
     """LocalExecutor for one stage, PipelineExecutor (spawned workers or a torchrun world) for more."""
     par = config.parallel
     ranges = par.layer_ranges(source.arch.num_layers)
-    if par.pipeline_parallel_size == 1:
+    if par.world_size == 1:
         torch.set_num_threads(par.threads_per_stage or capped_threads(torch.get_num_threads(), usable_cores()))
         return LocalExecutor(functools.partial(Stage, source, config, ranges[0], max_model_len),
                              source.arch.hidden_size, config.num_spec_tokens)
@@ -94,13 +107,12 @@ def build_executor(config: EngineConfig, source: ModelSource, max_model_len: int
     if env is not None and env.rank != 0:
         raise RuntimeError(f"rank {env.rank} of a torchrun launch runs a stage worker, not an engine; "
                            "start it with `python -m pipespec ...` (or pipespec.engine.stages.run_stage_worker)")
-    ranks = [0] if env is not None else range(par.pipeline_parallel_size)
-    factories = [None] * par.pipeline_parallel_size
+    ranks = [0] if env is not None else range(par.world_size)
+    factories = [None] * par.world_size
     for r in ranks:
-        factories[r] = functools.partial(Stage, source, _stage_config(config, r, env), ranges[r],
-                                         max_model_len)
-    logger.info("pipeline of %d stages, layers %s", par.pipeline_parallel_size,
-                ", ".join(f"{a}-{b - 1}" for a, b in ranges))
+        factories[r] = _make_stage(source, config, ranges, max_model_len, r, env)
+    logger.info("pipeline of %d stages x %d TP ranks, layers %s", par.pipeline_parallel_size,
+                par.tensor_parallel_size, ", ".join(f"{a}-{b - 1}" for a, b in ranges))
     return PipelineExecutor(factories, _worker_settings(config, source.arch.hidden_size, env), torchrun=env)
 
 
@@ -112,6 +124,5 @@ def run_stage_worker(config: EngineConfig) -> int:
     source = resolve_model(config.model.model, weights_dtype(config))
     max_model_len = check_max_model_len(config.model.max_model_len, source.arch.max_position)
     ranges = config.parallel.layer_ranges(source.arch.num_layers)
-    make_stage = functools.partial(Stage, source, _stage_config(config, env.rank, env), ranges[env.rank],
-                                   max_model_len)
+    make_stage = _make_stage(source, config, ranges, max_model_len, env.rank, env)
     return run_torchrun_worker(make_stage, _worker_settings(config, source.arch.hidden_size, env))

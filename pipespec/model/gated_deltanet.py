@@ -14,6 +14,11 @@ run it (a few rows, inside CUDA graphs), and it is the oracle of the GPU kernels
 a GPU run fla-core's chunked kernel when it is installed (`kernels/fla_delta_rule.py`).
 
 States, candidates for verify rows and the step's view of them: `model/linear_state.py`.
+
+With tensor parallelism each rank keeps linear_num_key_heads / T key heads and their value heads:
+its rows of the input projection (q, k, v, z, b, a of its heads; in Qwen3-Next's fused layout a
+contiguous block of key-head groups), of the depthwise conv, dt_bias and A_log, and its columns of
+out_proj (which all-reduces). The recurrence is per head, so its states hold only its own heads.
 """
 from __future__ import annotations
 
@@ -24,6 +29,8 @@ from torch import nn
 from pipespec.kernels.fla_delta_rule import chunked_delta_rule, fla_available
 from pipespec.model.hybrid_config import HybridConfig
 from pipespec.model.linear_state import LinearMeta, LinearState, StateShape
+from pipespec.model.tp_layers import SINGLE, RowParallelLinear, Shard
+from pipespec.parallel import TensorParallel
 
 
 def use_chunked_kernel(x: torch.Tensor, meta: LinearMeta) -> bool:
@@ -80,12 +87,16 @@ class GatedRMSNorm(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, hidden: int, cfg: HybridConfig, eps: float):
+    def __init__(self, hidden: int, cfg: HybridConfig, eps: float, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.hk, self.hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        if self.hv % self.hk:
-            raise ValueError(f"linear_num_value_heads={self.hv} is not a multiple of linear_num_key_heads={self.hk}")
+        if hv % hk:
+            raise ValueError(f"linear_num_value_heads={hv} is not a multiple of linear_num_key_heads={hk}")
+        k0, self.hk = tp.split(hk, "linear_num_key_heads")        # this rank's key heads
+        r = hv // hk
+        self.hv = self.hk * r                                      # and their value heads
+        self.tp, self._heads = tp, (hk, hv, k0, k0 * r)
         self.key_size, self.value_size = self.hk * self.dk, self.hv * self.dv
         self.conv_dim = 2 * self.key_size + self.value_size
         self.kernel = cfg.conv_kernel
@@ -97,7 +108,26 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(self.hv))
         self.A_log = nn.Parameter(torch.zeros(self.hv))
         self.norm = GatedRMSNorm(self.dv, eps)
-        self.out_proj = nn.Linear(self.value_size, hidden, bias=False)
+        self.out_proj = RowParallelLinear(hv * self.dv, hidden, False, tp, "linear value heads * head dim")
+
+    def checkpoint_shards(self) -> dict[str, Shard]:
+        """This rank's rows of the input projection's parts, the conv, dt_bias and A_log."""
+        if self.tp.size == 1:
+            return {}
+        hk, hv, k0, v0 = self._heads
+        nk, nv, dk, dv = self.hk, self.hv, self.dk, self.dv
+        qkv = ((k0 * dk, (k0 + nk) * dk), (hk * dk + k0 * dk, hk * dk + (k0 + nk) * dk),
+               (2 * hk * dk + v0 * dv, 2 * hk * dk + (v0 + nv) * dv))
+        conv_full = 2 * hk * dk + hv * dv
+        if self.fused:         # per key head: [q | k | v of its value heads | z of them], then [b | a]
+            w1, w2 = 2 * dk + 2 * (hv // hk) * dv, 2 * (hv // hk)
+            in_proj = Shard(0, ((k0 * w1, (k0 + nk) * w1), (k0 * w2, (k0 + nk) * w2)), (hk * w1, hk * w2))
+        else:
+            in_proj = Shard(0, (qkv, (v0 * dv, (v0 + nv) * dv), (v0, v0 + nv), (v0, v0 + nv)),
+                            (conv_full, hv * dv, hv, hv))
+        heads = Shard(0, ((v0, v0 + nv),), (hv,))
+        return {"in_proj.weight": in_proj, "conv1d.weight": Shard(0, (qkv,), (conv_full,)),
+                "dt_bias": heads, "A_log": heads}
 
     def checkpoint_parts(self) -> list[str]:
         return ["in_proj_qkvz", "in_proj_ba"] if self.fused else ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"]

@@ -15,6 +15,8 @@ from pipespec.model.deepseek.config import MoEConfig, YaRN, parse_moe, parse_yar
 from pipespec.model.deepseek.model import DecoderLayer, DeepseekV3ForCausalLM
 from pipespec.model.deepseek.rope import SliceRope
 from pipespec.model.layers import RMSNorm
+from pipespec.model.tp_layers import SINGLE, RowParallelLinear, qkv_parallel
+from pipespec.parallel import TensorParallel
 
 
 @dataclass(frozen=True)
@@ -38,13 +40,15 @@ def parse_glm(cfg: dict) -> GlmConfig:
 
 
 class GlmAttention(nn.Module):
-    def __init__(self, arch: ArchConfig, cfg: GlmConfig):
+    def __init__(self, arch: ArchConfig, cfg: GlmConfig, tp: TensorParallel = SINGLE):
         super().__init__()
         h, d = arch.hidden_size, cfg.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim, self.rotary_dim = arch.num_heads, arch.num_kv_heads, d, cfg.rotary_dim
-        self.q_size, self.kv_size = arch.num_heads * d, arch.num_kv_heads * d
-        self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, h, bias=False)
+        # this rank's heads (KV heads split, or replicated when fewer than T)
+        self.qkv_proj, self.num_heads, self.num_kv_heads = qkv_parallel(
+            h, arch.num_heads, arch.num_kv_heads, d, cfg.attention_bias, tp)
+        self.head_dim, self.rotary_dim = d, cfg.rotary_dim
+        self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
+        self.o_proj = RowParallelLinear(arch.num_heads * d, h, False, tp, "num_attention_heads * head_dim")
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, arch.rms_norm_eps)
@@ -66,8 +70,8 @@ class GlmAttention(nn.Module):
         return self.o_proj(out.reshape(t, self.q_size))
 
 
-def make_glm_layer(arch: ArchConfig, cfg: GlmConfig, index: int) -> DecoderLayer:
-    return DecoderLayer(arch, cfg.moe, index, GlmAttention(arch, cfg))
+def make_glm_layer(arch: ArchConfig, cfg: GlmConfig, index: int, tp: TensorParallel = SINGLE) -> DecoderLayer:
+    return DecoderLayer(arch, cfg.moe, index, GlmAttention(arch, cfg, tp), tp)
 
 
 def make_glm_rope(cfg: GlmConfig, max_position: int) -> SliceRope:

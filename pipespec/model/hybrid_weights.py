@@ -63,6 +63,11 @@ class HybridWeights:
         tensor = self._slice(real)[expert]           # reads one expert, not the whole fused tensor
         return (tensor if rows is None else tensor[rows]).contiguous()
 
+    def get_slice(self, name: str):
+        """A lazy view of one tensor (a tensor-parallel rank reads its rows only)."""
+        real, part = self._map[name]
+        return self._slice(real) if part is None else _Whole(self.get(name))
+
     def _slice(self, name: str):
         if hasattr(self.source, "get_slice"):
             return self.source.get_slice(name)

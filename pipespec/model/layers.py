@@ -9,6 +9,8 @@ from torch import nn
 
 from pipespec import kernels
 from pipespec.model.arch import ArchConfig
+from pipespec.model.tp_layers import SINGLE, Shard, gate_up_parallel, gather_vocab, RowParallelLinear, vocab_shard
+from pipespec.parallel import TensorParallel
 
 
 def head_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -27,6 +29,21 @@ class LMHead(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return head_logits(x, self.weight)
+
+
+class ParallelLMHead(LMHead):
+    """An LM head holding this rank's vocabulary rows (tp_layers.py); `forward` returns the full
+    logits, gathered in rank order."""
+
+    def __init__(self, hidden: int, vocab: int, tp: TensorParallel = SINGLE):
+        super().__init__(hidden, tp.vocab_range(vocab)[1], bias=False)
+        self.tp, self.vocab = tp, vocab
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gather_vocab(head_logits(x, self.weight), self.tp, self.vocab)
+
+    def checkpoint_shards(self) -> dict[str, Shard]:
+        return {"weight": vocab_shard(self.vocab, self.tp)} if self.tp.size > 1 else {}
 
 
 class RMSNorm(nn.Module):
@@ -113,11 +130,15 @@ def apply_rope(x: torch.Tensor, rope: Rope) -> torch.Tensor:
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int):
+    """SiLU-gated MLP; with TP its gate/up columns and down rows are this rank's slice of the
+    intermediate size, and down_proj all-reduces."""
+
+    def __init__(self, hidden: int, intermediate: int, tp: TensorParallel = SINGLE, reduce: bool = True,
+                 what: str = "intermediate_size"):
         super().__init__()
-        self.intermediate = intermediate
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)   # gate and up, fused
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        # gate and up, fused
+        self.gate_up_proj, self.intermediate = gate_up_parallel(hidden, intermediate, tp, what)
+        self.down_proj = RowParallelLinear(intermediate, hidden, False, tp, what, reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if kernels.enabled(x):

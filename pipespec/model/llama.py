@@ -3,6 +3,10 @@
 A model instance holds one pipeline stage's slice of layers `[start, end)`: the first stage also
 owns the embedding, the last the final norm and the LM head. Parameter names are the Hugging Face
 checkpoint names with global layer indices, so a stage loads exactly the tensors it names.
+
+With tensor parallelism (`tp`, size T) each rank keeps num_heads / T query heads and its KV heads
+(split, or one replicated when there are fewer than T), a slice of the intermediate size, and the
+vocabulary rows of the embedding and head; o_proj and down_proj all-reduce (`tp_layers.py`).
 """
 from __future__ import annotations
 
@@ -13,18 +17,22 @@ from pipespec.model.arch import ArchConfig
 from pipespec.model.attention import CacheShape, ForwardContext, KVCache
 from pipespec.model.layers import GatedMLP, RMSNorm, Rope, RotaryEmbedding, apply_rope
 from pipespec.model.slice import SliceModel, StageSlice, layer_span
+from pipespec.model.tp_layers import SINGLE, RowParallelLinear, qkv_parallel
 from pipespec.model.weights import fused_parts
+from pipespec.parallel import TensorParallel
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: ArchConfig):
+    def __init__(self, arch: ArchConfig, tp: TensorParallel = SINGLE):
         super().__init__()
         h, d = arch.hidden_size, arch.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, d
-        # q, k and v projections fused into one matrix (loaded from the three checkpoint tensors)
-        self.q_size, self.kv_size = arch.num_heads * d, arch.num_kv_heads * d
-        self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
-        self.o_proj = nn.Linear(arch.num_heads * d, h, bias=arch.o_bias)
+        # q, k and v projections fused into one matrix (loaded from the three checkpoint tensors),
+        # this rank's heads of each
+        self.qkv_proj, self.num_heads, self.num_kv_heads = qkv_parallel(
+            h, arch.num_heads, arch.num_kv_heads, d, arch.qkv_bias, tp)
+        self.head_dim = d
+        self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
+        self.o_proj = RowParallelLinear(arch.num_heads * d, h, arch.o_bias, tp, "num_attention_heads * head_dim")
         if arch.qk_norm:
             self.q_norm = RMSNorm(d, arch.rms_norm_eps)
             self.k_norm = RMSNorm(d, arch.rms_norm_eps)
@@ -45,12 +53,12 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ArchConfig):
+    def __init__(self, arch: ArchConfig, tp: TensorParallel = SINGLE):
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = Attention(arch)
+        self.self_attn = Attention(arch, tp)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size)
+        self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size, tp)
 
     def forward(self, hidden, residual, rope, cache, ctx):
         if residual is None:
@@ -67,18 +75,19 @@ class LlamaForCausalLM(StageSlice):
     """One stage of a Llama-family causal LM (the whole model when the range covers every layer)."""
 
     def __init__(self, arch: ArchConfig, layer_range: tuple[int, int] | None = None,
-                 max_position: int | None = None):
+                 max_position: int | None = None, tp: TensorParallel = SINGLE):
         super().__init__()
         start, end = layer_span(arch, layer_range)
-        self.arch = arch
-        self.model = SliceModel(arch, {i: DecoderLayer(arch) for i in range(start, end)},
-                                RotaryEmbedding(arch, max_position or arch.max_position))
+        self.arch, self.tp = arch, tp
+        self.model = SliceModel(arch, {i: DecoderLayer(arch, tp) for i in range(start, end)},
+                                RotaryEmbedding(arch, max_position or arch.max_position), tp=tp)
         self._init_head()
 
     def cache_shapes(self) -> list[CacheShape]:
         """The paged cache of each local layer, in `ctx.kv_caches` order."""
         a = self.arch
-        return [CacheShape(a.num_kv_heads, a.head_dim, a.head_dim)] * self.num_local_layers
+        kv_heads = next(iter(self.model.layers.values())).self_attn.num_kv_heads   # this rank's
+        return [CacheShape(kv_heads, a.head_dim, a.head_dim)] * self.num_local_layers
 
     def checkpoint_names(self) -> dict[str, list[str]]:
         """Parameter name -> the checkpoint tensors it is loaded from (concatenated along dim 0)."""

@@ -8,6 +8,11 @@
   For text-only input Qwen3.5's multimodal rotary is 1-D rotary at the token positions.
 - MLP: dense SwiGLU, or MoE on the layers the config names.
 
+With tensor parallelism (`tp`) each rank keeps its attention heads (KV heads split or replicated),
+its Gated DeltaNet key heads with their value heads (gated_deltanet.py), its routed experts and its
+slice of the MLPs' intermediate sizes (moe.py), and its vocabulary rows; each of its states and KV
+caches holds its own heads only.
+
 A stage holds layers [start, end) as `LlamaForCausalLM` does. Full-attention layers use the paged KV
 cache (`cache_shapes`); linear-attention layers use per-request state slots (`state_shapes`,
 `ctx.linear`), never a KV cache.
@@ -27,7 +32,9 @@ from pipespec.model.layers import GatedMLP, RotaryEmbedding, apply_rope
 from pipespec.model.moe import SparseMoE
 from pipespec.model.norms import ZeroCentredRMSNorm
 from pipespec.model.slice import SliceModel, StageSlice, layer_span
+from pipespec.model.tp_layers import SINGLE, ColumnParallelLinear, RowParallelLinear, kv_head_range
 from pipespec.model.weights import fused_parts
+from pipespec.parallel import TensorParallel
 
 
 def rotary_dim(arch: ArchConfig) -> int:
@@ -40,15 +47,20 @@ def partial_rotary(arch: ArchConfig, max_position: int) -> RotaryEmbedding:
 
 
 class GatedAttention(nn.Module):
-    def __init__(self, arch: ArchConfig):
+    def __init__(self, arch: ArchConfig, tp: TensorParallel = SINGLE):
         super().__init__()
         h, d = arch.hidden_size, arch.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, d
+        q0, nq = tp.split(arch.num_heads, "num_attention_heads")
+        k0, nk = kv_head_range(arch.num_kv_heads, tp)
+        self.num_heads, self.num_kv_heads, self.head_dim = nq, nk, d
         self.rot = rotary_dim(arch)
-        # q_proj (query and gate, interleaved per head), k_proj and v_proj fused into one matrix
-        self.q_size, self.kv_size = 2 * arch.num_heads * d, arch.num_kv_heads * d
-        self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
-        self.o_proj = nn.Linear(arch.num_heads * d, h, bias=arch.qkv_bias)
+        # q_proj (query and gate, interleaved per head), k_proj and v_proj fused into one matrix: this
+        # rank's heads of each
+        self.q_size, self.kv_size = 2 * nq * d, nk * d
+        self.qkv_proj = ColumnParallelLinear(h, [(q0 * 2 * d, nq * 2 * d), (k0 * d, nk * d), (k0 * d, nk * d)],
+                                             arch.qkv_bias, [arch.num_heads * 2 * d, arch.num_kv_heads * d,
+                                                             arch.num_kv_heads * d])
+        self.o_proj = RowParallelLinear(arch.num_heads * d, h, arch.qkv_bias, tp, "num_attention_heads * head_dim")
         self.q_norm = ZeroCentredRMSNorm(d, arch.rms_norm_eps)
         self.k_norm = ZeroCentredRMSNorm(d, arch.rms_norm_eps)
 
@@ -65,26 +77,27 @@ class GatedAttention(nn.Module):
         return self.o_proj(out)
 
 
-def make_mlp(arch: ArchConfig, layer: int, moe: bool | None = None) -> nn.Module:
+def make_mlp(arch: ArchConfig, layer: int, moe: bool | None = None, tp: TensorParallel = SINGLE) -> nn.Module:
     c = arch.hybrid
     if (layer in c.moe_layers) if moe is None else moe:
         return SparseMoE(arch.hidden_size, c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size,
-                         c.shared_expert_intermediate_size, c.norm_topk_prob)
-    return GatedMLP(arch.hidden_size, arch.intermediate_size)
+                         c.shared_expert_intermediate_size, c.norm_topk_prob, tp)
+    return GatedMLP(arch.hidden_size, arch.intermediate_size, tp)
 
 
 class HybridDecoderLayer(nn.Module):
-    def __init__(self, arch: ArchConfig, layer: int, linear: bool | None = None, moe: bool | None = None):
+    def __init__(self, arch: ArchConfig, layer: int, linear: bool | None = None, moe: bool | None = None,
+                 tp: TensorParallel = SINGLE):
         super().__init__()
         self.linear = arch.hybrid.layer_types[layer] == LINEAR if linear is None else linear
         h, eps = arch.hidden_size, arch.rms_norm_eps
         self.input_layernorm = ZeroCentredRMSNorm(h, eps)
         if self.linear:
-            self.linear_attn = GatedDeltaNet(h, arch.hybrid, eps)
+            self.linear_attn = GatedDeltaNet(h, arch.hybrid, eps, tp)
         else:
-            self.self_attn = GatedAttention(arch)
+            self.self_attn = GatedAttention(arch, tp)
         self.post_attention_layernorm = ZeroCentredRMSNorm(h, eps)
-        self.mlp = make_mlp(arch, layer, moe)
+        self.mlp = make_mlp(arch, layer, moe, tp)
 
     def forward(self, hidden, residual, rope, cache, ctx, state=None):
         """`cache`: this layer's paged KV (full attention); `state`: its linear-attention states."""
@@ -122,20 +135,21 @@ class Qwen3NextForCausalLM(StageSlice):
     """One stage of a Qwen3-Next / Qwen3.5 / Qwen3.6 model (the whole model when the range covers it)."""
 
     def __init__(self, arch: ArchConfig, layer_range: tuple[int, int] | None = None,
-                 max_position: int | None = None):
+                 max_position: int | None = None, tp: TensorParallel = SINGLE):
         super().__init__()
         if arch.hybrid is None:
             raise ValueError(f"model_type {arch.model_type!r} has no linear-attention config")
         start, end = layer_span(arch, layer_range)
-        self.arch = arch
-        self.model = SliceModel(arch, {i: HybridDecoderLayer(arch, i) for i in range(start, end)},
-                                partial_rotary(arch, max_position or arch.max_position), norm=ZeroCentredRMSNorm)
+        self.arch, self.tp = arch, tp
+        self.model = SliceModel(arch, {i: HybridDecoderLayer(arch, i, tp=tp) for i in range(start, end)},
+                                partial_rotary(arch, max_position or arch.max_position), norm=ZeroCentredRMSNorm,
+                                tp=tp)
         self._init_head()
 
     def cache_shapes(self) -> list[CacheShape]:
         """One paged cache per local full-attention layer, in layer order (`ctx.kv_caches`)."""
         a = self.arch
-        return [CacheShape(a.num_kv_heads, a.head_dim, a.head_dim)
+        return [CacheShape(layer.self_attn.num_kv_heads, a.head_dim, a.head_dim)     # this rank's KV heads
                 for layer in self.model.layers.values() if not layer.linear]
 
     def state_shapes(self) -> list[StateShape]:

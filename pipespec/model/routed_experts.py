@@ -7,6 +7,11 @@ dtypes there (float32 test runs) multiply by each pair's gathered expert weights
 so a step with MoE layers can be captured in a CUDA graph, and the weights are read once per step
 whatever the batch. The per-slot outputs are put back in (token, slot) order and summed over the
 slots, so the result does not depend on how the experts' rows were ordered.
+
+With tensor parallelism a rank holds experts [first, first + E_local) only (`first` given): pairs
+routed to other ranks' experts ride along in its last expert's group (so the groups still cover
+every row, as a grouped GEMM may require, with no data-dependent shape) and their outputs are masked
+to zero here (their own rank adds them; the caller all-reduces).
 """
 from __future__ import annotations
 
@@ -15,15 +20,22 @@ import torch.nn.functional as F
 
 
 def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                   down: torch.Tensor) -> torch.Tensor:
+                   down: torch.Tensor, first: int | None = None) -> torch.Tensor:
     """sum over slots j of weights[t, j] * expert_{ids[t, j]}(x[t]).
 
     x [T, H]; ids [T, k] int64; weights [T, k]; gate_up [E, 2I, H] (per expert: gate rows, then up
-    rows); down [E, H, I]. Returns [T, H] in x's dtype."""
+    rows); down [E, H, I]. Returns [T, H] in x's dtype. `first`: the global id of gate_up's first
+    expert when this rank holds only some (pairs routed elsewhere contribute nothing)."""
     t, k = ids.shape
+    e = gate_up.shape[0]
     flat = ids.reshape(-1)
+    mine = None
+    if first is not None:                                 # another rank's experts: into the last group
+        flat = flat - first
+        mine = (flat >= 0) & (flat < e)
+        flat = torch.where(mine, flat, torch.full_like(flat, e - 1))
     order = flat.argsort(stable=True)                     # (token, slot) pairs grouped by expert
-    counts = torch.zeros(gate_up.shape[0], dtype=torch.int32, device=x.device)
+    counts = torch.zeros(e, dtype=torch.int32, device=x.device)
     counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
     ends = counts.cumsum(0, dtype=torch.int32)            # end row of each expert's group
     rows = x[order // k]
@@ -34,6 +46,8 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ga
     else:
         gate, up = torch._grouped_mm(rows, gate_up.transpose(-1, -2), offs=ends).chunk(2, dim=-1)
         y = torch._grouped_mm(F.silu(gate) * up, down.transpose(-1, -2), offs=ends)
+    if mine is not None:                                  # other ranks' pairs add nothing here
+        y = torch.where(mine[order][:, None], y, torch.zeros((), dtype=y.dtype, device=y.device))
     per_slot = torch.empty_like(y)
     per_slot[order] = y                                   # back to (token, slot) order
     w = weights.reshape(t, k, 1).float()

@@ -1,5 +1,7 @@
 """What every family's stage slice shares: its layer range, the embedding on the first stage, the
-final norm and the LM head on the last, and the head resolved at call time (DESIGN.md, I5).
+final norm and the LM head on the last, and the head resolved at call time (DESIGN.md, I5). With
+tensor parallelism the embedding and the head hold this rank's vocabulary rows and the logits are
+gathered (`tp_layers.py`); a family that splits its layers sets `self.tp` before `_init_head()`.
 
 A family subclasses `StageSlice`, builds `self.model = SliceModel(...)` from its own layers, rotary
 table and final norm, then calls `_init_head()`; its forward wraps its layers in `_embed` and
@@ -11,7 +13,9 @@ import torch
 from torch import nn
 
 from pipespec.model.arch import ArchConfig
-from pipespec.model.layers import LMHead, RMSNorm, head_logits
+from pipespec.model.layers import ParallelLMHead, RMSNorm, head_logits
+from pipespec.model.tp_layers import SINGLE, VocabParallelEmbedding, gather_vocab
+from pipespec.parallel import TensorParallel
 
 
 def layer_span(arch: ArchConfig, layer_range: tuple[int, int] | None) -> tuple[int, int]:
@@ -26,12 +30,12 @@ class SliceModel(nn.Module):
     norm on the last, and the rotary table."""
 
     def __init__(self, arch: ArchConfig, layers: dict[int, nn.Module], rotary: nn.Module,
-                 norm: type[nn.Module] = RMSNorm):
+                 norm: type[nn.Module] = RMSNorm, tp: TensorParallel = SINGLE):
         super().__init__()
         self.start, self.end = min(layers), max(layers) + 1
         self.is_first, self.is_last = self.start == 0, self.end == arch.num_layers
         if self.is_first:
-            self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+            self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp)
         self.layers = nn.ModuleDict({str(i): layer for i, layer in layers.items()})
         if self.is_last:
             self.norm = norm(arch.hidden_size, arch.rms_norm_eps)
@@ -40,12 +44,13 @@ class SliceModel(nn.Module):
 
 class StageSlice(nn.Module):
     arch: ArchConfig
+    tp: TensorParallel = SINGLE
 
     def _init_head(self) -> None:
         # A tied head on a stage without the embedding loads its own copy of the embedding matrix.
         self.owns_head = self.model.is_last and not (self.arch.tie_word_embeddings and self.model.is_first)
         if self.owns_head:
-            self.lm_head = LMHead(self.arch.hidden_size, self.arch.vocab_size, bias=False)
+            self.lm_head = ParallelLMHead(self.arch.hidden_size, self.arch.vocab_size, self.tp)
 
     @property
     def num_local_layers(self) -> int:
@@ -74,4 +79,4 @@ class StageSlice(nn.Module):
         return self.lm_head.weight if self.owns_head else self.model.embed_tokens.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return head_logits(hidden, self.head_weight())
+        return gather_vocab(head_logits(hidden, self.head_weight()), self.tp, self.arch.vocab_size)

@@ -14,6 +14,8 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from pipespec.model.tp_layers import pairs
+
 
 # fused projections of the model and the checkpoint tensors they concatenate (along dim 0)
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -78,10 +80,47 @@ class SafetensorsSource:
         return self._open[path].get_slice(name)
 
 
+def checkpoint_shards(model: torch.nn.Module) -> dict:
+    """Parameter name -> the `tp_layers.Shard` of its checkpoint tensors this rank reads, for every
+    tensor-parallel layer of `model` (a layer says so with `checkpoint_shards()`)."""
+    out = {}
+    for prefix, module in model.named_modules():
+        shards = getattr(module, "checkpoint_shards", None)
+        if callable(shards):
+            out.update({f"{prefix}.{name}" if prefix else name: s for name, s in shards().items()})
+    return out
+
+
+def _read(source: WeightSource, name: str, shard, part: int) -> torch.Tensor:
+    """One checkpoint tensor, or only this rank's slice of it: through the source's lazy slices when
+    it has them (safetensors reads just those bytes), else cut from the whole tensor."""
+    if shard is None:
+        return source.get(name)
+    spans = pairs(shard.ranges[part])
+    get_slice = getattr(source, "get_slice", None)
+    whole = lazy = None
+    if get_slice is not None:
+        lazy = get_slice(name)
+        shape = list(lazy.get_shape())
+    else:
+        whole = source.get(name)
+        shape = list(whole.shape)
+    if len(shape) <= shard.dim or shape[shard.dim] != shard.sizes[part]:
+        raise ValueError(f"tensor shape mismatch: {name} {tuple(shape)}; the model expects {shard.sizes[part]} "
+                         f"along dim {shard.dim} (it reads a slice of it)")
+    if lazy is not None:
+        pieces = [lazy[(slice(None),) * shard.dim + (slice(a, b),)] for a, b in spans]
+    else:
+        pieces = [whole.narrow(shard.dim, a, b - a) for a, b in spans]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=shard.dim)
+
+
 def load_weights(model: torch.nn.Module, source: WeightSource, dtype: torch.dtype, device,
                  desc: str = "Loading weights") -> None:
-    """Fill every parameter of `model` from `source`; the model is moved to (dtype, device)."""
+    """Fill every parameter of `model` from `source`; the model is moved to (dtype, device). A
+    tensor-parallel layer's parameters read only their shard (`checkpoint_shards`)."""
     wanted: dict[str, list[str]] = model.checkpoint_names()
+    shards = checkpoint_shards(model)
     available = source.names()
     missing = sorted(c for ckpts in wanted.values() for c in ckpts if c not in available)
     if missing:
@@ -93,12 +132,16 @@ def load_weights(model: torch.nn.Module, source: WeightSource, dtype: torch.dtyp
     params = dict(model.named_parameters())
     for name, ckpts in tqdm(sorted(wanted.items()), desc=desc, unit="tensor", leave=False, disable=None):
         param = params[name]
-        parts = [source.get(c) for c in ckpts]
+        shard = shards.get(name)
+        parts = [_read(source, c, shard, i) for i, c in enumerate(ckpts)]
         for c, part in zip(ckpts, parts):
             if not part.is_floating_point() or part.element_size() < 2:   # int or float8: quantized
                 raise ValueError(f"tensor {c} is {part.dtype}, not a plain float weight: the checkpoint is "
                                  "quantized in a way pipespec did not recognise")
         tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        if shard is not None and shard.pad and tensor.shape[0] < param.shape[0]:
+            # the last vocabulary shard: rows past the vocabulary stay zero, never looked up
+            tensor = torch.cat((tensor, tensor.new_zeros(param.shape[0] - tensor.shape[0], *tensor.shape[1:])))
         if tuple(tensor.shape) != tuple(param.shape):
             shapes = ", ".join(f"{c} {tuple(p.shape)}" for c, p in zip(ckpts, parts))
             raise ValueError(f"tensor shape mismatch: {shapes}; the model expects {tuple(param.shape)}"
@@ -113,15 +156,29 @@ def init_dummy_weights(model: torch.nn.Module, dtype: torch.dtype, device, seed:
     """Random weights of the right shapes, made on the device (`load_format="dummy"`): norms 1,
     everything else N(0, 0.02), so activations stay finite through any depth. Each tensor is drawn
     from a generator keyed by its (global) name, so a model is the same however its layers are
-    split into stages; `key` renames parameters whose name elsewhere differs (a copy of a tensor
-    another module owns draws the same values as the original)."""
+    split into stages; a tensor-parallel shard is cut from the whole tensor drawn so, so it is also
+    the same at every tensor-parallel size. `key` renames parameters whose name elsewhere differs (a
+    copy of a tensor another module owns draws the same values as the original)."""
     model.to(device=device)
     gen = torch.Generator(device=device)
-    for name, param in model.named_parameters():
-        name = (key or {}).get(name, name)
+    shards = checkpoint_shards(model)
+    for own, param in model.named_parameters():
+        name = (key or {}).get(own, own)
         param.data = torch.empty(param.shape, dtype=dtype, device=device)
         if "norm" in name.rsplit(".", 2)[-2]:
             param.data.fill_(1.0)
-        else:
-            gen.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            continue
+        gen.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        shard = shards.get(own)
+        if shard is None:
             param.data.normal_(0.0, 0.02, generator=gen)
+            continue
+        shape = list(param.shape)
+        shape[shard.dim] = sum(shard.sizes)
+        whole = torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=gen)
+        offsets = [sum(shard.sizes[:i]) for i in range(len(shard.sizes))]
+        pieces = [whole.narrow(shard.dim, off + a, b - a) for off, r in zip(offsets, shard.ranges)
+                  for a, b in pairs(r)]
+        cut = torch.cat(pieces, dim=shard.dim)
+        param.data.zero_()
+        param.data.narrow(shard.dim, 0, cut.shape[shard.dim]).copy_(cut)

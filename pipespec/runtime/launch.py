@@ -7,9 +7,13 @@ Two ways in:
 - torchrun (one or many machines): every rank is started by torchrun, which sets RANK, WORLD_SIZE,
   LOCAL_RANK, MASTER_ADDR and MASTER_PORT; rank 0 runs the driver and stage 0.
 
-Either way the ranks then meet in the store, and build two process groups of their own (never the
+Either way the ranks then meet in the store, and build process groups of their own (never the
 global default group, so an engine coexists with whatever else the program does with
-torch.distributed): `ctrl` (gloo) for plans and results, `data` (gloo or NCCL) for activations.
+torch.distributed): `ctrl` (gloo) for plans and results, `data` (gloo or NCCL) for activations, and
+with tensor parallelism one `tp` group per stage (gloo on CPU, NCCL on CUDA) for its all-reduces.
+
+Ranks: T x P of them, rank = stage * T + tp_rank (vLLM's order), so the T ranks of a stage are
+neighbours (one machine's GPUs under torchrun) and rank 0 (the driver) is stage 0's TP rank 0.
 """
 from __future__ import annotations
 
@@ -92,6 +96,19 @@ def data_group(store: dist.Store, rank: int, world_size: int, backend: str, devi
         opts._timeout = _td(timeout)
         return dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
     return dist.ProcessGroupGloo(prefixed, rank, world_size, _td(timeout))
+
+
+def tp_group(store: dist.Store, stage: int, tp_rank: int, tp_size: int, backend: str, device: torch.device,
+             timeout: float):
+    """The tensor-parallel group of pipeline stage `stage`: its T ranks, this one `tp_rank`. NCCL
+    on CUDA (its collectives are captured by CUDA graphs), else gloo; bounded by `timeout`."""
+    prefixed = dist.PrefixStore(f"tp/{stage}", store)
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = _td(timeout)
+        return dist.ProcessGroupNCCL(prefixed, tp_rank, tp_size, opts)
+    return dist.ProcessGroupGloo(prefixed, tp_rank, tp_size, _td(timeout))
 
 
 def resolve_backend(backend: str, device_type: str) -> str:

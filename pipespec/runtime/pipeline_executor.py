@@ -1,9 +1,11 @@
-"""PipelineExecutor: P stages in P processes, up to P micro-batches in flight.
+"""PipelineExecutor: P stages of T ranks each in T x P processes, up to P micro-batches in flight.
 
-The driver process runs stage 0 itself. `submit(plan)` sends the plan to every worker, runs stage 0
-and sends its activations to stage 1, then returns: while the workers carry that micro-batch on,
-the driver schedules and runs stage 0 of the next. `receive` waits (bounded) for the oldest
-micro-batch's StepResult from the last stage.
+The driver process runs stage 0 (its TP rank 0) itself; PP = 1 with TP > 1 runs here too, the
+driver's stage then being the last one (its result is at hand after the step). `submit(plan)` sends
+the plan to every worker (every rank gets every plan; `worker.py` says who sends what to whom), runs
+stage 0 and sends its activations to stage 1, then returns: while the workers carry that
+micro-batch on, the driver schedules and runs stage 0 of the next. `receive` waits (bounded) for the
+oldest micro-batch's StepResult from the last stage.
 
 Any failure (a stage that raises, dies or stays silent past the stage timeout) is final: the
 executor marks itself failed, collects what it can learn (errors the workers posted, exit codes),
@@ -31,7 +33,8 @@ from pipespec.runtime.executor import Executor, release_device_memory
 from pipespec.runtime.symmetry import CollectiveMismatch, compare_reports
 from pipespec.runtime.step import run_stage_step
 from pipespec.runtime.transport import Link, Op, StageError, control_header, pack_plan
-from pipespec.runtime.worker import WorkerSettings, debug_report, error_text, key, spawn_entry, stage_status
+from pipespec.runtime.worker import (WorkerSettings, debug_report, error_text, join_tp_group, key, spawn_entry,
+                                     stage_status)
 
 logger = logging.getLogger(__name__)
 
@@ -47,11 +50,11 @@ class PipelineExecutor(Executor):
                  torchrun: launch.TorchrunEnv | None = None):
         """`stage_factories[r]` builds stage r (picklable for r > 0 when spawning; with torchrun
         only `stage_factories[0]` is used, each rank builds its own)."""
-        p = settings.world_size
-        if p < 2:
-            raise ValueError("PipelineExecutor needs at least 2 stages; use LocalExecutor for one")
-        if len(stage_factories) != p:
-            raise ValueError(f"{len(stage_factories)} stage factories for {p} stages")
+        p, n = settings.world_size, settings.num_ranks
+        if n < 2:
+            raise ValueError("PipelineExecutor needs at least 2 ranks; use LocalExecutor for one")
+        if len(stage_factories) != n:
+            raise ValueError(f"{len(stage_factories)} stage factories for {n} ranks")
         self.max_in_flight = p
         self.settings = settings
         self.num_spec_tokens = settings.num_spec_tokens
@@ -59,9 +62,11 @@ class PipelineExecutor(Executor):
         self.torchrun = torchrun
         self.stage = None
         self.link: Link | None = None
-        self.procs: list = []                 # spawned worker processes (index r-1 is stage r)
+        self.procs: list = []                 # spawned worker processes (index r-1 is rank r)
+        self._tp_recorder = None
         self.stage_info: list[dict] = []      # status of every stage after loading
         self._in_flight: deque[tuple[int, int, list]] = deque()
+        self._ready: dict[int, torch.Tensor] = {}   # results of a driver stage that is the last
         self._failed: str | None = None
         self._closed = False
         self._nonce = 0
@@ -90,13 +95,15 @@ class PipelineExecutor(Executor):
 
     def _start(self, factories: list[Callable | None]) -> None:
         s = self.settings
-        p = s.world_size
+        p = s.num_ranks
         if self.torchrun is None:
             self.store, host, port = launch.host_store(s.startup_timeout)
             ctx = launch.spawn_context()
             for rank in range(1, p):
+                name = (f"pipespec-stage{rank}" if s.tensor_parallel_size == 1
+                        else f"pipespec-stage{s.stage_of(rank)}-tp{s.tp_rank_of(rank)}")
                 proc = ctx.Process(target=spawn_entry, args=(rank, host, port, factories[rank], s),
-                                   name=f"pipespec-stage{rank}", daemon=True)
+                                   name=name, daemon=True)
                 proc.start()
                 self.procs.append(proc)
             self._finalizer = weakref.finalize(self, _reap, list(self.procs))   # if never shut down
@@ -122,22 +129,23 @@ class PipelineExecutor(Executor):
         bad = [st for st in statuses if not st["ok"]]
         if bad:
             self.store.set("num_blocks", "-1")
-            raise StageError("; ".join(f"pipeline stage {st['rank']} failed while loading: {st['error']}"
+            raise StageError("; ".join(f"{s.rank_name(st['rank'])} failed while loading: {st['error']}"
                                        for st in bad))
         self.stage_info = statuses
         self._ctrl = ctrl
 
     def _wait_keys(self, kind: str, timeout: float, what: str, nonce: int | None = None) -> list[str]:
         """Values of `kind/[nonce/]r` for every worker r, polling so a dead worker is noticed at once."""
-        keys = [key(kind, r, nonce) for r in range(1, self.settings.world_size)]
+        keys = [key(kind, r, nonce) for r in range(1, self.settings.num_ranks)]
         deadline = time.monotonic() + timeout
         while True:
             missing = [k for k in keys if not self.store.check([k])]
             if not missing:
                 return [self.store.get(k).decode() for k in keys]
-            for rank in range(1, self.settings.world_size):
+            for rank in range(1, self.settings.num_ranks):
                 if self.store.check([key("error", rank)]):
-                    raise StageError(f"pipeline stage {rank} failed: {self.store.get(key('error', rank)).decode()}")
+                    raise StageError(f"{self.settings.rank_name(rank)} failed: "
+                                     f"{self.store.get(key('error', rank)).decode()}")
             dead = self._dead_workers()
             if dead and all(self.store.check([k]) for k in keys):   # it answered, then left
                 continue
@@ -149,7 +157,8 @@ class PipelineExecutor(Executor):
                 raise StageError(f"{dead[0]} before it could {what}{hint}")
             if time.monotonic() > deadline:
                 ranks = [k.rsplit("/", 1)[1] for k in missing]
-                raise StageError(f"pipeline stage(s) {', '.join(ranks)} did not {what} within {timeout:g}s")
+                names = ", ".join(self.settings.rank_name(int(r)) for r in ranks)
+                raise StageError(f"{names} did not {what} within {timeout:g}s")
             time.sleep(_POLL)
 
     # -- Executor -------------------------------------------------------------------------------
@@ -160,18 +169,19 @@ class PipelineExecutor(Executor):
     def allocate_kv_cache(self, num_blocks: int) -> None:
         s = self.settings
         self.store.set("num_blocks", str(num_blocks))      # the workers allocate meanwhile
-        self.stage.allocate_kv_cache(num_blocks)
         backend = launch.resolve_backend(s.backend, self.stage.device.type)
         try:
+            self._tp_recorder = join_tp_group(self.store, 0, self.stage, s)
+            self.stage.allocate_kv_cache(num_blocks)
             self._wait_keys("ready", s.startup_timeout, "allocate its KV cache")
-            data = launch.data_group(self.store, 0, s.world_size, backend, self.stage.device, self.timeout)
+            data = launch.data_group(self.store, 0, s.num_ranks, backend, self.stage.device, self.timeout)
         except StageError as e:
             self._fail(e)
         except Exception as e:
             self._fail(StageError(f"pipeline startup failed: {error_text(e)}"))
         self.link = Link(0, self._ctrl, data, self.stage.device, check=s.check)
-        logger.info("pipeline of %d stages ready (backend %s, %d KV blocks each%s)", s.world_size, backend,
-                    num_blocks, ", checking collectives" if s.check else "")
+        logger.info("pipeline of %d stages x %d TP ranks ready (backend %s, %d KV blocks each%s)", s.world_size,
+                    s.tensor_parallel_size, backend, num_blocks, ", checking collectives" if s.check else "")
 
     @torch.inference_mode()
     def submit(self, plan: StepPlan) -> None:
@@ -179,13 +189,17 @@ class PipelineExecutor(Executor):
         try:
             header, payload = pack_plan(plan)
             pending = []
-            for rank in range(1, self.settings.world_size):
+            s = self.settings
+            for rank in range(1, s.num_ranks):
                 pending.append(self.link.send(header, rank, "plan.header"))
                 pending.append(self.link.send(payload, rank, "plan.payload"))
             t0, c0 = time.perf_counter(), time.thread_time()
-            acts = run_stage_step(self.stage, 0, False, plan, None, self.settings.hidden_size,
-                                  self.num_spec_tokens)
-            pending.append(self.link.send(acts, 1, "activations"))
+            last = s.world_size == 1                  # PP = 1, TP > 1: the driver's stage is the last
+            out = run_stage_step(self.stage, 0, last, plan, None, s.hidden_size, self.num_spec_tokens)
+            if last:
+                self._ready[plan.step_id] = out
+            else:
+                pending.append(self.link.send(out, s.tensor_parallel_size, "activations"))
             self._busy += time.perf_counter() - t0
             self._cpu += time.thread_time() - c0
             self._steps += 1
@@ -205,8 +219,11 @@ class PipelineExecutor(Executor):
         step_id, num_reqs, pending = self._in_flight.popleft()
         t0 = time.perf_counter()
         try:
-            data = self.link.recv(result_shape(num_reqs, self.num_spec_tokens), torch.int64,
-                                  self.settings.world_size - 1, "result", timeout)
+            data = self._ready.pop(step_id, None)
+            if data is None:
+                last_stage = (self.settings.world_size - 1) * self.settings.tensor_parallel_size
+                data = self.link.recv(result_shape(num_reqs, self.num_spec_tokens), torch.int64,
+                                      last_stage, "result", timeout)
             for p in pending:             # every message of this step has been received by now
                 p.wait(timeout)
             self._waiting += time.perf_counter() - t0
@@ -227,7 +244,7 @@ class PipelineExecutor(Executor):
         header = control_header(op)
         header[1] = self._nonce
         try:
-            for rank in range(1, self.settings.world_size):
+            for rank in range(1, self.settings.num_ranks):
                 self.link.send(header, rank, "plan.header").wait(self.timeout)
             return [json.loads(v) for v in self._wait_keys(kind, self.timeout, f"answer {kind}", self._nonce)]
         except StageError as e:
@@ -242,7 +259,7 @@ class PipelineExecutor(Executor):
             raise RuntimeError("the symmetry check is off; start the engine with check_collectives=True "
                                "(or PIPESPEC_CHECK_COLLECTIVES=1)")
         workers = self._ask_workers(Op.SYMMETRY, "symmetry")
-        reports = {0: debug_report(self.link, self.stage)}
+        reports = {0: debug_report(self.link, self.stage, self._tp_recorder)}
         reports.update({r + 1: rep for r, rep in enumerate(workers)})
         problems = compare_reports(reports)
         if problems:
@@ -286,7 +303,7 @@ class PipelineExecutor(Executor):
         deadline = time.monotonic() + wait
         while True:
             posted = {}
-            for rank in range(1, self.settings.world_size):
+            for rank in range(1, self.settings.num_ranks):
                 try:
                     if self.store.check([key("error", rank)]):
                         posted[rank] = self.store.get(key("error", rank)).decode()
@@ -296,8 +313,9 @@ class PipelineExecutor(Executor):
             if posted or dead or time.monotonic() > deadline:
                 break
             time.sleep(_POLL)
-        facts = [f"pipeline stage {r} failed: {text}" for r, text in sorted(posted.items())]
-        facts += [d for d in dead if not any(d.startswith(f"pipeline stage {r} ") for r in posted)]
+        name = self.settings.rank_name
+        facts = [f"{name(r)} failed: {text}" for r, text in sorted(posted.items())]
+        facts += [d for d in dead if not any(d.startswith(f"{name(r)} ") for r in posted)]
         return "; ".join(facts)
 
     def _dead_workers(self) -> list[str]:
@@ -306,7 +324,7 @@ class PipelineExecutor(Executor):
             code = proc.exitcode
             if code is not None:
                 how = (f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}")
-                out.append(f"pipeline stage {rank} (pid {proc.pid}) {how}")
+                out.append(f"{self.settings.rank_name(rank)} (pid {proc.pid}) {how}")
         return out
 
     def shutdown(self) -> None:
@@ -329,7 +347,7 @@ class PipelineExecutor(Executor):
         if healthy:
             try:
                 stop = control_header(Op.STOP)
-                sends = [self.link.send(stop, rank, "plan.header") for rank in range(1, self.settings.world_size)]
+                sends = [self.link.send(stop, rank, "plan.header") for rank in range(1, self.settings.num_ranks)]
                 for s in sends:
                     s.wait(_KILL_GRACE)
             except StageError:
@@ -342,6 +360,7 @@ class PipelineExecutor(Executor):
         if self._threads_before is not None:     # this process is the driver again, not a stage
             torch.set_num_threads(self._threads_before)
         self._in_flight.clear()
+        self._ready.clear()
         self.link = self._ctrl = None
         self.stage = None
         self.store = None

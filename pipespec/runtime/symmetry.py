@@ -7,8 +7,9 @@ d0..d3]`, and the receiver compares it with what it is about to receive, before 
 disagreement fails loudly on the spot, naming both sides, instead of hanging or silently reading
 garbage (gloo accepts a short message into a longer buffer). Each rank also keeps, per peer and
 direction, a count and a running digest of what it sent or received; `compare_reports` checks that
-the two ends of every channel saw the same sequence, and that the stages' per-step draft digests
-(`stage/trace.py`) agree.
+the two ends of every channel saw the same sequence, that the ranks of each tensor-parallel group
+issued the same collectives (op, shape, dtype, in the same order), and that the stages' per-step
+draft digests (`stage/trace.py`) agree.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import torch
 DESCRIPTOR_LEN = 8
 _MAX_DIMS = DESCRIPTOR_LEN - 4
 
-OPS = ("plan.header", "plan.payload", "activations", "result")
+OPS = ("plan.header", "plan.payload", "activations", "result", "tp.all_reduce", "tp.all_gather")
 _OP_CODE = {name: i + 1 for i, name in enumerate(OPS)}
 _DTYPES = (torch.int64, torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.uint8,
            torch.float64)
@@ -88,6 +89,30 @@ class SymmetryRecorder:
                 for (d, g, p), log in sorted(self._logs.items())}
 
 
+class CollectiveChecker:
+    """I3 inside a tensor-parallel group, on the spot: before each collective every rank records
+    (op, shape, dtype) and the group all-gathers the descriptors, so ranks about to issue different
+    collectives fail loudly, naming both, instead of hanging or summing garbage. Inside a CUDA graph
+    capture it only records (a capture cannot read the descriptors back; replays repeat what was
+    checked at capture)."""
+
+    def __init__(self, recorder: SymmetryRecorder, group, name: str, tp_rank: int, size: int, device):
+        self.recorder, self.group, self.name = recorder, group, name
+        self.tp_rank, self.size, self.device = tp_rank, size, device
+
+    def __call__(self, op: str, shape, dtype) -> None:
+        seq = self.recorder.record("coll", self.name, -1, op, shape, dtype)
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return
+        desc = encode(seq, op, shape, dtype).to(self.device)
+        descs = [torch.empty_like(desc) for _ in range(self.size)]
+        self.group.allgather([descs], [desc]).wait()
+        seen = [decode(d.cpu()) for d in descs]
+        if any(s != seen[self.tp_rank] for s in seen):
+            raise CollectiveMismatch(f"the {self.name} group's ranks are about to issue different collectives: " + "; ".join(
+                f"TP rank {r}: {describe(s[1], s[2], s[3])} (#{s[0]})" for r, s in enumerate(seen)))
+
+
 def _channels(report: dict) -> dict:
     return {k: v for k, v in report.items() if "|" in k}
 
@@ -104,10 +129,25 @@ def compare_draft_traces(reports: dict[int, dict]) -> list[str]:
     return [f"I4 broken: {p}" for p in problems[:5]] + ([f"... {len(problems) - 5} more"] if len(problems) > 5 else [])
 
 
+def compare_collectives(reports: dict[int, dict]) -> list[str]:
+    """I3 inside a TP group: every rank of the group issued the same collectives in the same order."""
+    groups: dict[str, dict[int, list]] = {}
+    for rank, report in reports.items():
+        for key, value in report.items():
+            if key.startswith("coll|"):
+                groups.setdefault(key.split("|")[1], {})[rank] = value
+    problems = []
+    for group, seen in sorted(groups.items()):
+        if len({(count, digest) for count, digest, _ in seen.values()}) > 1:
+            problems.append(f"{group} group: its ranks issued different collectives: " + "; ".join(
+                f"rank {r}: {count} (last: {', '.join(last) or '-'})" for r, (count, _, last) in sorted(seen.items())))
+    return problems
+
+
 def compare_reports(reports: dict[int, dict]) -> list[str]:
-    """Problems found between the ends of every channel, and in the draft traces (empty when all
-    ranks agree)."""
-    problems = compare_draft_traces(reports)
+    """Problems found between the ends of every channel, inside every TP group, and in the draft
+    traces (empty when all ranks agree)."""
+    problems = compare_draft_traces(reports) + compare_collectives(reports)
     reports = {rank: _channels(report) for rank, report in reports.items()}
     for rank, report in sorted(reports.items()):
         for key, (count, digest, last) in report.items():

@@ -1,8 +1,18 @@
-"""The stage worker (ranks 1..P-1): receive a plan, receive the activations, run the stage, send on.
+"""The stage worker (every rank but the driver's): receive a plan, receive the activations, run the
+stage, send on.
+
+With tensor parallelism (T ranks a stage, rank = stage * T + tp_rank) every rank of a stage runs the
+same `Stage.step` on the same plan; their collectives happen inside the step (`pipespec/parallel.py`).
+Every rank receives each plan from the driver itself (T x P - 1 small gloo messages a step: simpler
+than a broadcast inside each stage, and the driver never waits on them); activations go from TP rank
+t of stage s to TP rank t of stage s + 1 (all ranks of a stage hold the same full activations after
+their all-reduce); only TP rank 0 of the last stage returns the result row (the others computed the
+same row and drop it).
 
 Startup, through the store: say hello, join the ctrl group, build the stage (load its weights),
 post a status (KV blocks it can hold, or the error that stopped it), wait for the driver's verdict
-(the KV block count, or -1 to stop), allocate the KV cache, say ready, join the data group.
+(the KV block count, or -1 to stop), join its stage's TP group (T > 1), allocate the KV cache (CUDA
+graphs are captured there, collectives included), say ready, join the data group.
 
 Then the loop. The wait for the next plan is unbounded (idle is not failure) but ends at once if the
 driver goes away (its connections close); every other wait is bounded by the stage timeout. A
@@ -24,7 +34,7 @@ from typing import Callable
 
 import torch
 
-from pipespec.runtime import launch
+from pipespec.runtime import launch, symmetry
 from pipespec.plan import activation_shape
 from pipespec.runtime.idle import next_plan_header
 from pipespec.runtime.spawned_worker import prepare_spawned_worker
@@ -38,7 +48,7 @@ logger = logging.getLogger(__name__)
 class WorkerSettings:
     """What every rank must agree on; built from the engine config on each rank."""
 
-    world_size: int
+    world_size: int                 # P: pipeline stages
     hidden_size: int
     num_spec_tokens: int            # K: the width of a result row
     stage_timeout: float
@@ -47,16 +57,51 @@ class WorkerSettings:
     threads: int | None = None      # torch CPU threads of the stage
     check: bool = False             # check_collectives: descriptors, symmetry and draft-trace reports
     log_level: int = logging.WARNING
+    tensor_parallel_size: int = 1   # T: ranks of each stage
+
+    @property
+    def num_ranks(self) -> int:
+        return self.world_size * self.tensor_parallel_size
+
+    def stage_of(self, rank: int) -> int:
+        return rank // self.tensor_parallel_size
+
+    def tp_rank_of(self, rank: int) -> int:
+        return rank % self.tensor_parallel_size
+
+    def rank_name(self, rank: int) -> str:
+        """"pipeline stage 1" (T = 1) or "pipeline stage 1 TP rank 0 (rank 2)"."""
+        if self.tensor_parallel_size == 1:
+            return f"pipeline stage {rank}"
+        return f"pipeline stage {self.stage_of(rank)} TP rank {self.tp_rank_of(rank)} (rank {rank})"
 
 
 def key(kind: str, rank: int, nonce: int | None = None) -> str:
     return f"{kind}/{rank}" if nonce is None else f"{kind}/{nonce}/{rank}"
 
 
-def debug_report(link: Link, stage) -> dict:
-    """What this rank reports to the symmetry check: its messages and, where the stage keeps one,
-    its draft trace (I4)."""
+def join_tp_group(store, rank: int, stage, settings: WorkerSettings) -> symmetry.SymmetryRecorder | None:
+    """Create this rank's stage TP group and attach it to the stage's `tp` (T > 1); with the
+    symmetry check on, a recorder of the group's collectives (returned, for `debug_report`)."""
+    if settings.tensor_parallel_size == 1:
+        return None
+    backend = launch.resolve_backend(settings.backend, stage.device.type)
+    pg = launch.tp_group(store, settings.stage_of(rank), settings.tp_rank_of(rank), settings.tensor_parallel_size,
+                         backend, stage.device, settings.stage_timeout)
+    recorder = symmetry.SymmetryRecorder(rank) if settings.check else None
+    check = None if recorder is None else symmetry.CollectiveChecker(
+        recorder, pg, f"tp{settings.stage_of(rank)}", settings.tp_rank_of(rank), settings.tensor_parallel_size,
+        stage.device)
+    stage.tp.attach(pg, check)
+    return recorder
+
+
+def debug_report(link: Link, stage, tp_recorder: symmetry.SymmetryRecorder | None = None) -> dict:
+    """What this rank reports to the symmetry check: its messages, its TP group's collectives and,
+    where the stage keeps one, its draft trace (I4)."""
     report = link.recorder.report() if link.check else {}
+    if tp_recorder is not None:
+        report.update(tp_recorder.report())
     trace = getattr(stage, "trace", None)
     if trace is not None:
         report["drafts"] = trace.report()
@@ -101,9 +146,10 @@ def run_torchrun_worker(make_stage: Callable, settings: WorkerSettings) -> int:
     env = launch.torchrun_env()
     if env is None or env.rank == 0:
         raise RuntimeError("run_torchrun_worker is for ranks > 0 of a torchrun launch")
-    if env.world_size != settings.world_size:
-        raise ValueError(f"torchrun started {env.world_size} processes, but pipeline_parallel_size is "
-                         f"{settings.world_size}; they must be equal")
+    if env.world_size != settings.num_ranks:
+        raise ValueError(f"torchrun started {env.world_size} processes, but pipeline_parallel_size x "
+                         f"tensor_parallel_size is {settings.world_size} x {settings.tensor_parallel_size}; "
+                         "they must be equal")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     store = launch.torchrun_store(env, settings.startup_timeout)
     return run_worker(env.rank, store, make_stage, settings)
@@ -113,7 +159,7 @@ def run_worker(rank: int, store, make_stage: Callable, settings: WorkerSettings)
     """Startup handshake, then the stage loop; returns the process exit code."""
     try:
         store.set(key("hello", rank), str(os.getpid()))
-        ctrl = launch.ctrl_group(store, rank, settings.world_size, settings.stage_timeout)
+        ctrl = launch.ctrl_group(store, rank, settings.num_ranks, settings.stage_timeout)
         if settings.threads:
             torch.set_num_threads(settings.threads)
         try:
@@ -128,13 +174,14 @@ def run_worker(rank: int, store, make_stage: Callable, settings: WorkerSettings)
         num_blocks = int(store.get("num_blocks"))        # waits for the driver (startup timeout)
         if num_blocks < 0:                                # another stage failed: stop quietly
             return 0
+        tp_recorder = join_tp_group(store, rank, stage, settings)
         stage.allocate_kv_cache(num_blocks)
         store.set(key("ready", rank), "1")
         backend = launch.resolve_backend(settings.backend, stage.device.type)
-        data = launch.data_group(store, rank, settings.world_size, backend, stage.device,
+        data = launch.data_group(store, rank, settings.num_ranks, backend, stage.device,
                                  settings.stage_timeout)
         link = Link(rank, ctrl, data, stage.device, check=settings.check)
-        serve(rank, link, stage, settings, store)
+        serve(rank, link, stage, settings, store, tp_recorder)
         return 0
     except BaseException as e:   # noqa: BLE001 - everything ends here, reported to the driver
         text = error_text(e)
@@ -147,10 +194,12 @@ def run_worker(rank: int, store, make_stage: Callable, settings: WorkerSettings)
 
 
 @torch.inference_mode()
-def serve(rank: int, link: Link, stage, settings: WorkerSettings, store) -> None:
-    """The stage loop of rank > 0 (the driver runs stage 0 itself)."""
-    p = settings.world_size
-    last = rank == p - 1
+def serve(rank: int, link: Link, stage, settings: WorkerSettings, store,
+          tp_recorder: symmetry.SymmetryRecorder | None = None) -> None:
+    """The stage loop of rank > 0 (the driver runs stage 0's TP rank 0 itself)."""
+    p, t = settings.world_size, settings.tensor_parallel_size
+    first, last = settings.stage_of(rank) == 0, settings.stage_of(rank) == p - 1
+    returns_result = last and settings.tp_rank_of(rank) == 0
     timeout = settings.stage_timeout
     sends = SendQueue(depth=p, timeout=timeout)
     busy = cpu = 0.0
@@ -164,7 +213,7 @@ def serve(rank: int, link: Link, stage, settings: WorkerSettings, store) -> None
             sends.drain()
             return
         if op == Op.SYMMETRY:
-            store.set(key("symmetry", rank, int(header[1])), json.dumps(debug_report(link, stage)))
+            store.set(key("symmetry", rank, int(header[1])), json.dumps(debug_report(link, stage, tp_recorder)))
             continue
         if op == Op.STATS:
             stats = {"busy_s": busy, "cpu_s": cpu, "steps": steps, "wall_s": time.perf_counter() - started}
@@ -174,11 +223,14 @@ def serve(rank: int, link: Link, stage, settings: WorkerSettings, store) -> None
             raise StageError(f"unknown op {op} in a plan header")
         payload = link.recv((payload_len(header),), torch.int64, 0, "plan.payload", timeout)
         plan = unpack_plan(header, payload)     # on the host: the stage moves what it needs
-        acts = link.recv(activation_shape(plan, settings.hidden_size), stage.dtype, rank - 1,
-                         "activations", timeout)
+        acts = None if first else link.recv(activation_shape(plan, settings.hidden_size), stage.dtype,
+                                            rank - t, "activations", timeout)
         t0, c0 = time.perf_counter(), time.thread_time()
         out = run_stage_step(stage, rank, last, plan, acts, settings.hidden_size, settings.num_spec_tokens)
-        sends.add(link.send(out, 0, "result") if last else link.send(out, rank + 1, "activations"))
+        if returns_result:
+            sends.add(link.send(out, 0, "result"))
+        elif not last:
+            sends.add(link.send(out, rank + t, "activations"))
         busy += time.perf_counter() - t0
         cpu += time.thread_time() - c0
         steps += 1

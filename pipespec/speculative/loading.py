@@ -8,18 +8,20 @@ from torch import nn
 
 from pipespec.heads import bundled_head_path
 from pipespec.model.mtp import declared_mtp_layers, detect_mtp, dummy_mtp_layers, load_mtp_file, load_mtp_layers
+from pipespec.model.tp_layers import SINGLE, VocabParallelEmbedding
 from pipespec.model.weights import init_dummy_weights, load_weights
+from pipespec.parallel import TensorParallel
 from pipespec.speculative.proposer import MTPProposer
 
 logger = logging.getLogger(__name__)
 
 
-class EmbeddingCopy(nn.Embedding):
+class EmbeddingCopy(VocabParallelEmbedding):
     """The target's embedding matrix, loaded again for the proposer of a last stage that is not
-    stage 0 (I5); an nn.Embedding, so it gets the CPU column-major layout like the target's."""
+    stage 0 (I5); with TP, this rank's vocabulary rows of it (as the target's own embedding)."""
 
-    def __init__(self, vocab: int, hidden: int):
-        super().__init__(vocab, hidden, _weight=torch.empty(vocab, hidden))   # no random init: it is loaded
+    def __init__(self, vocab: int, hidden: int, tp: TensorParallel = SINGLE):
+        super().__init__(vocab, hidden, tp)
 
     def checkpoint_names(self) -> dict[str, list[str]]:
         return {"weight": ["model.embed_tokens.weight"]}
@@ -34,36 +36,37 @@ def no_head_message(model: str | None) -> str:
             "in Python speculative_config={'method': 'mtp', 'num_speculative_tokens': 3, 'model': 'head.safetensors'}")
 
 
-def _load_layers(source, config, dtype, device, max_position: int) -> tuple[list[nn.Module], str]:
+def _load_layers(source, config, dtype, device, max_position: int, tp: TensorParallel) -> tuple[list[nn.Module], str]:
     """MTP layers from speculative_config.model, else the checkpoint's own (random ones, as many as
     config.json declares, with load_format='dummy'), else the bundled head."""
     arch, spec = source.arch, config.speculative
     if spec.model is not None:
-        return [load_mtp_file(spec.model, arch, dtype, device, max_position)[0]], spec.model
+        return [load_mtp_file(spec.model, arch, dtype, device, max_position, tp=tp)[0]], spec.model
     declared = declared_mtp_layers(source.folder)
     if config.model.load_format == "dummy":
         if not declared:
             raise ValueError(f"load_format='dummy' reads no weights, and {source.folder} declares no MTP layers "
                              "(config.json: num_nextn_predict_layers / mtp_num_hidden_layers) to draw at random; "
                              "pass a head file as speculative_config['model']")
-        return dummy_mtp_layers(arch, declared, dtype, device, max_position), f"{declared} random layer(s) (dummy)"
+        return (dummy_mtp_layers(arch, declared, dtype, device, max_position, tp=tp),
+                f"{declared} random layer(s) (dummy)")
     weights = source.weights()
     hit = detect_mtp(weights.names(), arch.num_layers)
     if hit is not None:
-        layers = load_mtp_layers(weights, arch, dtype, device, max_position, declared=declared)
+        layers = load_mtp_layers(weights, arch, dtype, device, max_position, declared=declared, tp=tp)
         return layers, f"the checkpoint's own {hit[0].family} MTP layers"
     head = bundled_head_path(config.model.model)
     if head is None:
         raise ValueError(no_head_message(config.model.model))
-    return [load_mtp_file(head, arch, dtype, device, max_position)[0]], f"the bundled head {head.name}"
+    return [load_mtp_file(head, arch, dtype, device, max_position, tp=tp)[0]], f"the bundled head {head.name}"
 
 
 def build_proposer(target: nn.Module, source, config, dtype: torch.dtype, device: torch.device,
-                   max_position: int) -> MTPProposer:
+                   max_position: int, tp: TensorParallel = SINGLE) -> MTPProposer:
     """The last stage's proposer, reaching the target's tensors through their owner (I5); on a stage
     without the target's embedding (and no tied head holding a copy) it owns an embedding copy."""
     arch = source.arch
-    layers, origin = _load_layers(source, config, dtype, device, max_position)
+    layers, origin = _load_layers(source, config, dtype, device, max_position, tp)
     for layer in layers:
         layer.eval()
     k = config.num_spec_tokens
@@ -79,7 +82,7 @@ def build_proposer(target: nn.Module, source, config, dtype: torch.dtype, device
     else:
         embed = None
         if any(layer.own_embedding() is None for layer in layers):
-            copy = EmbeddingCopy(arch.vocab_size, arch.hidden_size)
+            copy = EmbeddingCopy(arch.vocab_size, arch.hidden_size, tp)
             if config.model.load_format == "dummy":     # the values stage 0's embedding drew
                 init_dummy_weights(copy, dtype, device, key={"weight": "model.embed_tokens.weight"})
             else:

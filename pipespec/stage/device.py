@@ -3,12 +3,14 @@ the check that it holds nothing on another device."""
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
 from pipespec import kernels
 from pipespec.model.attention import AttentionBackend, TorchReferenceBackend
 from pipespec.model.layers import LMHead
+from pipespec.parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +29,25 @@ def use_device(device: torch.device) -> torch.device:
         device = torch.device("cuda", torch.cuda.current_device())
     torch.cuda.set_device(device)
     return device
+
+
+def finish_within(timeout: float, tp: TensorParallel, what: str) -> None:
+    """Wait, at most `timeout` seconds, for the work enqueued on the current CUDA stream.
+
+    A collective captured in a CUDA graph is not watched by NCCL's watchdog: if a TP peer dies
+    during a replay, the replay never ends, and a plain host sync (the result's copy to the host)
+    would block for ever. So a TP stage on CUDA polls an event instead; past the timeout it aborts the
+    TP communicator (which ends the stuck kernel) and raises, and the runtime reports the stage.
+    """
+    done = torch.cuda.Event()
+    done.record()
+    deadline = time.monotonic() + timeout
+    while not done.query():
+        if time.monotonic() > deadline:
+            tp.abort()
+            raise TimeoutError(f"{what} did not finish on the GPU within {timeout:g}s (a tensor-parallel peer "
+                               "died or stopped?)")
+        time.sleep(0)
 
 
 def choose_backend(choice: str, device: torch.device, model=None) -> AttentionBackend:

@@ -27,13 +27,15 @@ from pipespec.model.attention import CacheShape, ForwardContext, allocate_caches
 from pipespec.model.linear_state import LinearFlags, LinearMeta, allocate_states, state_bytes
 from pipespec.model.placement import resolve_device, resolve_dtype
 from pipespec.model.source import ModelSource
+from pipespec.parallel import TensorParallel
 from pipespec.plan import StepPlan, StepResult, position_margin
 from pipespec.speculative.loading import build_proposer
 from pipespec.speculative.rejection import verify
 from pipespec.stage import memory
 from pipespec.stage.cuda_graphs import CudaGraphs, Forward
 from pipespec.stage.target import load_target, run_target
-from pipespec.stage.device import choose_backend, prefer_column_major, tensors_off_device, use_device
+from pipespec.stage.device import (choose_backend, finish_within, prefer_column_major, tensors_off_device,
+                                   use_device)
 from pipespec.stage.trace import DraftTrace
 
 logger = logging.getLogger(__name__)
@@ -41,19 +43,23 @@ logger = logging.getLogger(__name__)
 
 class Stage:
     def __init__(self, source: ModelSource, config: EngineConfig, layer_range: tuple[int, int],
-                 max_model_len: int):
+                 max_model_len: int, tp: TensorParallel | None = None):
+        """`tp`: this rank's place in the stage's tensor-parallel group (None: TP = 1); the runtime
+        attaches its process group before the first step."""
         self.config = config
+        self.tp = tp or TensorParallel()
         self.device = use_device(resolve_device(config.model.device))
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.block_size = config.cache.block_size
         self.max_model_len = max_model_len
         self.num_spec_tokens = config.num_spec_tokens
         max_position = max_model_len + position_margin(self.num_spec_tokens)
-        self.model = load_target(source, config, layer_range, max_position, self.dtype, self.device)
+        self.model = load_target(source, config, layer_range, max_position, self.dtype, self.device, self.tp)
         self.backend = choose_backend(config.model.attention_backend, self.device, self.model)
         self.drafter = None
         if self.is_last and self.num_spec_tokens:
-            self.drafter = build_proposer(self.model, source, config, self.dtype, self.device, max_position)
+            self.drafter = build_proposer(self.model, source, config, self.dtype, self.device, max_position,
+                                          self.tp)
         if self.device.type == "cpu":
             for module in self.modules_with_weights():
                 prefer_column_major(module)
@@ -103,7 +109,10 @@ class Stage:
 
     @property
     def uses_cuda_graphs(self) -> bool:
-        return self.backend.supports_cuda_graphs and not self.config.model.enforce_eager
+        # a TP group over gloo (distributed_backend='gloo', GPUs shared for testing) runs its
+        # collectives on the host, which a graph cannot capture
+        gloo_tp = self.tp.size > 1 and self.config.parallel.distributed_backend == "gloo"
+        return self.backend.supports_cuda_graphs and not self.config.model.enforce_eager and not gloo_tp
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         graphs = self.uses_cuda_graphs
@@ -149,8 +158,17 @@ class Stage:
         else:
             fwd = self._forward(layout, inbound)
         if not self.is_last:
-            return torch.stack((fwd.hidden, fwd.residual))
+            out = torch.stack((fwd.hidden, fwd.residual))
+            self._bounded_wait(plan)
+            return out
         return self._sample(plan, fwd).data
+
+    def _bounded_wait(self, plan: StepPlan) -> None:
+        """TP on CUDA: the step's collectives may be in a replayed graph, out of NCCL's watchdog's
+        sight; wait for them with a bound (`finish_within`)."""
+        if self.tp.size > 1 and self.device.type == "cuda":
+            finish_within(self.config.parallel.stage_timeout, self.tp,
+                          f"step {plan.step_id} of TP rank {self.tp.rank}")
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan, inbound: torch.Tensor | None = None) -> Forward:
@@ -194,6 +212,7 @@ class Stage:
                 drafts = self.graphs.propose(last_rows, last_tokens)
             else:
                 drafts = self.drafter.propose(fwd.ctx, layout, fwd.hidden, last_rows, last_tokens)
+        self._bounded_wait(plan)      # before the result's copy to the host, a sync without a bound
         return StepResult.from_verification(plan.step_id, plan.num_reqs, k, layout.sample_rows, tokens,
                                             num_sampled, drafts)
 

@@ -8,19 +8,22 @@ from pipespec.config import EngineConfig
 from pipespec.model.attention import ForwardContext
 from pipespec.model.registry import build_target
 from pipespec.model.source import ModelSource
+from pipespec.model.tp_layers import SINGLE
 from pipespec.model.weights import init_dummy_weights, load_weights
+from pipespec.parallel import TensorParallel
 
 
 def load_target(source: ModelSource, config: EngineConfig, layer_range: tuple[int, int], max_position: int,
-                dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    model = build_target(source.arch, layer_range, max_position)
+                dtype: torch.dtype, device: torch.device, tp: TensorParallel = SINGLE) -> torch.nn.Module:
+    model = build_target(source.arch, layer_range, max_position, tp)
     if config.model.load_format == "dummy":
         # a tied head on a stage without the embedding draws the embedding's values, as it loads them
         tied = {"lm_head.weight": "model.embed_tokens.weight"} if source.arch.tie_word_embeddings else None
         init_dummy_weights(model, dtype, device, key=tied)
     else:
+        shard = f" (TP rank {tp.rank} of {tp.size})" if tp.size > 1 else ""
         load_weights(model, source.weights(), dtype, device,
-                     desc=f"Loading layers {layer_range[0]}-{layer_range[1] - 1}")
+                     desc=f"Loading layers {layer_range[0]}-{layer_range[1] - 1}{shard}")
     return model.eval()
 
 

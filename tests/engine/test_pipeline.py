@@ -245,8 +245,11 @@ def test_each_stage_reads_only_its_tensors(tiny_llama, monkeypatch):
     from pipespec.model.weights import SafetensorsSource
 
     read: list[str] = []
-    original = SafetensorsSource.get
+    original, original_slice = SafetensorsSource.get, SafetensorsSource.get_slice
     monkeypatch.setattr(SafetensorsSource, "get", lambda self, name: read.append(name) or original(self, name))
+    # column-parallel layers (fused q/k/v, gate/up) read their rows through lazy slices
+    monkeypatch.setattr(SafetensorsSource, "get_slice",
+                        lambda self, name: read.append(name) or original_slice(self, name))
     source = resolve_model(str(tiny_llama))
     config = EngineConfig.from_kwargs(model=str(tiny_llama), dtype="float32", device="cpu", num_kv_blocks=4)
     per_stage = []

@@ -14,6 +14,10 @@ On a GPU (the Triton backend) every row takes the absorbed form in one kernel ov
 
 With DeepSeek sparse attention (V3.2) each cache entry also holds the indexer's key (index_head_dim
 values), and each row attends only to the keys its indexer selects (model/deepseek/dsa.py).
+
+With tensor parallelism each rank keeps num_heads / T heads: its rows of q_proj / q_b_proj and
+kv_b_proj, its columns of o_proj (which all-reduces). The latent projections, their norms and the
+indexer are replicated, so every rank caches the same full latent per token.
 """
 from __future__ import annotations
 
@@ -26,25 +30,33 @@ from pipespec.model.deepseek.config import DeepSeekConfig
 from pipespec.model.deepseek.dsa import Indexer, Selection, index_scores, select_topk
 from pipespec.model.deepseek.rope import SliceRope
 from pipespec.model.layers import RMSNorm
+from pipespec.model.tp_layers import SINGLE, ColumnParallelLinear, RowParallelLinear
+from pipespec.parallel import TensorParallel
 
 
 class MLAttention(nn.Module):
     def __init__(self, hidden: int, num_heads: int, cfg: DeepSeekConfig, eps: float, absorb_up_to: int = 16,
-                 reuses_selection: bool = False):
+                 reuses_selection: bool = False, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.cfg, self.num_heads = cfg, num_heads
+        h0, nh = tp.split(num_heads, "num_attention_heads")
+        self.cfg, self.num_heads = cfg, nh
         self.absorb_up_to = absorb_up_to        # requests with at most this many query rows: absorbed form
         bias = cfg.attention_bias
+
+        def heads(inp: int, width: int) -> ColumnParallelLinear:     # this rank's heads of `width` rows each
+            return ColumnParallelLinear(inp, [(h0 * width, nh * width)], False, [num_heads * width])
+
         if cfg.q_lora_rank is None:
-            self.q_proj = nn.Linear(hidden, num_heads * cfg.qk_head_dim, bias=False)
+            self.q_proj = heads(hidden, cfg.qk_head_dim)
         else:
             self.q_a_proj = nn.Linear(hidden, cfg.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, eps)
-            self.q_b_proj = nn.Linear(cfg.q_lora_rank, num_heads * cfg.qk_head_dim, bias=False)
+            self.q_b_proj = heads(cfg.q_lora_rank, cfg.qk_head_dim)
         self.kv_a_proj_with_mqa = nn.Linear(hidden, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, eps)
-        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, num_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
-        self.o_proj = nn.Linear(num_heads * cfg.v_head_dim, hidden, bias=bias)
+        self.kv_b_proj = heads(cfg.kv_lora_rank, cfg.qk_nope_head_dim + cfg.v_head_dim)
+        self.o_proj = RowParallelLinear(num_heads * cfg.v_head_dim, hidden, bias, tp,
+                                        "num_attention_heads * v_head_dim")
         self.scale = cfg.softmax_scale
         self.indexer = None
         self.reuses_selection = reuses_selection      # GLM-5 "shared" layer: no indexer of its own

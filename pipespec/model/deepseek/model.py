@@ -1,7 +1,9 @@
 """DeepSeek-V3 target slice: MLA attention and, from layer `first_k_dense_replace` on, MoE.
 
 Same contract as `LlamaForCausalLM` (see model/registry.py): one pipeline stage's layers, global
-layer indices in parameter names, so each stage loads exactly its tensors.
+layer indices in parameter names, so each stage loads exactly its tensors. With tensor parallelism
+(`tp`) the attention heads, the dense MLPs' and shared experts' intermediate size, the routed experts
+and the vocabulary are split over the TP group (mla.py, moe.py, tp_layers.py).
 """
 from __future__ import annotations
 
@@ -17,7 +19,9 @@ from pipespec.model.deepseek.moe import MoE
 from pipespec.model.deepseek.rope import SliceRope
 from pipespec.model.layers import GatedMLP, RMSNorm
 from pipespec.model.slice import SliceModel, StageSlice, layer_span
+from pipespec.model.tp_layers import SINGLE
 from pipespec.model.weights import fused_parts
+from pipespec.parallel import TensorParallel
 
 
 def fused_names(module: nn.Module, prefix: str = "") -> dict[str, list[str]]:
@@ -37,13 +41,14 @@ class DecoderLayer(nn.Module):
     """Pre-norm block: `attention` (MLA here, GQA for GLM-4.5), then a dense MLP for the first
     `first_k_dense_replace` layers and MoE after."""
 
-    def __init__(self, arch: ArchConfig, moe: MoEConfig, index: int, attention: nn.Module):
+    def __init__(self, arch: ArchConfig, moe: MoEConfig, index: int, attention: nn.Module,
+                 tp: TensorParallel = SINGLE):
         super().__init__()
         h, eps = arch.hidden_size, arch.rms_norm_eps
         self.input_layernorm = RMSNorm(h, eps)
         self.self_attn = attention
         self.post_attention_layernorm = RMSNorm(h, eps)
-        self.mlp = GatedMLP(h, arch.intermediate_size) if index < moe.first_dense else MoE(h, moe)
+        self.mlp = GatedMLP(h, arch.intermediate_size, tp) if index < moe.first_dense else MoE(h, moe, tp)
 
     def forward(self, hidden, residual, rope, cache, ctx, selection=None):
         """`selection`: this forward call's sparse-attention selection (GLM-5 shared layers)."""
@@ -64,10 +69,10 @@ def make_rope(cfg: DeepSeekConfig, max_position: int) -> SliceRope:
     return SliceRope(cfg.qk_rope_head_dim, cfg.rope_theta, max_position, cfg.yarn, cfg.rope_interleave)
 
 
-def make_layer(arch: ArchConfig, cfg: DeepSeekConfig, index: int) -> DecoderLayer:
+def make_layer(arch: ArchConfig, cfg: DeepSeekConfig, index: int, tp: TensorParallel = SINGLE) -> DecoderLayer:
     shared = cfg.index is not None and index in cfg.index.shared
-    attention = MLAttention(arch.hidden_size, arch.num_heads, cfg, arch.rms_norm_eps, reuses_selection=shared)
-    return DecoderLayer(arch, cfg.moe, index, attention)
+    attention = MLAttention(arch.hidden_size, arch.num_heads, cfg, arch.rms_norm_eps, reuses_selection=shared, tp=tp)
+    return DecoderLayer(arch, cfg.moe, index, attention, tp)
 
 
 class DeepseekV3ForCausalLM(StageSlice):
@@ -79,10 +84,10 @@ class DeepseekV3ForCausalLM(StageSlice):
     make_rope = staticmethod(make_rope)
 
     def __init__(self, arch: ArchConfig, layer_range: tuple[int, int] | None = None,
-                 max_position: int | None = None):
+                 max_position: int | None = None, tp: TensorParallel = SINGLE):
         super().__init__()
         start, end = layer_span(arch, layer_range)
-        self.arch = arch
+        self.arch, self.tp = arch, tp
         self.cfg = self.parse(arch.hf_config)
         index = getattr(self.cfg, "index", None)
         if index is not None and start in index.shared:
@@ -90,8 +95,8 @@ class DeepseekV3ForCausalLM(StageSlice):
             raise ValueError(f"pipeline stage starting at layer {start} would need the sparse-attention selection "
                              f"of an earlier stage (indexer_types: layer {start} is 'shared'); choose a "
                              "pipeline size whose stages start at 'full' layers")
-        self.model = SliceModel(arch, {i: self.make_layer(arch, self.cfg, i) for i in range(start, end)},
-                                self.make_rope(self.cfg, max_position or arch.max_position))
+        self.model = SliceModel(arch, {i: self.make_layer(arch, self.cfg, i, tp) for i in range(start, end)},
+                                self.make_rope(self.cfg, max_position or arch.max_position), tp=tp)
         self._init_head()
 
     @property

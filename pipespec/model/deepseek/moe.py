@@ -4,6 +4,10 @@ group-limited top-k, routed experts plus always-on shared experts.
 Routed experts live in two stacked parameters, loaded from the per-expert checkpoint tensors
 (`mlp.experts.{e}.gate_proj/up_proj/down_proj`) concatenated along dim 0, and run as grouped GEMMs
 (`routed_experts`).
+
+With tensor parallelism the routed experts are split across the TP group (each rank loads and runs
+its own E / T; the router is replicated, so every rank routes alike) and the shared experts are split
+by their intermediate size; the partial outputs of both are summed by one all-reduce.
 """
 from __future__ import annotations
 
@@ -13,6 +17,8 @@ from torch import nn
 from pipespec.model.deepseek.config import MoEConfig
 from pipespec.model.layers import GatedMLP
 from pipespec.model.routed_experts import routed_experts
+from pipespec.model.tp_layers import SINGLE, expert_range
+from pipespec.parallel import TensorParallel
 
 
 class Router(nn.Module):
@@ -41,18 +47,20 @@ class Router(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, hidden: int, cfg: MoEConfig):
+    def __init__(self, hidden: int, cfg: MoEConfig, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.cfg = cfg
-        e, i = cfg.num_experts, cfg.intermediate_size
+        self.cfg, self.tp = cfg, tp
+        self.first, self.local = expert_range(cfg.num_experts, tp)       # this rank's experts
+        e, i = self.local, cfg.intermediate_size
         self.gate = Router(hidden, cfg)
         self.experts_gate_up = nn.Parameter(torch.empty(e * 2 * i, hidden))   # per expert: gate rows, up rows
         self.experts_down = nn.Parameter(torch.empty(e * hidden, i))
-        self.shared_experts = GatedMLP(hidden, cfg.num_shared * i) if cfg.num_shared else None
+        self.shared_experts = (GatedMLP(hidden, cfg.num_shared * i, tp, reduce=False,
+                                        what="the shared experts' intermediate size") if cfg.num_shared else None)
 
     def checkpoint_names(self, prefix: str) -> dict[str, list[str]]:
         """Names of this module's stacked parameters (prefix: `model.layers.{l}.mlp.`)."""
-        experts = range(self.cfg.num_experts)
+        experts = range(self.first, self.first + self.local)
         return {prefix + "experts_gate_up": [f"{prefix}experts.{e}.{p}.weight" for e in experts
                                              for p in ("gate_proj", "up_proj")],
                 prefix + "experts_down": [f"{prefix}experts.{e}.down_proj.weight" for e in experts]}
@@ -60,7 +68,8 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         e, i, h = self.cfg.num_experts, self.cfg.intermediate_size, x.shape[-1]
         weights, ids = self.gate(x)
-        out = routed_experts(x, ids, weights, self.experts_gate_up.view(e, 2 * i, h), self.experts_down.view(e, h, i))
+        out = routed_experts(x, ids, weights, self.experts_gate_up.view(self.local, 2 * i, h),
+                             self.experts_down.view(self.local, h, i), self.first if self.tp.size > 1 else None)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        return out
+        return self.tp.all_reduce(out)

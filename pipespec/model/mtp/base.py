@@ -11,7 +11,9 @@ A family is a small subclass naming its tensors (`checkpoint_name`), finding its
 checkpoint (`layer_indices`), building them (`build`) and defining `combine`, `finish` and
 `head_norm`. The block is a child module (`self.block`), so other block kinds can slot in later.
 The embedding and LM head are the target's unless the layer owns a copy; they are passed in at
-forward time, never held (I5).
+forward time, never held (I5). With tensor parallelism (`tp`) the block is split like the target's,
+the embedding and head (the target's or the layer's own) hold this rank's vocabulary rows, and the
+logits are gathered in rank order, so every rank drafts the same tokens.
 """
 from __future__ import annotations
 
@@ -22,14 +24,16 @@ from pipespec.model.arch import ArchConfig
 from pipespec.model.attention import CacheShape, ForwardContext, KVCache
 from pipespec.model.layers import RMSNorm, RotaryEmbedding, head_logits
 from pipespec.model.llama import DecoderLayer
+from pipespec.model.tp_layers import SINGLE, gather_vocab, vocab_embedding
 from pipespec.model.weights import fused_parts
+from pipespec.parallel import TensorParallel
 
 
 
-def dense_block(arch: ArchConfig, norm: type[nn.Module] = RMSNorm) -> DecoderLayer:
+def dense_block(arch: ArchConfig, norm: type[nn.Module] = RMSNorm, tp: TensorParallel = SINGLE) -> DecoderLayer:
     """A Llama-family decoder block (q/k/v bias, q/k norm as `arch` says) with every RMSNorm of
-    kind `norm` (e.g. zero-centred)."""
-    block = DecoderLayer(arch)
+    kind `norm` (e.g. zero-centred), split over `tp`."""
+    block = DecoderLayer(arch, tp)
     if norm is not RMSNorm:
         for parent in list(block.modules()):
             for name, child in list(parent.named_children()):
@@ -42,9 +46,10 @@ class MTPLayer(nn.Module):
     family = ""
     marker = ""        # the checkpoint names that give the family away (for error messages)
 
-    def __init__(self, arch: ArchConfig, layer_index: int, max_position: int | None = None):
+    def __init__(self, arch: ArchConfig, layer_index: int, max_position: int | None = None,
+                 tp: TensorParallel = SINGLE):
         super().__init__()
-        self.arch = arch
+        self.arch, self.tp = arch, tp
         self.layer_index = layer_index
         self.rotary = RotaryEmbedding(arch, max_position or arch.max_position)
 
@@ -57,9 +62,9 @@ class MTPLayer(nn.Module):
 
     @classmethod
     def build(cls, arch: ArchConfig, indices: list[int], names: set[str],
-              max_position: int | None = None) -> list["MTPLayer"]:
+              max_position: int | None = None, tp: TensorParallel = SINGLE) -> list["MTPLayer"]:
         """Unloaded layers for `indices`, with the optional parts the checkpoint `names` hold."""
-        return [cls(arch, i, max_position) for i in indices]
+        return [cls(arch, i, max_position, tp=tp) for i in indices]
 
     @property
     def prefix(self) -> str:
@@ -128,7 +133,7 @@ class MTPLayer(nn.Module):
             weight = embed_weight
         if weight is None:
             raise ValueError("this MTP module has no embedding of its own; pass the target's embed_weight")
-        e = nn.functional.embedding(input_ids, weight)
+        e = vocab_embedding(input_ids, weight, self.tp)
         x = self.combine(e, hidden.to(e.dtype))
         if cache is None and ctx.kv_caches:
             cache = ctx.kv_caches[0]
@@ -142,4 +147,5 @@ class MTPLayer(nn.Module):
             weight = head_weight
         if weight is None:
             raise ValueError("this MTP module has no LM head of its own; pass the target's head_weight")
-        return head_logits(self.head_norm(out).to(weight.dtype), weight)
+        return gather_vocab(head_logits(self.head_norm(out).to(weight.dtype), weight), self.tp,
+                            self.arch.vocab_size)

@@ -14,18 +14,20 @@ import torch
 from torch import nn
 
 from pipespec.model.arch import ArchConfig
-from pipespec.model.layers import LMHead, RMSNorm
+from pipespec.model.layers import ParallelLMHead, RMSNorm
 from pipespec.model.mtp.base import MTPLayer, dense_block
+from pipespec.model.tp_layers import SINGLE, VocabParallelEmbedding
+from pipespec.parallel import TensorParallel
 
 FAMILY_DEEPSEEK = "deepseek_v3"
 
 
 class _SharedHead(nn.Module):
-    def __init__(self, arch: ArchConfig, own_head: bool):
+    def __init__(self, arch: ArchConfig, own_head: bool, tp: TensorParallel):
         super().__init__()
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         if own_head:
-            self.head = LMHead(arch.hidden_size, arch.vocab_size, bias=False)
+            self.head = ParallelLMHead(arch.hidden_size, arch.vocab_size, tp)
 
 
 class DeepSeekMTP(MTPLayer):
@@ -35,16 +37,16 @@ class DeepSeekMTP(MTPLayer):
     marker = "model.layers.N.eh_proj (N >= num_hidden_layers; DeepSeek-V3, GLM-4.5)"
 
     def __init__(self, arch: ArchConfig, layer_index: int | None = None, max_position: int | None = None,
-                 own_embedding: bool = False, own_head: bool = False):
-        super().__init__(arch, arch.num_layers if layer_index is None else layer_index, max_position)
+                 own_embedding: bool = False, own_head: bool = False, tp: TensorParallel = SINGLE):
+        super().__init__(arch, arch.num_layers if layer_index is None else layer_index, max_position, tp)
         h = arch.hidden_size
         self.enorm = RMSNorm(h, arch.rms_norm_eps)
         self.hnorm = RMSNorm(h, arch.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * h, h, bias=False)
         self.block = self.make_block(arch, max_position)
-        self.shared_head = _SharedHead(arch, own_head)
+        self.shared_head = _SharedHead(arch, own_head, tp)
         if own_embedding:       # a copy shipped in the checkpoint
-            self.embed_tokens = nn.Embedding(arch.vocab_size, h)
+            self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, h, tp)
 
     @classmethod
     def layer_indices(cls, names: set[str], num_layers: int) -> list[int]:
@@ -57,16 +59,16 @@ class DeepSeekMTP(MTPLayer):
         return sorted(found)
 
     @classmethod
-    def build(cls, arch, indices, names, max_position=None):
+    def build(cls, arch, indices, names, max_position=None, tp=SINGLE):
         return [cls(arch, i, max_position, own_embedding=f"model.layers.{i}.embed_tokens.weight" in names,
-                    own_head=f"model.layers.{i}.shared_head.head.weight" in names) for i in indices]
+                    own_head=f"model.layers.{i}.shared_head.head.weight" in names, tp=tp) for i in indices]
 
     @property
     def prefix(self) -> str:
         return f"model.layers.{self.layer_index}."
 
     def make_block(self, arch: ArchConfig, max_position: int | None) -> nn.Module:
-        return dense_block(arch)
+        return dense_block(arch, tp=self.tp)
 
     def combine(self, e: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         return self.eh_proj(torch.cat([self.enorm(e), self.hnorm(h)], dim=-1))

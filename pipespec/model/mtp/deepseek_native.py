@@ -30,12 +30,12 @@ from pipespec.model.attention import CacheShape
 from pipespec.model.mtp.deepseek import DeepSeekMTP
 
 
-def _family_block(arch: ArchConfig, index: int, max_position: int):
-    """(the target family's decoder layer `index`, its rope module)."""
+def _family_block(arch: ArchConfig, index: int, max_position: int, tp):
+    """(the target family's decoder layer `index`, split over `tp` like the target's, its rope module)."""
     from pipespec.model.registry import TARGETS
     family = TARGETS[arch.model_type]
     cfg = family.parse(arch.hf_config)
-    return family.make_layer(arch, cfg, index), family.make_rope(cfg, max_position)
+    return family.make_layer(arch, cfg, index, tp), family.make_rope(cfg, max_position)
 
 
 # targets whose MTP layers carry the family's own block
@@ -46,7 +46,7 @@ class NativeDeepSeekMTP(DeepSeekMTP):
     """A DeepSeek-style MTP layer whose block is the target family's decoder layer."""
 
     def make_block(self, arch: ArchConfig, max_position: int | None) -> nn.Module:
-        block, self.rotary = _family_block(arch, self.layer_index, max_position or arch.max_position)
+        block, self.rotary = _family_block(arch, self.layer_index, max_position or arch.max_position, self.tp)
         return block
 
     def finish(self, out: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,8 @@ import torch
 from pipespec.model.arch import ArchConfig
 from pipespec.model.mtp.base import MTPLayer
 from pipespec.model.mtp.loading import load_mtp
+from pipespec.model.tp_layers import SINGLE
+from pipespec.parallel import TensorParallel
 
 META_FAMILY = "pipespec.mtp_family"
 META_BASE_MODEL = "pipespec.base_model"
@@ -44,7 +46,7 @@ def read_mtp_metadata(path: str | Path) -> dict[str, str]:
 
 
 def load_mtp_file(path: str | Path, arch: ArchConfig, dtype: torch.dtype = torch.float32, device="cpu",
-                  max_position: int | None = None) -> tuple[MTPLayer, dict[str, str]]:
+                  max_position: int | None = None, tp: TensorParallel = SINGLE) -> tuple[MTPLayer, dict[str, str]]:
     """Load a head file written by `save_mtp` (or any file of MTP tensors); returns (module, metadata)."""
     from pipespec.model.weights import SafetensorsSource
 
@@ -55,5 +57,5 @@ def load_mtp_file(path: str | Path, arch: ArchConfig, dtype: torch.dtype = torch
             if base.get(key) != getattr(arch, key):
                 raise ValueError(f"MTP head {path} was trained for {meta.get(META_BASE_MODEL)!r} with "
                                  f"{key}={base.get(key)}, but the target has {key}={getattr(arch, key)}")
-    module = load_mtp(SafetensorsSource([Path(path)]), arch, dtype, device, max_position=max_position)
+    module = load_mtp(SafetensorsSource([Path(path)]), arch, dtype, device, max_position=max_position, tp=tp)
     return module, meta

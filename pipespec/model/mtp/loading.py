@@ -13,6 +13,8 @@ from pipespec.model.mtp.deepseek import DeepSeekMTP
 from pipespec.model.mtp.deepseek_native import NATIVE_BLOCKS, NativeDeepSeekMTP
 from pipespec.model.mtp.mimo import MiMoMTP
 from pipespec.model.mtp.qwen3_next import Qwen3NextMTP
+from pipespec.model.tp_layers import SINGLE
+from pipespec.parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +52,8 @@ def declared_mtp_layers(folder: Path) -> int | None:
 
 
 def load_mtp_layers(source, arch: ArchConfig, dtype: torch.dtype, device, max_position: int | None = None,
-                    indices: list[int] | None = None, declared: int | None = None) -> list[MTPLayer]:
+                    indices: list[int] | None = None, declared: int | None = None,
+                    tp: TensorParallel = SINGLE) -> list[MTPLayer]:
     """Build and load MTP layers from a weight source (a head file or a whole checkpoint).
 
     `indices`: which layers (default: all the checkpoint holds, or the first `declared` of them when
@@ -74,7 +77,7 @@ def load_mtp_layers(source, arch: ArchConfig, dtype: torch.dtype, device, max_po
         raise ValueError(f"no MTP layer {unknown} in the checkpoint; it holds {found} ({family.marker})")
     if family is DeepSeekMTP and arch.model_type in NATIVE_BLOCKS:   # the target family's own block
         family = NativeDeepSeekMTP
-    layers = family.build(arch, indices, names, max_position)
+    layers = family.build(arch, indices, names, max_position, tp=tp)
     for layer in layers:
         load_weights(layer, source, dtype, device, desc=f"Loading {family.family} MTP layer {layer.layer_index}")
     return layers
@@ -87,7 +90,7 @@ _SHIPPED = {"deepseek_v3": NativeDeepSeekMTP, "deepseek_v32": NativeDeepSeekMTP,
 
 
 def dummy_mtp_layers(arch: ArchConfig, count: int, dtype: torch.dtype, device,
-                     max_position: int | None = None) -> list[MTPLayer]:
+                     max_position: int | None = None, tp: TensorParallel = SINGLE) -> list[MTPLayer]:
     """`count` MTP layers of the family `arch.model_type` ships, with random weights (benchmarks)."""
     from pipespec.model.weights import init_dummy_weights
 
@@ -96,14 +99,14 @@ def dummy_mtp_layers(arch: ArchConfig, count: int, dtype: torch.dtype, device,
         raise ValueError(f"load_format='dummy' builds MTP layers for {', '.join(sorted(_SHIPPED))}; "
                          f"{arch.model_type} ships none (pass a head file as speculative_config['model'])")
     first = 0 if family is Qwen3NextMTP else arch.num_layers        # mtp.layers.{i} / model.layers.{N + i}
-    layers = family.build(arch, list(range(first, first + count)), set(), max_position)
+    layers = family.build(arch, list(range(first, first + count)), set(), max_position, tp=tp)
     for layer in layers:
         init_dummy_weights(layer, dtype, device, seed=1 + layer.layer_index)
     return layers
 
 
 def load_mtp(source, arch: ArchConfig, dtype: torch.dtype, device, layer_index: int | None = None,
-             max_position: int | None = None) -> MTPLayer:
+             max_position: int | None = None, tp: TensorParallel = SINGLE) -> MTPLayer:
     """One MTP layer (default: the checkpoint's first), with any embedding or head copy it ships."""
     indices = None if layer_index is None else [layer_index]
-    return load_mtp_layers(source, arch, dtype, device, max_position, indices)[0]
+    return load_mtp_layers(source, arch, dtype, device, max_position, indices, tp=tp)[0]

@@ -15,6 +15,7 @@ from torch import nn
 from pipespec.model.arch import ArchConfig
 from pipespec.model.layers import RMSNorm
 from pipespec.model.mtp.base import MTPLayer, dense_block
+from pipespec.model.tp_layers import SINGLE
 
 FAMILY_MIMO = "mimo"
 
@@ -23,13 +24,13 @@ class MiMoMTP(MTPLayer):
     family = FAMILY_MIMO
     marker = "model.mtp_layers.i.input_proj (MiMo)"
 
-    def __init__(self, arch: ArchConfig, layer_index: int = 0, max_position: int | None = None):
-        super().__init__(arch, layer_index, max_position)
+    def __init__(self, arch: ArchConfig, layer_index: int = 0, max_position: int | None = None, tp=None):
+        super().__init__(arch, layer_index, max_position, tp or SINGLE)
         h, eps = arch.hidden_size, arch.rms_norm_eps
         self.token_layernorm = RMSNorm(h, eps)
         self.hidden_layernorm = RMSNorm(h, eps)
         self.input_proj = nn.Linear(2 * h, h, bias=False)
-        self.block = dense_block(arch)
+        self.block = dense_block(arch, tp=self.tp)
         self.final_layernorm = RMSNorm(h, eps)
 
     @classmethod

@@ -25,6 +25,7 @@ from torch import nn
 from pipespec.model.arch import ArchConfig
 from pipespec.model.mtp.base import MTPLayer, dense_block
 from pipespec.model.norms import ZeroCentredRMSNorm
+from pipespec.model.tp_layers import SINGLE
 from pipespec.model.qwen3_next import HybridDecoderLayer, hybrid_checkpoint_names, partial_rotary
 
 FAMILY_QWEN3_NEXT = "qwen3_next"
@@ -47,15 +48,16 @@ class Qwen3NextMTP(MTPLayer):
     marker = "mtp.fc and mtp.layers.i (Qwen3-Next, Qwen3.5)"
 
     def __init__(self, arch: ArchConfig, layer_index: int = 0, max_position: int | None = None,
-                 shared: Qwen3NextMTPShared | None = None):
-        super().__init__(arch, layer_index, max_position)
+                 shared: Qwen3NextMTPShared | None = None, tp=None):
+        super().__init__(arch, layer_index, max_position, tp or SINGLE)
         self.shared = shared or Qwen3NextMTPShared(arch)
         if arch.hybrid is not None:
-            self.block = HybridDecoderLayer(arch, layer_index, linear=False, moe=arch.hybrid.num_experts > 0)
+            self.block = HybridDecoderLayer(arch, layer_index, linear=False, moe=arch.hybrid.num_experts > 0,
+                                            tp=self.tp)
             self.rotary = partial_rotary(arch, max_position or arch.max_position)
         else:
             block_arch = dataclasses.replace(arch, qk_norm=True, qkv_bias=False, o_bias=False)
-            self.block = dense_block(block_arch, norm=ZeroCentredRMSNorm)
+            self.block = dense_block(block_arch, norm=ZeroCentredRMSNorm, tp=self.tp)
 
     @classmethod
     def layer_indices(cls, names: set[str], num_layers: int) -> list[int]:
@@ -64,9 +66,9 @@ class Qwen3NextMTP(MTPLayer):
         return sorted({int(n.split(".")[2]) for n in names if n.startswith("mtp.layers.")})
 
     @classmethod
-    def build(cls, arch, indices, names, max_position=None):
+    def build(cls, arch, indices, names, max_position=None, tp=SINGLE):
         shared = Qwen3NextMTPShared(arch)
-        return [cls(arch, i, max_position, shared) for i in indices]
+        return [cls(arch, i, max_position, shared, tp=tp) for i in indices]
 
     def checkpoint_name(self, name: str) -> str:
         if name.startswith("shared."):
