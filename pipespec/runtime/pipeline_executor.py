@@ -61,7 +61,7 @@ class PipelineExecutor(Executor):
         self.link: Link | None = None
         self.procs: list = []                 # spawned worker processes (index r-1 is stage r)
         self.stage_info: list[dict] = []      # status of every stage after loading
-        self._in_flight: deque[tuple[int, int, list]] = deque()
+        self._in_flight: deque[tuple[int, int, int, list]] = deque()   # step id, requests, K, sends
         self._failed: str | None = None
         self._closed = False
         self._nonce = 0
@@ -189,7 +189,7 @@ class PipelineExecutor(Executor):
             self._busy += time.perf_counter() - t0
             self._cpu += time.thread_time() - c0
             self._steps += 1
-            self._in_flight.append((plan.step_id, plan.num_reqs, pending))
+            self._in_flight.append((plan.step_id, plan.num_reqs, plan.num_spec_tokens, pending))
         except StageError as e:
             self._fail(e)
         except Exception as e:
@@ -202,10 +202,10 @@ class PipelineExecutor(Executor):
         self._check_usable()
         if not self._in_flight:
             raise RuntimeError("receive() with no step in flight")
-        step_id, num_reqs, pending = self._in_flight.popleft()
+        step_id, num_reqs, k, pending = self._in_flight.popleft()
         t0 = time.perf_counter()
         try:
-            data = self.link.recv(result_shape(num_reqs, self.num_spec_tokens), torch.int64,
+            data = self.link.recv(result_shape(num_reqs, k), torch.int64,
                                   self.settings.world_size - 1, "result", timeout)
             for p in pending:             # every message of this step has been received by now
                 p.wait(timeout)
@@ -215,7 +215,7 @@ class PipelineExecutor(Executor):
         except BaseException as e:
             self._failed = self._failed or f"interrupted while waiting for step {step_id}: {error_text(e)}"
             raise
-        return StepResult(step_id, data, self.num_spec_tokens)
+        return StepResult(step_id, data, k)
 
     # -- debug and measurement ------------------------------------------------------------------
 
