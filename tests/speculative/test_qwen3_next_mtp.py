@@ -108,9 +108,9 @@ def _acceptance(folder: str, prompts, pp: int = 1, rewire=None, misalign: bool =
         if misalign:          # row t gets its own token x_t instead of x_{t+1}
             real = drafter.propose
 
-            def propose(ctx, layout, hidden, last_rows, last_tokens):
+            def propose(ctx, layout, hidden, last_rows, last_tokens, *k):
                 unshifted = dataclasses.replace(layout, mtp_input_ids=layout.input_ids)
-                return real(ctx, unshifted, hidden, last_rows, layout.input_ids[last_rows])
+                return real(ctx, unshifted, hidden, last_rows, layout.input_ids[last_rows], *k)
             drafter.propose = propose
         _generate(llm, prompts)
         return llm.stats()["spec_decode"]["draft_acceptance_rate"]
