@@ -9,7 +9,7 @@ acceptance length, and for adaptive K the share of steps per K and the step cost
 Tokens/s counts generated tokens over the wall time of a whole `generate` (prefill included, EOS
 ignored), engines interleaved per repeat so drift hits all alike. Each engine first runs every
 timed shape twice (warm-up): adaptive K measures its costs and acceptance then, as a server would in
-its first seconds; the policy keeps what it learnt across calls (its exploration, ~5% of steps,
+its first seconds; the policy keeps what it learnt across calls (its exploration, ~3% of steps,
 stays in the timed runs: it is part of its cost).
 
 Usage (GPU machine): python benchmarks/adaptive_k.py [--batch 1 8 64] [--new-tokens 128]

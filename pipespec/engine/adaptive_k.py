@@ -8,8 +8,9 @@ seconds. Both are measured here:
   steps only (every request decodes with exactly k drafts: steps that mix in prefill chunks, or the
   first step after k changed, cost something else).
 `best_k` then takes the k with the most expected tokens per second. Every k of a bucket is measured
-before it is trusted, and a small fraction of steps explores another k, so a k that stopped being
-chosen is measured again. A chosen exploration k is held for a few steps, so that some of them are
+before it is trusted, and a small fraction of steps (~3%) tries a neighbour of the best k, so the
+figures around the choice stay current (if acceptance or costs drift, the choice walks there) while
+exploring costs little. A chosen exploration k is held for a few steps, so that some of them are
 steady (the first one after a change verifies the old k's drafts).
 
 With PP the cost of a step is the time between its result and the previous one (the pipeline's
@@ -21,7 +22,7 @@ import random
 from typing import Sequence
 
 MIN_SAMPLES = 2          # steady-step costs of a (bucket, k) before best_k trusts it
-EXPLORE = 0.05           # fraction of steps that try a k other than the best
+EXPLORE = 0.03           # fraction of steps that try a neighbour of the best k
 COST_SMOOTHING = 0.2     # weight of a new cost sample
 ACCEPT_DECAY = 0.995     # per observation: acceptance follows the last few hundred drafts
 ACCEPT_PRIOR = (0.5, 2.0)   # (rate, weight in observations) before anything is measured
@@ -99,7 +100,8 @@ class AdaptiveK:
             return self._hold_k(unmeasured[-1])
         best = best_k(self.acceptance(), self._cost[b])
         if self._rng.random() < EXPLORE / self.hold:     # each exploration holds its k `hold` steps
-            return self._hold_k(self._rng.choice([k for k in range(self.max_k + 1) if k != best]))
+            # a neighbour: costs and acceptance change smoothly with k, and a far k costs more to try
+            return self._hold_k(self._rng.choice([k for k in (best - 1, best + 1) if 0 <= k <= self.max_k]))
         return best
 
     def _hold_k(self, k: int) -> int:

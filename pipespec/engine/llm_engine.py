@@ -209,7 +209,6 @@ class LLMEngine:
                 self.spec_stats.record(d, len(tokens) - 1)
                 if self.k_policy is not None:
                     self.k_policy.record_acceptance(d, len(tokens) - 1)
-                self._maybe_log_spec()
             if tokens:
                 self._append(req, tokens)
                 outputs.append(self._output(req))
@@ -217,6 +216,8 @@ class LLMEngine:
                     self.requests.pop(req.request_id, None)
                 else:
                     req.draft_ids = result.drafts(row)
+        if self.spec_stats.num_spec_tokens:      # (also when adaptive K runs without drafts for a while)
+            self._maybe_log_spec()
         return outputs
 
     def _measure_step(self, batch: ScheduledBatch) -> None:

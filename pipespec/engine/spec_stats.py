@@ -15,8 +15,8 @@ class SpecDecodeStats:
         self._interval_start: float | None = None
 
     def log_due(self, now: float, every: float) -> bool:
-        """True once per `every` seconds of drafting: the clock starts at the first draft, so the
-        first summary covers `every` seconds of work, not a single step."""
+        """True once per `every` seconds of speculative decoding: the clock starts at the first call
+        (the engine's first step), so the first summary covers `every` seconds of work, not a single step."""
         if self._interval_start is None:
             self._interval_start = now
             return False
