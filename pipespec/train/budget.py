@@ -49,6 +49,8 @@ def plan_text(args, cached: str | None = None) -> str:
         train = f"training <= {args.max_time:g} s (--max-time; or {args.tokens:,} tokens, if sooner)"
     else:
         train = f"training: {args.tokens:,} tokens, no time limit (--max-time sets one)"
+    if args.eval_every:
+        train += f", plus a 64-answer evaluation every {args.eval_every} steps (--eval-every; not in --max-time)"
     text = (f"text windows: {args.text_tokens:,} tokens from this machine's Python (--text-tokens; ~3 s per "
             f"million on a CPU core)" if args.text_tokens else "text windows: none")
     bounded = (cached is not None or g.total is not None) and args.max_time is not None
