@@ -4,9 +4,10 @@ A step with k drafts per request yields, per request, 1 + E[accepted | k] tokens
 seconds. Both are measured here:
 - acceptance: per draft position j, the rate at which draft j is accepted given drafts 1..j-1 were
   (exponentially decayed counts, so it follows the text being generated);
-- cost: seconds per step, per (batch-size bucket, k), exponentially smoothed, from steady decode
-  steps only (every request decodes with exactly k drafts: steps that mix in prefill chunks, or the
-  first step after k changed, cost something else).
+- cost: seconds per step, per (batch-size bucket, k): the median of the last few steady decode steps
+  (every request decodes with exactly k drafts: steps that mix in prefill chunks, or the first step
+  after k changed, cost something else). A median, because a step that other work on the machine
+  slowed down would otherwise mark its k as costly for a long time.
 `best_k` then takes the k with the most expected tokens per second. Every k of a bucket is measured
 before it is trusted, and a small fraction of steps (~3%) tries a neighbour of the best k, so the
 figures around the choice stay current (if acceptance or costs drift, the choice walks there) while
@@ -19,11 +20,13 @@ throughput), or since its submission when the pipeline was idle.
 from __future__ import annotations
 
 import random
+import statistics
+from collections import deque
 from typing import Sequence
 
-MIN_SAMPLES = 2          # steady-step costs of a (bucket, k) before best_k trusts it
+MIN_SAMPLES = 3          # steady-step costs of a (bucket, k) before best_k trusts it
+COST_WINDOW = 8          # the last steady-step costs of a (bucket, k) whose median is its cost
 EXPLORE = 0.03           # fraction of steps that try a neighbour of the best k
-COST_SMOOTHING = 0.2     # weight of a new cost sample
 ACCEPT_DECAY = 0.995     # per observation: acceptance follows the last few hundred drafts
 ACCEPT_PRIOR = (0.5, 2.0)   # (rate, weight in observations) before anything is measured
 
@@ -57,8 +60,7 @@ class AdaptiveK:
         self.hold = 2 * num_micro_batches + 2     # steps an explored k is kept (each micro-batch turns over)
         self._reached = [0.0] * max_k             # decayed counts: draft j was verified (1..j-1 accepted)
         self._accepted = [0.0] * max_k            # ... and accepted
-        self._cost: dict[int, list[float | None]] = {}
-        self._samples: dict[int, list[int]] = {}
+        self._costs: dict[int, list[deque]] = {}     # bucket -> per k, the last steady-step seconds
         self._rng = random.Random(seed)
         self._held, self._hold_left = 0, 0
         self.k_steps = [0] * (max_k + 1)          # how often each k was chosen (stats, /metrics)
@@ -77,11 +79,14 @@ class AdaptiveK:
 
     def record_step(self, num_reqs: int, k: int, seconds: float) -> None:
         """A steady decode step of num_reqs requests with k drafts each took `seconds`."""
-        b = bucket(num_reqs)
-        cost = self._cost.setdefault(b, [None] * (self.max_k + 1))
-        self._samples.setdefault(b, [0] * (self.max_k + 1))[k] += 1
-        old = cost[k]
-        cost[k] = seconds if old is None else old + COST_SMOOTHING * (seconds - old)
+        self._window(bucket(num_reqs))[k].append(seconds)
+
+    def _window(self, b: int) -> list[deque]:
+        return self._costs.setdefault(b, [deque(maxlen=COST_WINDOW) for _ in range(self.max_k + 1)])
+
+    def costs(self, b: int) -> list[float | None]:
+        """Seconds per steady step of bucket b for each k (None: fewer than MIN_SAMPLES measured)."""
+        return [statistics.median(w) if len(w) >= MIN_SAMPLES else None for w in self._window(b)]
 
     # -- the choice ----------------------------------------------------------------------------
 
@@ -94,11 +99,11 @@ class AdaptiveK:
         if self._hold_left > 0:
             self._hold_left -= 1
             return self._held
-        samples = self._samples.get(b, [0] * (self.max_k + 1))
-        unmeasured = [k for k, n in enumerate(samples) if n < MIN_SAMPLES]
+        costs = self.costs(b)
+        unmeasured = [k for k, c in enumerate(costs) if c is None]
         if unmeasured:        # measure every k of this batch size first, the largest (most drafts) first
             return self._hold_k(unmeasured[-1])
-        best = best_k(self.acceptance(), self._cost[b])
+        best = best_k(self.acceptance(), costs)
         if self._rng.random() < EXPLORE / self.hold:     # each exploration holds its k `hold` steps
             # a neighbour: costs and acceptance change smoothly with k, and a far k costs more to try
             return self._hold_k(self._rng.choice([k for k in (best - 1, best + 1) if 0 <= k <= self.max_k]))
@@ -110,8 +115,8 @@ class AdaptiveK:
 
     def as_dict(self) -> dict:
         return {"k_steps": list(self.k_steps), "acceptance": [round(a, 4) for a in self.acceptance()],
-                "step_seconds": {b: [None if c is None else round(c, 6) for c in cost]
-                                 for b, cost in sorted(self._cost.items())}}
+                "step_seconds": {b: [None if c is None else round(c, 6) for c in self.costs(b)]
+                                 for b in sorted(self._costs)}}
 
 
 class KSequence(AdaptiveK):

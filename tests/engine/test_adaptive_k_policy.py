@@ -73,6 +73,18 @@ def test_policy_follows_a_change_of_acceptance():
     assert late.count(0) / len(late) > 0.85
 
 
+def test_a_step_slowed_by_other_work_does_not_mark_its_k_as_costly():
+    policy = AdaptiveK(max_k=1)
+    for seconds in (1.0, 1.0, 1.0):
+        policy.record_step(8, 0, seconds)
+    for seconds in (1.1, 40.0, 1.1):             # one step stalled (the machine was busy)
+        policy.record_step(8, 1, seconds)
+    for _ in range(100):
+        policy.record_acceptance(1, 1)
+    assert policy.costs(8) == [1.0, 1.1]
+    assert best_k(policy.acceptance(), policy.costs(8)) == 1
+
+
 def test_k_sequence_is_followed_in_turn():
     policy = make_policy(SpeculativeConfig(num_speculative_tokens=2, adaptive=True, k_sequence=[2, 0, 1]), 1)
     assert isinstance(policy, KSequence)
