@@ -9,9 +9,11 @@ seconds. Both are measured here:
   after k changed, cost something else). A median, because a step that other work on the machine
   slowed down would otherwise mark its k as costly for a long time.
 `best_k` then takes the k with the most expected tokens per second. Every k of a bucket is measured
-before it is trusted, and a small fraction of steps (~3%) tries a neighbour of the best k, so the
-figures around the choice stay current (if acceptance or costs drift, the choice walks there) while
-exploring costs little. A chosen exploration k is held for a few steps, so that some of them are
+before its figures are trusted: the first bucket met at once, the others once they have lasted
+SWEEP_AFTER steps (until then, e.g. while the last requests of a batch finish one by one, a bucket
+borrows the figures of the nearest measured one). A small fraction of steps (~3%) tries a neighbour
+of the best k, so the figures around the choice stay current (if acceptance or costs drift, the
+choice walks there) while exploring costs little. A chosen exploration k is held for a few steps, so that some of them are
 steady (the first one after a change verifies the old k's drafts).
 
 With PP the cost of a step is the time between its result and the previous one (the pipeline's
@@ -25,6 +27,7 @@ from collections import deque
 from typing import Sequence
 
 MIN_SAMPLES = 3          # steady-step costs of a (bucket, k) before best_k trusts it
+SWEEP_AFTER = 16         # steps at a batch size before all its k are measured (before: a neighbour's)
 COST_WINDOW = 8          # the last steady-step costs of a (bucket, k) whose median is its cost
 EXPLORE = 0.03           # fraction of steps that try a neighbour of the best k
 ACCEPT_DECAY = 0.995     # per observation: acceptance follows the last few hundred drafts
@@ -61,6 +64,7 @@ class AdaptiveK:
         self._reached = [0.0] * max_k             # decayed counts: draft j was verified (1..j-1 accepted)
         self._accepted = [0.0] * max_k            # ... and accepted
         self._costs: dict[int, list[deque]] = {}     # bucket -> per k, the last steady-step seconds
+        self._visits: dict[int, int] = {}            # bucket -> steps chosen for it
         self._rng = random.Random(seed)
         self._held, self._hold_left = 0, 0
         self.k_steps = [0] * (max_k + 1)          # how often each k was chosen (stats, /metrics)
@@ -99,15 +103,25 @@ class AdaptiveK:
         if self._hold_left > 0:
             self._hold_left -= 1
             return self._held
+        self._visits[b] = self._visits.get(b, 0) + 1
         costs = self.costs(b)
         unmeasured = [k for k, c in enumerate(costs) if c is None]
-        if unmeasured:        # measure every k of this batch size first, the largest (most drafts) first
-            return self._hold_k(unmeasured[-1])
+        if unmeasured:
+            near = self._nearest_measured(b)
+            if near is None or self._visits[b] > SWEEP_AFTER:
+                # measure every k of this batch size, the largest (most drafts) first
+                return self._hold_k(unmeasured[-1])
+            costs = self.costs(near)       # a batch size met in passing borrows its neighbour's figures
         best = best_k(self.acceptance(), costs)
         if self._rng.random() < EXPLORE / self.hold:     # each exploration holds its k `hold` steps
             # a neighbour: costs and acceptance change smoothly with k, and a far k costs more to try
             return self._hold_k(self._rng.choice([k for k in (best - 1, best + 1) if 0 <= k <= self.max_k]))
         return best
+
+    def _nearest_measured(self, b: int) -> int | None:
+        """The bucket nearest b (in factors of two) whose every k is measured."""
+        full = [m for m in self._costs if None not in self.costs(m)]
+        return min(full, key=lambda m: (abs(m.bit_length() - b.bit_length()), m)) if full else None
 
     def _hold_k(self, k: int) -> int:
         self._held, self._hold_left = k, self.hold - 1

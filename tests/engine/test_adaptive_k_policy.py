@@ -85,6 +85,18 @@ def test_a_step_slowed_by_other_work_does_not_mark_its_k_as_costly():
     assert best_k(policy.acceptance(), policy.costs(8)) == 1
 
 
+def test_a_batch_size_met_in_passing_borrows_a_neighbours_figures_one_that_lasts_is_measured():
+    policy = AdaptiveK(max_k=2)
+    _simulate(policy, 0.9, lambda k: 1 + 0.1 * k, 100, batch=16)       # bucket 16: all k measured
+    assert None not in policy.costs(16)
+    # the last requests finishing: a few steps at 8, then 4 -- no sweep, the choice of bucket 16
+    assert [policy.choose(8) for _ in range(3)] == [2, 2, 2] and [policy.choose(4) for _ in range(3)] == [2, 2, 2]
+    # a batch size that lasts gets its own measurements (here drafts cost much more at 64)
+    chosen = _simulate(policy, 0.9, lambda k: 1 + 2.0 * k, 200, batch=64, seed=3)
+    assert None not in policy.costs(64)
+    assert chosen[100:].count(0) / 100 > 0.85
+
+
 def test_k_sequence_is_followed_in_turn():
     policy = make_policy(SpeculativeConfig(num_speculative_tokens=2, adaptive=True, k_sequence=[2, 0, 1]), 1)
     assert isinstance(policy, KSequence)
