@@ -167,17 +167,35 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """`speculative_config={"method": "mtp", "num_speculative_tokens": K, "model": PATH}` (vLLM's keys)."""
+    """`speculative_config={"method": "mtp", "num_speculative_tokens": K, "model": PATH}` (vLLM's keys),
+    plus `"adaptive": true`: the driver picks each step's K in 0..num_speculative_tokens from the
+    acceptance and step costs it measures (engine/adaptive_k.py); without it K is fixed (vLLM's meaning)."""
 
     method: str = "mtp"
-    num_speculative_tokens: int = 1
+    num_speculative_tokens: int = 1   # K; with adaptive, the largest K a step may use
     model: str | None = None          # a head file; None: the checkpoint's own MTP layers or the bundled head
+    adaptive: bool = False
+    # adaptive only, for tests and benchmarks: the steps' K in turn (repeating) instead of measuring
+    k_sequence: tuple[int, ...] | None = None
 
     def __post_init__(self):
         _require(self.method == "mtp", f"speculative_config.method must be 'mtp', got {self.method!r}")
         k = self.num_speculative_tokens
+        if self.adaptive is True and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
+            raise ValueError(f"speculative_config.adaptive needs speculation: num_speculative_tokens is the largest "
+                             f"K a step may use and must be an integer in 1..8, got {k!r}")
         _require(isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= 8,
                  f"speculative_config.num_speculative_tokens must be an integer in 1..8, got {k!r}")
+        _require(isinstance(self.adaptive, bool),
+                 f"speculative_config.adaptive must be true or false, got {self.adaptive!r}")
+        seq = self.k_sequence
+        if seq is not None:
+            _require(self.adaptive, "speculative_config.k_sequence forces the steps' K of adaptive K; "
+                                    "set \"adaptive\": true with it")
+            _require(isinstance(seq, (list, tuple)) and len(seq) > 0
+                     and all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= k for x in seq),
+                     f"speculative_config.k_sequence must be a non-empty list of integers in 0..{k}, got {seq!r}")
+            object.__setattr__(self, "k_sequence", tuple(seq))
 
     @classmethod
     def parse(cls, value) -> "SpeculativeConfig | None":
@@ -195,7 +213,7 @@ class SpeculativeConfig:
         unknown = set(value) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ValueError(f"speculative_config has unknown keys {sorted(unknown)}; "
-                             "known: method, num_speculative_tokens, model")
+                             "known: method, num_speculative_tokens, model, adaptive, k_sequence")
         return cls(**value)
 
 

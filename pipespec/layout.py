@@ -61,6 +61,9 @@ class StepLayout:
         k = num_spec_tokens
         qsl, samplers = plan.query_start_loc.numpy(), plan.sample_rows.numpy()
         drafts = plan.num_drafts.numpy()[samplers]
+        if len(drafts) and drafts.max() > k:
+            raise ValueError(f"step {plan.step_id} verifies {int(drafts.max())} drafts of a request, more than "
+                             f"its K={k}")
         first = qsl[samplers + 1] - 1 - drafts                   # each sampler's last non-draft row
         verify_rows = first[:, None] + np.minimum(np.arange(k + 1)[None, :], drafts[:, None])
         ids = plan.input_ids.numpy()

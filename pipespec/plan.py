@@ -4,7 +4,8 @@ and the shapes every message of a step has.
 A plan carries everything any stage needs for one step and nothing else; a result has a shape that
 depends only on the plan and the config (DESIGN.md, I2), never on what was sampled.
 
-K (`num_spec_tokens`) is the number of draft tokens per request. A verifying request runs 1 + K query
+K (`num_spec_tokens`) is the number of draft tokens per request; each plan says its step's K (the
+config's, or with adaptive K one in 0..config K), and every shape of the step follows from it. A verifying request runs 1 + K query
 rows (its last accepted token, then its drafts); after verification the MTP chain drafts K more
 positions past the last accepted one. So a step touches positions up to 2K past a request's last
 known token (`position_margin`), and writes MTP KV up to K - 1 slots past a sampling request's last
@@ -40,6 +41,10 @@ class StepPlan:
     # int64 [B] after a step that verified drafts: its accepted count, i.e. which row's candidate
     # state every stage commits before running the request again; -1: nothing to commit
     state_commit: torch.Tensor | None = None
+    # K of this step: each sampling request's verify line is 1 + K rows (its drafts, at most K), the
+    # last stage drafts K tokens after verifying, and the result row is result_width(K) wide. The
+    # config's K unless adaptive K picked a smaller one (0: plain decoding, the MTP KV still written)
+    num_spec_tokens: int = 0
 
     def __post_init__(self):
         b, device = self.seq_lens.shape[0], self.seq_lens.device

@@ -36,7 +36,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="prefill each prompt in one step (it must fit --max-num-batched-tokens)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='MTP speculative decoding, e.g. \'{"method": "mtp", "num_speculative_tokens": 3}\' '
-                        '(add "model": PATH for a head file)')
+                        '(add "model": PATH for a head file; "adaptive": true to let the engine pick each '
+                        "step's K in 0..num_speculative_tokens from measured acceptance and step costs)")
     pp = p.add_argument_group("pipeline and tensor parallelism")
     pp.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None,
                     help="pipeline stages (default: 1, or WORLD_SIZE / tensor-parallel size under torchrun)")

@@ -13,6 +13,7 @@ import time
 from collections import deque
 
 from pipespec.config import EngineConfig
+from pipespec.engine.adaptive_k import make_policy
 from pipespec.engine.detokenizer import IncrementalDetokenizer
 from pipespec.engine.outputs import CompletionOutput, RequestOutput
 from pipespec.engine.request import Request
@@ -73,10 +74,14 @@ class LLMEngine:
         except BaseException:
             self.executor.shutdown()
             raise
+        # adaptive K (speculative_config.adaptive): the policy picks each step's K; None: K is fixed
+        self.k_policy = make_policy(config.speculative, self.executor.max_in_flight)
         self.scheduler = Scheduler(config.scheduler, block_size, num_blocks, self.max_model_len,
                                    num_micro_batches=self.executor.max_in_flight,
-                                   num_spec_tokens=config.num_spec_tokens)
-        self.spec_stats = SpecDecodeStats(config.num_spec_tokens)
+                                   num_spec_tokens=config.num_spec_tokens,
+                                   choose_k=self.k_policy.choose if self.k_policy else None)
+        self.spec_stats = SpecDecodeStats(config.num_spec_tokens, self.k_policy)
+        self._last_result_at = 0.0
         self.requests: dict[str, Request] = {}
         self._in_flight: deque[ScheduledBatch] = deque()
         self._arrivals = itertools.count()
@@ -174,6 +179,7 @@ class LLMEngine:
                 if batch is None:
                     break
                 self._in_flight.append(batch)
+                batch.submitted_at = time.perf_counter()
                 try:
                     self.executor.submit(batch.plan)
                 except BaseException:
@@ -192,6 +198,7 @@ class LLMEngine:
             raise
         if result.step_id != batch.plan.step_id:
             raise RuntimeError(f"result of step {result.step_id} arrived for step {batch.plan.step_id}")
+        self._measure_step(batch)
         self.scheduler.complete(batch, result)
         outputs = []
         for row, (req, d) in enumerate(zip(batch.requests, batch.num_drafts)):
@@ -200,7 +207,8 @@ class LLMEngine:
             tokens = result.tokens(row)
             if d:
                 self.spec_stats.record(d, len(tokens) - 1)
-                self._maybe_log_spec()
+                if self.k_policy is not None:
+                    self.k_policy.record_acceptance(d, len(tokens) - 1)
             if tokens:
                 self._append(req, tokens)
                 outputs.append(self._output(req))
@@ -208,7 +216,17 @@ class LLMEngine:
                     self.requests.pop(req.request_id, None)
                 else:
                     req.draft_ids = result.drafts(row)
+        if self.spec_stats.num_spec_tokens:      # (also when adaptive K runs without drafts for a while)
+            self._maybe_log_spec()
         return outputs
+
+    def _measure_step(self, batch: ScheduledBatch) -> None:
+        """Adaptive K's cost of a step: the time since the previous result (a full pipeline's
+        throughput) or since its submission, if later (the pipeline was idle); steady steps only."""
+        now = time.perf_counter()
+        start, self._last_result_at = max(batch.submitted_at, self._last_result_at), now
+        if self.k_policy is not None and batch.steady:
+            self.k_policy.record_step(len(batch.requests), batch.plan.num_spec_tokens, now - start)
 
     def _append(self, req: Request, tokens: list[int]) -> None:
         params = req.params

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -38,13 +39,24 @@ class ScheduledBatch:
     requests: list[Request]
     num_new_tokens: list[int]     # query rows of each request, drafts included
     num_drafts: list[int]
+    submitted_at: float = 0.0     # when the driver handed it to the executor (adaptive K's step cost)
+
+    @property
+    def steady(self) -> bool:
+        """Every request decodes with exactly the step's K drafts: the step adaptive K costs."""
+        k = self.plan.num_spec_tokens
+        return all(n - d == 1 and d == k for n, d in zip(self.num_new_tokens, self.num_drafts))
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_size: int, num_blocks: int, max_model_len: int,
-                 num_micro_batches: int = 1, num_spec_tokens: int = 0):
+                 num_micro_batches: int = 1, num_spec_tokens: int = 0,
+                 choose_k: Callable[[int], int] | None = None):
+        """`choose_k(num_reqs)`: the K of a step of that many requests (adaptive K); None: always
+        `num_spec_tokens`, the config's K (which also sizes the KV room drafts need)."""
         self.config = config
         self.num_spec_tokens = num_spec_tokens
+        self.choose_k = choose_k
         self.num_micro_batches = num_micro_batches
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -159,8 +171,11 @@ class Scheduler:
 
         if not picked:
             return None
+        k = self.num_spec_tokens if self.choose_k is None else self.choose_k(len(picked))
+        # a request holds the drafts of its last step's K: verify at most this step's K of them
+        picked = [(r, n - d + min(d, k), min(d, k)) for r, n, d in picked]
         self._step_id += 1
-        return ScheduledBatch(self._build_plan(picked), [r for r, _, _ in picked], [n for _, n, _ in picked],
+        return ScheduledBatch(self._build_plan(picked, k), [r for r, _, _ in picked], [n for _, n, _ in picked],
                               [d for _, _, d in picked])
 
     @staticmethod
@@ -181,7 +196,7 @@ class Scheduler:
         samples = req.num_computed_tokens + n >= req.num_tokens
         return req.num_computed_tokens + n + (draft_chain_overrun(self.num_spec_tokens) if samples else 0)
 
-    def _build_plan(self, picked: list[tuple[Request, int, int]]) -> StepPlan:
+    def _build_plan(self, picked: list[tuple[Request, int, int]], k: int) -> StepPlan:
         bs = self.block_size
         input_ids, positions, slots, qsl, seq_lens, tables, sample_rows, samplers = [], [], [], [0], [], [], [], []
         for b, (req, n, d) in enumerate(picked):
@@ -214,6 +229,7 @@ class Scheduler:
                                          for r, n, d in picked], dtype=torch.int64),
             state_slots=torch.tensor([r.state_slot for r, _, _ in picked], dtype=torch.int64),
             state_commit=torch.tensor([r.state_commit for r, _, _ in picked], dtype=torch.int64),
+            num_spec_tokens=k,
         )
 
     def complete(self, batch: ScheduledBatch, result: StepResult | None = None) -> None:

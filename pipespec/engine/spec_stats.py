@@ -3,8 +3,10 @@ from __future__ import annotations
 
 
 class SpecDecodeStats:
-    def __init__(self, num_spec_tokens: int):
+    def __init__(self, num_spec_tokens: int, k_policy=None):
+        """`k_policy`: adaptive K's policy, whose choices (steps per K) are reported too."""
         self.num_spec_tokens = num_spec_tokens
+        self.k_policy = k_policy
         self.num_drafts = 0                 # verification rounds (request-steps with drafts)
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -13,8 +15,8 @@ class SpecDecodeStats:
         self._interval_start: float | None = None
 
     def log_due(self, now: float, every: float) -> bool:
-        """True once per `every` seconds of drafting: the clock starts at the first draft, so the
-        first summary covers `every` seconds of work, not a single step."""
+        """True once per `every` seconds of speculative decoding: the clock starts at the first call
+        (the engine's first step), so the first summary covers `every` seconds of work, not a single step."""
         if self._interval_start is None:
             self._interval_start = now
             return False
@@ -34,7 +36,8 @@ class SpecDecodeStats:
 
     def as_dict(self) -> dict:
         drafts = max(self.num_drafts, 1)
-        return {
+        adaptive = {} if self.k_policy is None else {"adaptive_k": self.k_policy.as_dict()}
+        return adaptive | {
             "num_drafts": self.num_drafts,
             "num_draft_tokens": self.num_draft_tokens,
             "num_accepted_tokens": self.num_accepted_tokens,
@@ -48,6 +51,11 @@ class SpecDecodeStats:
     def summary(self) -> str:
         d = self.as_dict()
         rates = ", ".join(f"{r:.2f}" for r in d["acceptance_rate_per_position"])
-        return (f"speculative decoding: {d['num_drafts']} drafts, {d['num_draft_tokens']} draft tokens, "
+        text = (f"speculative decoding: {d['num_drafts']} drafts, {d['num_draft_tokens']} draft tokens, "
                 f"{d['num_accepted_tokens']} accepted, mean acceptance length {d['mean_acceptance_length']:.2f}, "
                 f"per-position acceptance [{rates}]")
+        if self.k_policy is not None:
+            steps = self.k_policy.k_steps
+            share = ", ".join(f"{k}: {100 * n / max(sum(steps), 1):.0f}%" for k, n in enumerate(steps))
+            text += f"; adaptive K, steps per K [{share}]"
+        return text

@@ -76,11 +76,12 @@ class LinearFlags:
                    bool((commit.numpy() >= 0).any()))
 
     @classmethod
-    def steady(cls, num_spec_tokens: int) -> "LinearFlags":
+    def steady(cls, num_spec_tokens: int, mixed_k: bool = False) -> "LinearFlags":
         """A CUDA graph's step: every request verifies its K drafts and any may commit (a masked
-        commit), or, without speculation, every request decodes one row plainly."""
+        commit), or, without speculation, every request decodes one row plainly. With adaptive K
+        (`mixed_k`) a K = 0 step may follow a verify step, so it may commit too."""
         k = num_spec_tokens
-        return cls(1 + k, verify=k > 0, plain=k == 0, commits=k > 0)
+        return cls(1 + k, verify=k > 0, plain=k == 0, commits=k > 0 or mixed_k)
 
 
 @dataclass

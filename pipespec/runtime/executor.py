@@ -62,7 +62,7 @@ class LocalExecutor(Executor):
 
     def submit(self, plan: StepPlan) -> None:
         data = run_stage_step(self.stage, 0, True, plan, None, self.hidden_size, self.num_spec_tokens)
-        self._results.append(StepResult(plan.step_id, data, self.num_spec_tokens))
+        self._results.append(StepResult(plan.step_id, data, plan.num_spec_tokens))
 
     def receive(self, timeout: float) -> StepResult:
         # runs synchronously in submit, so a result is always ready; the timeout has nothing to wait on

@@ -50,7 +50,7 @@ class WorkerSettings:
 
     world_size: int                 # P: pipeline stages
     hidden_size: int
-    num_spec_tokens: int            # K: the width of a result row
+    num_spec_tokens: int            # K of the config: the most a plan's step may use
     stage_timeout: float
     startup_timeout: float
     backend: str                    # "auto", "gloo" or "nccl" (resolved on the stage's device)

@@ -40,6 +40,8 @@ class Metrics:
         self._spec_per_pos = Counter("pipespec:spec_decode_num_accepted_tokens_per_pos",
                                      "Accepted draft tokens by draft position.", labels + ["position"], registry=r)
         self._spec_seen: dict = {}
+        self._spec_k_steps = Counter("pipespec:spec_decode_steps_per_k",
+                                     "Steps by the K adaptive K chose for them.", labels + ["k"], registry=r)
 
     def finished(self, reason: str) -> None:
         self._finished.labels(self._model, reason).inc()
@@ -56,6 +58,8 @@ class Metrics:
             self._advance(key, spec.get(key, 0), counter)
         for pos, value in enumerate(spec.get("accepted_per_position", [])):
             self._advance(("pos", pos), value, self._spec_per_pos.labels(self._model, str(pos)))
+        for k, value in enumerate((spec.get("adaptive_k") or {}).get("k_steps", [])):
+            self._advance(("k", k), value, self._spec_k_steps.labels(self._model, str(k)))
 
     def _advance(self, key, total: int, counter) -> None:
         delta = total - self._spec_seen.get(key, 0)

@@ -59,22 +59,30 @@ class MTPProposer(nn.Module):
 
     @torch.inference_mode()
     def propose(self, target_ctx: ForwardContext, layout: StepLayout, hidden: torch.Tensor,
-                last_rows: torch.Tensor, last_tokens: torch.Tensor) -> torch.Tensor:
-        """Drafts [S, K] for the S requests that sampled this step.
+                last_rows: torch.Tensor, last_tokens: torch.Tensor, num_tokens: int | None = None) -> torch.Tensor:
+        """Drafts [S, k] for the S requests that sampled this step (k = num_tokens, at most K; None: K).
 
         hidden: [T, H] the target's final hidden; last_rows: [S] flat row of each sampling request's
         last accepted token; last_tokens: [S] the token sampled after it.
+
+        k = 0 (adaptive K chose plain decoding) still runs step 0 over every row, for its KV alone: a
+        later step's drafts attend to the MTP KV of every earlier position, and only this step has the
+        target's hidden states for these rows. The LM head and the chained steps are what it skips.
         """
+        k = self.num_spec_tokens if num_tokens is None else num_tokens
         shifted = layout.mtp_input_ids.clone()
         shifted[last_rows] = last_tokens
         embed = self._embed_weight()
-        h = self._step(0, self._step0_context(target_ctx), shifted, hidden, embed)[last_rows]
+        h = self._step(0, self._step0_context(target_ctx), shifted, hidden, embed)
+        if k == 0:
+            return torch.empty(last_rows.shape[0], 0, dtype=torch.int64, device=hidden.device)
+        h = h[last_rows]
         drafts = [self._argmax(self.layers[0], h)]
         pos = target_ctx.positions[last_rows]
         tables = layout.block_tables[layout.sample_rows]
         qsl = torch.arange(last_rows.shape[0] + 1, device=hidden.device)
         bs, backend = self.block_size, target_ctx.backend
-        for i in range(1, self.num_spec_tokens):
+        for i in range(1, k):
             p = pos + i
             slots = tables.gather(1, (p // bs)[:, None]).squeeze(1) * bs + p % bs
             attn = backend.prepare(qsl, p + 1, p, tables, bs, max_query_len=1)

@@ -1,5 +1,5 @@
 """CUDA graphs of a stage's steady steps: the step's forward and its draft pass, replayed from static
-buffers, one pair per padded batch size.
+buffers, one pair per padded batch size and per K a step may use (`GraphsByK`).
 
 A steady step is one where every request runs exactly 1 + K query rows and, on the last stage, every
 request samples with K drafts. Its shapes then depend on the batch size alone, so the stage's whole
@@ -102,8 +102,11 @@ class CudaGraphs:
 
     def __init__(self, model, drafter, backend: AttentionBackend, kv_caches: list[KVCache], block_size: int,
                  num_spec_tokens: int, max_batch: int, pad_block: int, max_blocks_per_seq: int,
-                 linear_states: list | None = None, pad_slot: int = 0):
+                 linear_states: list | None = None, pad_slot: int = 0, mixed_k: bool = False):
+        """`mixed_k`: steps of other K run between this set's (adaptive K), so a K = 0 step may follow
+        a verify step and must adopt its candidate linear-attention state (a masked commit)."""
         self.model, self.drafter, self.backend, self.kv_caches = model, drafter, backend, kv_caches
+        self.mixed_k = mixed_k
         self.linear_states = linear_states
         self.block_size = block_size
         self.num_spec_tokens = num_spec_tokens
@@ -159,7 +162,7 @@ class CudaGraphs:
             # graph's pool and are recomputed from the static inputs at every replay
             ctx.linear = LinearMeta.build(layout.query_start_loc, layout.positions, layout.state_slots,
                                           layout.state_commit, layout.req_num_drafts, self.linear_states,
-                                          LinearFlags.steady(self.num_spec_tokens))
+                                          LinearFlags.steady(self.num_spec_tokens, self.mixed_k))
         n = layout.input_ids.shape[0]
         inbound = None if self.is_first else self.inbound[:, :n]
         hidden, residual = run_target(self.model, ctx, layout.input_ids, inbound)
@@ -176,9 +179,11 @@ class CudaGraphs:
         return graph, out
 
     @torch.inference_mode()
-    def capture(self) -> None:
+    def capture(self, pool=None) -> None:
+        """Capture every bucket; `pool`: a graph memory pool shared with other graph sets (only one
+        graph runs at a time, and each set's outputs stay allocated, so sharing is safe)."""
         start = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
+        pool = torch.cuda.graph_pool_handle() if pool is None else pool
         for b in reversed(self.buckets):      # largest first: smaller ones reuse its memory
             layout = self._layout(b)
             attn = self.backend.capture_metadata(layout.query_start_loc, layout.seq_lens, layout.positions,
@@ -188,17 +193,20 @@ class CudaGraphs:
             bucket = _Bucket(layout, graph, out, attn)
             if self.drafting:
                 bucket.draft, bucket.drafts = self._capture(pool, lambda: self.drafter.propose(
-                    ctx, layout, out.hidden, self.last_rows[:b], self.last_tokens[:b]))
+                    ctx, layout, out.hidden, self.last_rows[:b], self.last_tokens[:b], self.num_spec_tokens))
             self._buckets[b] = bucket
         torch.cuda.synchronize()
-        logger.info("Captured CUDA graphs for %d batch sizes (up to %d, %d rows per request) in %.1f s",
-                    len(self.buckets), self.buckets[-1], self.rows_per_req, time.perf_counter() - start)
+        logger.info("Captured CUDA graphs for %d batch sizes (up to %d, %d rows per request, K=%d) in %.1f s",
+                    len(self.buckets), self.buckets[-1], self.rows_per_req, self.num_spec_tokens,
+                    time.perf_counter() - start)
 
     # -- replay ---------------------------------------------------------------------------------
 
     def fits(self, layout: StepLayout, is_last: bool) -> bool:
         """Whether a host `layout` is a steady step these graphs can replay."""
         b, q = layout.num_reqs, self.rows_per_req
+        if layout.num_spec_tokens != self.num_spec_tokens:
+            return False
         if b == 0 or b > self.buckets[-1] or layout.input_ids.shape[0] != b * q:
             return False
         if layout.block_tables.shape[1] > self.ints.block_tables.shape[1] or layout.max_query_len != q:
@@ -293,3 +301,42 @@ class CudaGraphs:
                 times.append(start.elapsed_time(end))
             out[f"{name}_gpu_ms"] = round(sorted(times)[len(times) // 2], 3)
         return out
+
+
+class GraphsByK:
+    """A stage's graph sets, one per K its steps may use: with adaptive K every K in 0..the config's
+    (a step with K = 0 replays a forward of one row per request and a draft graph that only writes
+    the MTP KV); otherwise the config's K alone. The step's K (the plan's) picks the set."""
+
+    def __init__(self, by_k: dict[int, CudaGraphs]):
+        self.by_k = by_k
+        self._replayed: CudaGraphs | None = None
+
+    def capture(self) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        for k in sorted(self.by_k, reverse=True):     # the widest first: the others reuse its memory
+            self.by_k[k].capture(pool)
+
+    def fits(self, layout: StepLayout, is_last: bool) -> bool:
+        graphs = self.by_k.get(layout.num_spec_tokens)
+        return graphs is not None and graphs.fits(layout, is_last)
+
+    def forward(self, layout: StepLayout, inbound: torch.Tensor | None) -> Forward:
+        self._replayed = self.by_k[layout.num_spec_tokens]
+        return self._replayed.forward(layout, inbound)
+
+    def propose(self, last_rows: torch.Tensor, last_tokens: torch.Tensor) -> torch.Tensor:
+        """The draft graph of the set whose forward was just replayed."""
+        return self._replayed.propose(last_rows, last_tokens)
+
+    @property
+    def replays(self) -> int:
+        return sum(g.replays for g in self.by_k.values())
+
+    @property
+    def buckets(self) -> list[int]:
+        return next(iter(self.by_k.values())).buckets
+
+    def time_replay(self, batch: int, k: int | None = None, iters: int = 50) -> dict[str, float]:
+        """`CudaGraphs.time_replay` of the set for K = k (default: the largest)."""
+        return self.by_k[max(self.by_k) if k is None else k].time_replay(batch, iters)

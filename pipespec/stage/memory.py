@@ -16,7 +16,12 @@ def activation_reserve(arch: ArchConfig, config: EngineConfig) -> int:
     tokens = config.scheduler.max_num_batched_tokens
     per_token = (4 * arch.hidden_size + 3 * arch.intermediate_size
                  + (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim) * 4
-    logits = config.scheduler.max_num_seqs * (config.num_spec_tokens + 1) * arch.vocab_size * 4 * 4
+    k = config.num_spec_tokens
+    rows = k + 1
+    if config.speculative is not None and config.speculative.adaptive:
+        # a graph set per K in 0..K keeps its logits allocated: (K+1)(K+2)/2 rows per request in all
+        rows = (k + 1) * (k + 2) // 2
+    logits = config.scheduler.max_num_seqs * rows * arch.vocab_size * 4 * 4
     return 2 * (tokens * per_token + logits) + (256 << 20)
 
 

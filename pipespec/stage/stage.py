@@ -10,6 +10,8 @@ pipeline position and for PP = 1 (where the one stage is first and last):
     last     -> logits at verify rows -> verify (rejection sampling) -> draft K (MTP proposer)
              -> StepResult data [B, result_width(K)]    for the driver
 
+K is the plan's (`plan.num_spec_tokens`): the config's, or with adaptive K any of 0..the config's.
+
 A stage keeps weights and KV cache and nothing derived from earlier steps (I1): every step starts
 from the plan alone. Linear-attention layers (Qwen3-Next / Qwen3.5) also keep per-request states in
 the slots the plan names, a pure function of the plans received: a verify step keeps a candidate per
@@ -32,7 +34,7 @@ from pipespec.plan import StepPlan, StepResult, position_margin
 from pipespec.speculative.loading import build_proposer
 from pipespec.speculative.rejection import verify
 from pipespec.stage import memory
-from pipespec.stage.cuda_graphs import CudaGraphs, Forward
+from pipespec.stage.cuda_graphs import CudaGraphs, Forward, GraphsByK
 from pipespec.stage.target import load_target, run_target
 from pipespec.stage.device import (choose_backend, finish_within, prefer_column_major, tensors_off_device,
                                    use_device)
@@ -66,8 +68,12 @@ class Stage:
         self.kv_caches = None
         self.linear_states = None          # Gated DeltaNet layers: per-request state slots
         self.num_blocks = 0
-        self.graphs: CudaGraphs | None = None
+        self.graphs: GraphsByK | None = None
         self.trace = DraftTrace() if config.parallel.check_collectives else None
+
+    @property
+    def _adaptive(self) -> bool:
+        return bool(self.config.speculative and self.config.speculative.adaptive)
 
     @property
     def is_first(self) -> bool:
@@ -131,10 +137,15 @@ class Stage:
                     num_blocks * self._bytes_per_block() / 2**20, self.device)
         if graphs:
             max_blocks = -(-(self.max_model_len + position_margin(self.num_spec_tokens)) // self.block_size)
-            self.graphs = CudaGraphs(self.model, self.drafter, self.backend, self.kv_caches, self.block_size,
-                                     self.num_spec_tokens, self.config.scheduler.max_num_seqs,
-                                     pad_block=num_blocks, max_blocks_per_seq=max_blocks,
-                                     linear_states=self.linear_states, pad_slot=self._state_slots() - 1)
+            # one set of graphs per K a step may use: adaptive K moves between all of 0..K and an
+            # eager step costs several graph replays, which would skew the costs it measures
+            ks = range(self.num_spec_tokens + 1) if self._adaptive else [self.num_spec_tokens]
+            self.graphs = GraphsByK({k: CudaGraphs(self.model, self.drafter, self.backend, self.kv_caches,
+                                                   self.block_size, k, self.config.scheduler.max_num_seqs,
+                                                   pad_block=num_blocks, max_blocks_per_seq=max_blocks,
+                                                   linear_states=self.linear_states,
+                                                   pad_slot=self._state_slots() - 1, mixed_k=self._adaptive)
+                                     for k in ks})
             self.graphs.capture()
         off = tensors_off_device(self, self.device)
         if off:   # cheap, once: a stage touching another device fails at its first kernel otherwise
@@ -150,7 +161,7 @@ class Stage:
         Returns [2, T, hidden] activations for the next stage, or on the last stage the StepResult
         data [B, result_width(K)] on the host.
         """
-        layout = StepLayout.from_plan(plan, self.num_spec_tokens)
+        layout = StepLayout.from_plan(plan, plan.num_spec_tokens)
         if self.trace is not None:
             self.trace.record(plan.step_id, layout, embeds=self.is_first, verifies=self.is_last)
         if self.graphs is not None and self.graphs.fits(layout, self.is_last):
@@ -173,7 +184,7 @@ class Stage:
     @torch.inference_mode()
     def forward(self, plan: StepPlan, inbound: torch.Tensor | None = None) -> Forward:
         """The target slice alone, eagerly (logit-parity checks read `hidden` and `model`)."""
-        return self._forward(StepLayout.from_plan(plan, self.num_spec_tokens), inbound)
+        return self._forward(StepLayout.from_plan(plan, plan.num_spec_tokens), inbound)
 
     def _forward(self, host_layout: StepLayout, inbound: torch.Tensor | None) -> Forward:
         layout = host_layout.to(self.device)
@@ -190,7 +201,8 @@ class Stage:
     def _sample(self, plan: StepPlan, fwd: Forward) -> StepResult:
         """Last stage: verify each sampling request's drafts (none: plain sampling), then draft anew.
         Logits are computed only at each sampling request's verify rows."""
-        k, layout = self.num_spec_tokens, fwd.layout
+        layout = fwd.layout
+        k = layout.num_spec_tokens                # the plan's: adaptive K may ask for fewer than the config's
         s = layout.num_samplers
         if s == 0:
             if self.drafter is not None:      # keep the MTP KV written where later steps attend
@@ -211,7 +223,7 @@ class Stage:
             if fwd.ctx is None:               # replayed: the draft graph of the same bucket
                 drafts = self.graphs.propose(last_rows, last_tokens)
             else:
-                drafts = self.drafter.propose(fwd.ctx, layout, fwd.hidden, last_rows, last_tokens)
+                drafts = self.drafter.propose(fwd.ctx, layout, fwd.hidden, last_rows, last_tokens, k)
         self._bounded_wait(plan)      # before the result's copy to the host, a sync without a bound
         return StepResult.from_verification(plan.step_id, plan.num_reqs, k, layout.sample_rows, tokens,
                                             num_sampled, drafts)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 
+from pipespec.train.budget import HELDOUT_SHARE
+
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -19,7 +21,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--warmup", type=int, default=50)
     t.add_argument("--step-weight", type=float, default=0.8, help="loss weight ratio of step k+1 to step k")
-    t.add_argument("--max-time", type=float, default=None, help="seconds of training at most")
+    t.add_argument("--max-time", type=float, default=None,
+                   help="seconds of training at most (the loop; loading and the final evaluation come on top); "
+                        "default: until --tokens")
     t.add_argument("--weight-decay", type=float, default=0.0)
     t.add_argument("--log-every", type=int, default=50)
     t.add_argument("--eval-every", type=int, default=0,
@@ -39,8 +43,11 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     d.add_argument("--gen-temperatures", default="0.0,0.7",
                    help="one pass over the prompts per temperature, in order, while time remains")
     d.add_argument("--gen-max-tokens", type=int, default=256)
-    d.add_argument("--gen-batch", type=int, default=256, help="prompts per generation round")
-    d.add_argument("--gen-time", type=float, default=None, help="seconds of generation at most")
+    d.add_argument("--gen-batch", type=int, default=256, help="answers generated at once")
+    d.add_argument("--gen-time", type=float, default=None,
+                   help="seconds of all generation at most, a hard bound (answers under way are cut): the "
+                        f"held-out answers get the first {round(100 * HELDOUT_SHARE)}%%, the training answers the rest; 0: none "
+                        "(text windows only, nothing measured); default: unbounded")
     d.add_argument("--text-tokens", type=int, default=2_000_000,
                    help="plain text/code tokens from the Python installation (0: none)")
     d.add_argument("--text-fraction", type=float, default=0.25)

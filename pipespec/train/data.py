@@ -2,6 +2,7 @@
 engine) and plain text/code found on the machine; and deterministic batches over them."""
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import random
@@ -14,6 +15,7 @@ from pathlib import Path
 import torch
 
 logger = logging.getLogger(__name__)
+_request_ids = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -31,36 +33,69 @@ def load_samples(path: str | Path) -> list[Sample]:
 
 
 def self_generate(llm, prompts: list[str], max_tokens: int, temperature: float = 0.0,
-                  round_size: int = 256, time_budget: float | None = None,
-                  timing: dict | None = None) -> list[Sample]:
-    """The target's chat answers to `prompts`, in rounds of `round_size` prompts.
+                  round_size: int = 256, deadline: float | None = None, what: str = "answers") -> list[Sample]:
+    """The target's chat answers to `prompts`, at most `round_size` in the engine at once.
 
-    With a time budget, stops before a round that would likely overrun it, estimated from the last
-    round (`timing["round_seconds"]` carries that estimate from one call to the next).
-    Requests use the engine's default seeds (fixed by its config seed and arrival order).
+    `deadline` (a `time.monotonic()` instant) is a hard bound: when it passes, the answers under way
+    are cut where they are (a greedy answer cut short is still the target's own text, so it still
+    trains and evaluates) and the prompts not started are dropped. Requests use the engine's default
+    seeds (fixed by its config seed and arrival order). Uses the engine's public request API.
     """
     from pipespec.sampling import SamplingParams
 
+    engine, tok = llm.engine, llm.get_tokenizer()
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens)
-    samples: list[Sample] = []
-    timing = {} if timing is None else timing
-    t0, last = time.perf_counter(), timing.get("round_seconds", 0.0)
-    for i in range(0, len(prompts), round_size):
-        elapsed = time.perf_counter() - t0
-        if time_budget is not None and (i or last) and elapsed + last > time_budget:
-            logger.info("generation time budget reached after %d of %d prompts", i, len(prompts))
-            break
-        t_round = time.perf_counter()
-        chunk = prompts[i:i + round_size]
-        outs = llm.chat([[{"role": "user", "content": p}] for p in chunk], params, use_tqdm=False)
-        new = 0
-        for out in outs:
-            answer = out.outputs[0].token_ids
+    outputs: dict[int, object] = {}
+    live: dict[str, int] = {}
+    todo = iter(enumerate(prompts))
+    started, t0, t_log = 0, time.monotonic(), time.monotonic()
+
+    def fill() -> None:
+        nonlocal started
+        while len(live) < round_size:
+            item = next(todo, None)
+            if item is None:
+                return
+            i, prompt = item
+            text = tok.apply_chat_template([{"role": "user", "content": prompt}], True)
+            ids = tok.encode(text, add_special_tokens=False)
+            req = engine.make_request(f"selfgen-{next(_request_ids)}", {"prompt_token_ids": ids}, params)
+            engine.submit(req)
+            live[req.request_id] = i
+            started += 1
+
+    fill()
+    cut_short = 0
+    try:
+        while live:
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+            for out in engine.step():
+                if out.finished and out.request_id in live:
+                    outputs[live.pop(out.request_id)] = out
+            fill()
+            if time.monotonic() - t_log > 30:
+                t_log = time.monotonic()
+                logger.info("%s: %d of %d done, %d under way, %.0f s", what, len(outputs), len(prompts),
+                            len(live), t_log - t0)
+    finally:
+        for request_id, i in list(live.items()):      # cut at the deadline (or interrupted)
+            out = engine.abort_request(request_id)
+            cut_short += 1
+            if out is not None:
+                outputs[i] = out
+    samples = []
+    for i in sorted(outputs):
+        out = outputs[i]
+        answer = out.outputs[0].token_ids
+        if answer:
             samples.append(Sample(tuple(out.prompt_token_ids) + tuple(answer), len(out.prompt_token_ids)))
-            new += len(answer)
-        last = timing["round_seconds"] = time.perf_counter() - t_round
-        logger.info("generated %d answers (%d tokens, %.0f tok/s); %d/%d prompts done", len(chunk), new,
-                    new / max(last, 1e-9), min(i + round_size, len(prompts)), len(prompts))
+    tokens = sum(len(s.ids) - s.start for s in samples)
+    seconds = time.monotonic() - t0
+    cut = (f"; the time budget cut {cut_short} short and left {len(prompts) - started} unstarted"
+           if cut_short or started < len(prompts) else "")
+    logger.info("%s: %d answers (%d tokens, %.0f tok/s) in %.1f s%s", what, len(samples), tokens,
+                tokens / max(seconds, 1e-9), seconds, cut)
     return samples
 
 

@@ -74,6 +74,14 @@ def format_table(results: list[StepAgreement]) -> str:
     return "\n".join(lines)
 
 
+def report(title: str, results: list[StepAgreement], empty_reason: str) -> str:
+    """The titled table, or, when nothing was measured, one line saying so and why: a table over
+    0 positions reads like a result and is none."""
+    if not any(r.positions for r in results):
+        return f"\n{title}: nothing measured (0 positions): {empty_reason}"
+    return f"\n{title}:\n{format_table(results)}"
+
+
 def as_dict(results: list[StepAgreement]) -> list[dict]:
     return [{"step": r.step, "positions": r.positions, "agreement": round(r.rate, 4),
              "chain": round(r.chain_rate, 4)} for r in results]

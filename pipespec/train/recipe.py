@@ -15,10 +15,12 @@ from pipespec.model.mtp import DeepSeekMTP, load_mtp_file, read_mtp_metadata, sa
 from pipespec.model.placement import resolve_device, resolve_dtype
 from pipespec.model.source import resolve_model
 from pipespec.model.weights import load_weights
+from pipespec.train.budget import GenBudget, plan_text
 from pipespec.train.data import Batcher, Sample, load_samples, plain_text_samples, save_samples, self_generate
-from pipespec.train.evaluate import agreement, as_dict, format_table
+from pipespec.train.evaluate import agreement, as_dict, report
 from pipespec.train.prompts import chat_prompts
 from pipespec.train.loop import TrainConfig, train
+from pipespec.train.payoff import draft_cost_ratio, payoff
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +45,14 @@ def _engine(model, arch, device: torch.device, round_size: int, max_tokens: int)
     return LLM(**kwargs)
 
 
+def _warm_up(llm) -> None:
+    """One tiny request, so the engine's first-step set-up (seconds on a CPU) counts as loading, not
+    against the generation budget."""
+    from pipespec.sampling import SamplingParams
+
+    llm.generate({"prompt_token_ids": [0, 1, 2, 3]}, SamplingParams(max_tokens=2), use_tqdm=False)
+
+
 def generate_heldout(model, arch, device, count: int, max_tokens: int, round_size: int) -> list[Sample]:
     llm = _engine(model, arch, device, min(round_size, count), max_tokens)
     try:
@@ -52,31 +62,54 @@ def generate_heldout(model, arch, device, count: int, max_tokens: int, round_siz
 
 
 def build_data(args, source, device) -> dict[str, list[Sample]]:
-    t0 = time.perf_counter()
+    """Held-out answers, training answers and text windows. `--gen-time` bounds both kinds of answers
+    together (budget.py says how it is split); the clock starts once the engine is loaded."""
     prompts = chat_prompts("train")[:args.gen_prompts]
     temps = [float(x) for x in args.gen_temperatures.split(",") if x.strip()]
-    llm = _engine(args.model, source.arch, device, args.gen_batch, args.gen_max_tokens)
     chat: list[Sample] = []
     heldout: list[Sample] = []
-    timing: dict = {}
-    try:
-        # held-out answers first: they are needed whatever the time budget leaves for training data
-        heldout = self_generate(llm, chat_prompts("heldout")[:args.heldout_prompts], args.gen_max_tokens,
-                                0.0, args.gen_batch)
-        for temp in temps:
-            left = None if args.gen_time is None else args.gen_time - (time.perf_counter() - t0)
-            if left is not None and left <= 0:
-                break
-            chat += self_generate(llm, prompts, args.gen_max_tokens, temp, args.gen_batch, left, timing)
-    finally:
-        llm.shutdown()
+    budget = GenBudget(args.gen_time)
+    if args.gen_time != 0:
+        llm = _engine(args.model, source.arch, device, args.gen_batch, args.gen_max_tokens)
+        try:
+            _warm_up(llm)
+            t0 = time.monotonic()
+            heldout_deadline, deadline = budget.deadlines(t0)
+            heldout = self_generate(llm, chat_prompts("heldout")[:args.heldout_prompts], args.gen_max_tokens,
+                                    0.0, args.gen_batch, heldout_deadline, "held-out answers")
+            for temp in temps:
+                if deadline is not None and time.monotonic() >= deadline:
+                    break
+                chat += self_generate(llm, prompts, args.gen_max_tokens, temp, args.gen_batch, deadline,
+                                      f"training answers (temperature {temp:g})")
+            t_gen = time.monotonic() - t0
+        finally:
+            llm.shutdown()
+        logger.info("generation took %.1f s%s", t_gen, "" if args.gen_time is None else f" of {args.gen_time:g} s")
+    t1 = time.monotonic()
     text = []
     if args.text_tokens > 0:
         text = plain_text_samples(source.tokenizer(), args.text_tokens, args.seq_len, args.seed)
-    logger.info("data: %d chat samples (%d tokens), %d text windows (%d tokens), %d held-out samples, in %.0f s",
+    logger.info("data: %d chat samples (%d tokens), %d text windows (%d tokens, %.1f s), %d held-out samples",
                 len(chat), sum(len(s.ids) for s in chat), len(text), sum(len(s.ids) for s in text),
-                len(heldout), time.perf_counter() - t0)
+                time.monotonic() - t1, len(heldout))
     return {"chat": chat, "text": text, "heldout": heldout}
+
+
+def check_data(data: dict[str, list[Sample]], args) -> None:
+    """Refuse a run with nothing to learn from; warn, naming the flag to raise, when the answers the
+    head should learn (the target's own chat) are missing."""
+    if not data["chat"] and not data["text"]:
+        raise ValueError("no training data: 0 chat answers and 0 text windows; raise --gen-time "
+                         "(seconds of generation) or --text-tokens")
+    if not data["chat"]:
+        logger.warning("the training set holds 0 chat answers (%d text windows only): the head will learn "
+                       "plain text, not the target's answers, and draft chat poorly; raise --gen-time "
+                       "(now %s s; the training answers get what the held-out answers leave of it)",
+                       len(data["text"]), args.gen_time)
+    if not data["heldout"]:
+        logger.warning("0 held-out answers: the head's agreement cannot be measured; raise --gen-time "
+                       "(now %s s) or --heldout-prompts (now %d)", args.gen_time, args.heldout_prompts)
 
 
 def _save_data(path: Path, data: dict[str, list[Sample]]) -> None:
@@ -96,6 +129,7 @@ def train_command(args) -> int:
     eval_dtype = _DTYPES[args.eval_dtype]
     source = resolve_model(args.model)
     cache = Path(args.data_cache or f"{out}.data.json")
+    logger.info("%s", plan_text(args, str(cache) if cache.exists() else None))
     if cache.exists():
         data = _load_data(cache)
         logger.info("read the training data from %s", cache)
@@ -104,6 +138,7 @@ def train_command(args) -> int:
         cache.parent.mkdir(parents=True, exist_ok=True)
         _save_data(cache, data)
     t_data = time.perf_counter() - t_start
+    check_data(data, args)
     if args.gen_only:
         print(f"wrote the training data to {cache} in {t_data:.0f} s; train with --data-cache {cache}")
         return 0
@@ -152,7 +187,8 @@ def train_command(args) -> int:
     target = load_target(source, device, eval_dtype)
     head, _ = load_mtp_file(out, source.arch, eval_dtype, device)
     heldout = agreement(head, target, data["heldout"], cfg.num_steps, device)
-    seen = agreement(head, target, data["chat"][:len(data["heldout"])], cfg.num_steps, device)
+    seen_samples = data["chat"][:len(data["heldout"]) or 64]       # as many as held out, to compare
+    seen = agreement(head, target, seen_samples, cfg.num_steps, device)
     extra = {"pipespec.train": info, "pipespec.eval_heldout": as_dict(heldout),
              "pipespec.eval_train_sample": as_dict(seen), "pipespec.num_spec_steps": cfg.num_steps}
     if args.check_set:
@@ -160,15 +196,47 @@ def train_command(args) -> int:
         save_samples(args.check_set, check)
         extra["pipespec.eval_check"] = as_dict(agreement(head, target, check, cfg.num_steps, device))
     save_mtp(out, head, source.name, out_dtype, extra)
-    print(f"\nheld-out ({len(data['heldout'])} self-generated answers to unseen prompts):")
-    print(format_table(heldout))
-    print(f"\ntraining answers (first {len(data['heldout'])}, for the generalization gap):")
-    print(format_table(seen))
+    print(report(f"held-out ({len(data['heldout'])} self-generated answers to unseen prompts)", heldout,
+                 _why_empty(data["heldout"], "held-out answers")))
+    print(report(f"training answers (first {len(seen_samples)}, for the generalization gap)", seen,
+                 _why_empty(seen_samples, "chat answers in the training set")))
     if args.check_set:
         print(f"\ncheck set ({args.check_set}): {extra['pipespec.eval_check']}")
+    warn_if_slower(heldout, target, head, args, summary)
     print(f"\nwrote {out} in {time.perf_counter() - t_start:.0f} s "
           f"(data {t_data:.0f} s, training {summary['seconds']:.0f} s, {summary['tokens']} tokens)")
     return 0
+
+
+def _why_empty(samples: list[Sample], what: str) -> str:
+    if not samples:
+        return f"there are no {what}; raise --gen-time"
+    tokens = sum(len(s.ids) - s.start for s in samples)
+    return f"the {len(samples)} {what} hold {tokens} answer tokens, too few to score; raise --gen-time"
+
+
+def warn_if_slower(heldout, target, head, args, summary) -> None:
+    """Say so, with what to change, when the measured held-out agreement would make speculative
+    decoding slower than plain decoding (payoff.py's cost model)."""
+    if not any(r.positions for r in heldout):
+        return                            # nothing measured: report() said why
+    arch = target.arch
+    head_params = arch.vocab_size * arch.hidden_size
+    d = draft_cost_ratio(sum(p.numel() for p in target.model.layers.parameters()),
+                         sum(p.numel() for p in head.parameters()), head_params)
+    p = payoff([r.chain_rate for r in heldout], d)
+    if p.pays:
+        print(f"\nexpected decode speedup at batch 1: {p.speedup:.2f}x with K={p.best_k} (a draft step costs "
+              f"~{d:.2f} of a target step by weights read)")
+        return
+    message = (f"this head would make decoding slower: its held-out step-1 agreement is "
+               f"{100 * heldout[0].rate:.1f}%, and a draft step costs ~{d:.2f} of a target step (the MTP layer and "
+               f"the LM head against the target's layers and LM head, by weights read at batch 1), so at best "
+               f"(K={p.best_k}) speculation runs at {p.speedup:.2f}x; step-1 agreement must exceed "
+               f"{100 * d:.0f}% to pay. Train longer (--max-time, now {args.max_time} s; trained "
+               f"{summary['seconds']:.0f} s) on more of the target's answers (--gen-time, now {args.gen_time} s)")
+    logger.warning("%s", message)
+    print(f"\nWARNING: {message}")
 
 
 def eval_command(args) -> int:
@@ -189,6 +257,7 @@ def eval_command(args) -> int:
     target = load_target(source, device, dtype)
     head, _ = load_mtp_file(head_path, source.arch, dtype, device)
     results = agreement(head, target, samples, steps, device, args.batch_size)
-    print(f"head {head_path} on {source.name}: {len(samples)} samples, teacher-forced, {args.dtype}")
-    print(format_table(results))
+    print(report(f"head {head_path} on {source.name}: {len(samples)} samples, teacher-forced, {args.dtype}",
+                 results, "no sample has an answer long enough to score; give --data with longer answers "
+                 "or raise --max-tokens"))
     return 0

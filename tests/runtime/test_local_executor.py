@@ -49,15 +49,24 @@ def test_local_executor_runs_the_stage_in_order(tiny_models):
     ex.shutdown()
 
 
-def test_a_result_of_the_wrong_width_is_refused(tiny_llama_head):
-    """I2: a stage configured with K = 2 behind a driver that plans for K = 1 produces result rows of
-    width 6 where the driver reads 4: refused by name before anything reads them."""
+def test_the_result_width_follows_the_plans_k_and_a_k_beyond_the_stages_is_refused(tiny_llama_head):
+    """I2: a result row is (K+1) + 1 + K wide for the K the plan names (adaptive K may name less than
+    the config's), so a stage configured for K = 2 answers a plan for K = 1 with rows of width 4; a
+    plan asking for more drafts than the stage was configured for is refused by name."""
     folder, head = tiny_llama_head
-    ex = _executor(folder, 1, _config(folder, head, k=2))
+    ex = _executor(folder, 2, _config(folder, head, k=2))
     ex.allocate_kv_cache(8)
     config = _config(folder, head, k=1)
     sched = Scheduler(config.scheduler, config.cache.block_size, 8, MAX_LEN, num_spec_tokens=1)
     sched.add(make_request("a", [5, 6, 7], max_tokens=3))
-    with pytest.raises(StageError, match=r"stage 0 produced a result of shape \(1, 6\) .* say \(1, 4\)"):
+    ex.submit(sched.schedule().plan)
+    assert tuple(ex.receive(timeout=5.0).data.shape) == (1, 4)
+    ex.shutdown()
+
+    ex = _executor(folder, 1, _config(folder, head, k=1))
+    ex.allocate_kv_cache(8)
+    sched = Scheduler(config.scheduler, config.cache.block_size, 8, MAX_LEN, num_spec_tokens=2)
+    sched.add(make_request("a", [5, 6, 7], max_tokens=3))
+    with pytest.raises(StageError, match=r"step 1 asks for K=2; stage 0 is configured for K <= 1"):
         ex.submit(sched.schedule().plan)
     ex.shutdown()

@@ -89,6 +89,22 @@ def test_greedy_with_mtp_equals_greedy_without(kind, pp, k, partition, checkpoin
     assert 0.02 < stats["draft_acceptance_rate"] < 0.98
 
 
+@pytest.mark.parametrize("pp", [1, 2])
+def test_adaptive_k_keeps_linear_states_right_across_k_changes(pp, checkpoints, prompts, references):
+    """Adaptive K: a K = 0 step after a verify step must still commit the candidate state the plan
+    names, and a K = 2 step after a K = 0 one has none to commit; the forced K sequence passes through
+    every such change, and greedy output stays that of plain decoding."""
+    spec = {"method": "mtp", "num_speculative_tokens": 2, "adaptive": True, "k_sequence": [2, 0, 1, 0, 2, 2]}
+    with LLM(model=checkpoints["qwen3_next", 0.2], pipeline_parallel_size=pp, check_collectives=pp > 1,
+             speculative_config=spec, **KWARGS) as llm:
+        got = _generate(llm, prompts)
+        stats = llm.stats()["spec_decode"]
+        assert_engine_clean(llm)
+    assert got == references["qwen3_next"]
+    assert all(n > 0 for n in stats["adaptive_k"]["k_steps"])
+    assert 0.02 < stats["draft_acceptance_rate"] < 0.98
+
+
 def test_seeded_sampling_with_mtp_is_the_same_at_every_pipeline_size(checkpoints, prompts):
     params = [SamplingParams(temperature=0.8, top_k=20, seed=100 + i, max_tokens=MAX_TOKENS, ignore_eos=True)
               for i in range(len(prompts))]
@@ -108,9 +124,9 @@ def _acceptance(folder: str, prompts, pp: int = 1, rewire=None, misalign: bool =
         if misalign:          # row t gets its own token x_t instead of x_{t+1}
             real = drafter.propose
 
-            def propose(ctx, layout, hidden, last_rows, last_tokens):
+            def propose(ctx, layout, hidden, last_rows, last_tokens, *k):
                 unshifted = dataclasses.replace(layout, mtp_input_ids=layout.input_ids)
-                return real(ctx, unshifted, hidden, last_rows, layout.input_ids[last_rows])
+                return real(ctx, unshifted, hidden, last_rows, layout.input_ids[last_rows], *k)
             drafter.propose = propose
         _generate(llm, prompts)
         return llm.stats()["spec_decode"]["draft_acceptance_rate"]

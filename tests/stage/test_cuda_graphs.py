@@ -30,6 +30,21 @@ def test_graph_replay_matches_eager(k):
     assert got == want
 
 
+def test_adaptive_k_replays_a_graph_set_per_k_and_matches_eager():
+    """A forced K sequence holding each K for several steps: every K in 0..2 replays its own graphs
+    (K = 0 included, whose draft graph only writes the MTP KV), and the output is eager's."""
+    spec = {"method": "mtp", "num_speculative_tokens": 2, "adaptive": True,
+            "k_sequence": [2] * 4 + [0] * 4 + [1] * 4}
+    with LLM(speculative_config=spec, enforce_eager=True, **KW) as eager:
+        want = _greedy(eager)
+    with LLM(speculative_config=spec, **KW) as graphed:
+        got = _greedy(graphed)
+        by_k = graphed.engine.executor.stage.graphs.by_k
+        assert sorted(by_k) == [0, 1, 2] and all(g.replays > 3 for g in by_k.values()), \
+            {k: g.replays for k, g in by_k.items()}
+    assert got == want
+
+
 def test_sampled_output_is_the_same_with_graphs():
     """Seeded sampling (keyed by seed and position) draws the same tokens replayed or eager."""
     spec = {"method": "mtp", "num_speculative_tokens": 3}

@@ -66,7 +66,7 @@ class MoE(nn.Module):
                 prefix + "experts_down": [f"{prefix}experts.{e}.down_proj.weight" for e in experts]}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        e, i, h = self.cfg.num_experts, self.cfg.intermediate_size, x.shape[-1]
+        i, h = self.cfg.intermediate_size, x.shape[-1]
         weights, ids = self.gate(x)
         out = routed_experts(x, ids, weights, self.experts_gate_up.view(self.local, 2 * i, h),
                              self.experts_down.view(self.local, h, i), self.first if self.tp.size > 1 else None)

@@ -1,0 +1,43 @@
+"""Whether a head's measured agreement would make decoding faster: a simple cost model.
+
+At batch 1 a decode step is bound by the weights it reads. A target step reads every decoder layer
+plus the LM head; a draft step reads the MTP layer plus the LM head again. So, relative to a target
+step, one draft costs
+
+    d = (MTP layer + LM head) / (target decoder layers + LM head)        (weights read)
+
+and verifying the drafts is free (1 + K rows read the same weights as one). With K drafts a step then
+yields 1 + sum_{k<=K} chain_k tokens (chain_k: drafts 1..k all accepted) for 1 + K*d of the time:
+
+    speedup(K) = (1 + sum_{k<=K} chain_k) / (1 + K*d)
+
+Speculation pays when the best K gives a speedup above 1; for K = 1 that is step-1 agreement > d.
+This is the most favourable case: at larger batches verify rows cost real time too, so the bar is
+higher there (the engine's adaptive K measures that instead of assuming it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Payoff:
+    draft_cost: float          # d: one draft step relative to one target step
+    best_k: int
+    speedup: float             # speedup(best_k)
+
+    @property
+    def pays(self) -> bool:
+        return self.speedup > 1.0
+
+
+def draft_cost_ratio(target_layer_params: int, mtp_params: int, head_params: int) -> float:
+    """d above, from parameter counts (the LM head counted once in each)."""
+    return (mtp_params + head_params) / (target_layer_params + head_params)
+
+
+def payoff(chain_rates: list[float], draft_cost: float) -> Payoff:
+    """The best K >= 1 of the model above for measured chain rates [chain_1, chain_2, ...]."""
+    speedups = [(1 + sum(chain_rates[:k])) / (1 + k * draft_cost) for k in range(1, len(chain_rates) + 1)]
+    best = max(range(len(speedups)), key=speedups.__getitem__)
+    return Payoff(draft_cost, best + 1, speedups[best])

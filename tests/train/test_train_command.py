@@ -1,0 +1,80 @@
+"""`pipespec train-mtp` as a user meets it, on the default model and the CPU, with small budgets:
+every budget bounds what its name says, the plan is logged first, missing data and heads that would
+slow decoding down are said plainly, and no table is printed over 0 positions."""
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pipespec.train.payoff import draft_cost_ratio, payoff
+
+CHECK_SET = Path(__file__).parent / "data" / "smollm2_mtp_check.json"
+SMALL = ["--device", "cpu", "--batch-size", "2", "--seq-len", "32", "--steps", "2", "--text-tokens", "2000",
+         "--log-every", "1000", "--checkpoint-every", "100000"]
+
+
+def _run(tmp_path, *flags, timeout=120):
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[2]), TQDM_DISABLE="1")
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "pipespec", "train-mtp", "--out", str(tmp_path / "head.safetensors"),
+                           *SMALL, *flags], capture_output=True, text=True, env=env, timeout=timeout)
+    return proc, time.monotonic() - t0
+
+
+def test_gen_time_bounds_all_generation_and_the_plan_predicts_the_total(tmp_path):
+    # 64 held-out prompts of up to 64 tokens at 4 at once take minutes on this CPU: only the budget
+    # can end generation in seconds
+    proc, wall = _run(tmp_path, "--gen-time", "4", "--heldout-prompts", "64", "--gen-batch", "4",
+                      "--gen-max-tokens", "64", "--max-time", "1")
+    assert proc.returncode == 0, proc.stderr
+    log = proc.stderr
+    plan = re.search(r"plan: generation <= 4 s \(--gen-time\): held-out answers <= 1 s .*?expect about (\d+) s",
+                     log)
+    assert plan, log
+    assert log.index("plan:") < log.index("engine ready")            # logged before anything runs
+    gen = float(re.search(r"generation took ([\d.]+) s of 4 s", log).group(1))
+    assert gen < 4 + 5, log                                          # the deadline, plus one engine step
+    assert "held-out answers:" in log and "the time budget cut" in log
+    assert wall < 2 * int(plan.group(1)), (wall, plan.group(0))
+
+
+def test_no_chat_answers_warns_names_the_flag_and_prints_no_empty_table(tmp_path):
+    # held-out answers but no chat answers (as when --gen-time ran out on the held-out answers)
+    heldout = json.loads(CHECK_SET.read_text())
+    cache = tmp_path / "data.json"
+    cache.write_text(json.dumps({"chat": [], "text": [{"ids": h["ids"][:32], "start": 0} for h in heldout],
+                                 "heldout": heldout}))
+    proc, _ = _run(tmp_path, "--data-cache", str(cache), "--max-time", "1", "--gen-time", "60")
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"WARNING .*0 chat answers .*raise --gen-time", proc.stderr), proc.stderr
+    out = proc.stdout
+    assert "held-out (8 self-generated answers to unseen prompts):\n| step |" in out, out   # measured
+    assert re.search(r"training answers \(first 0.*\): nothing measured \(0 positions\): there are no chat "
+                     r"answers in the training set; raise --gen-time", out), out
+    assert out.count("| step |") == 1                                 # no table over 0 positions
+    # one second of training leaves a head far below what pays: said, with what to change
+    assert re.search(r"WARNING: this head would make decoding slower: its held-out step-1 agreement is "
+                     r"[\d.]+%, .*must exceed \d+% to pay\. Train longer \(--max-time", out), out
+
+
+def test_nothing_to_train_on_is_a_clear_error(tmp_path):
+    proc, wall = _run(tmp_path, "--gen-time", "0", "--text-tokens", "0", timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert "error: no training data: 0 chat answers and 0 text windows; raise --gen-time" in proc.stderr
+    assert "engine ready" not in proc.stderr                          # --gen-time 0: no generation at all
+
+
+def test_payoff_model_on_synthetic_tables():
+    # SmolLM2-135M's shapes: 30 layers of 3.54M weights, a 4.2M MTP layer, a 28.3M LM head
+    d = draft_cost_ratio(106_202_880, 4_205_376, 28_311_552)
+    assert 0.2 < d < 0.3
+    low = payoff([0.01, 0.0], d)                    # what the issue's 60-second head measured
+    assert not low.pays and low.best_k == 1 and low.speedup < 0.85
+    good = payoff([0.8, 0.6, 0.45], d)
+    assert good.pays and good.best_k == 3 and good.speedup == pytest.approx(2.85 / (1 + 3 * d))
+    assert not payoff([d * 0.99], d).pays and payoff([d * 1.01], d).pays   # the K = 1 threshold is d
