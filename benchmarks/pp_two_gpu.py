@@ -101,11 +101,12 @@ def kv_bound(model, args, report):
     print(json.dumps(rows), flush=True)
 
 
-def kill_time(model, args, report):
-    llm = engine(model, 2, 64, args.util)
+def kill_to_error(llm: LLM, prompt_len: int, report: dict) -> None:
+    """SIGKILL the engine's first worker process mid-generation; record the seconds until the
+    driver raises (and what it says), then shut the engine down."""
     pid = llm.engine.executor.worker_pids[0]
-    params = SamplingParams(temperature=0.0, max_tokens=10_000 // 20, ignore_eos=True)
-    for i, p in enumerate(prompts_of(16, args.prompt_len, llm.engine.arch.vocab_size)):
+    params = SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)
+    for i, p in enumerate(prompts_of(16, prompt_len, llm.engine.arch.vocab_size)):
         llm.engine.add_request(str(i), p, params)
     for _ in range(5):
         llm.engine.step()
@@ -117,10 +118,14 @@ def kill_time(model, args, report):
             llm.engine.step()
     except EngineDeadError as e:
         error = str(e)
-    row = {"kill_to_error_s": round(time.perf_counter() - t, 3), "error": (error or "none")[:200]}
+    row = {"kill_to_error_s": round(time.perf_counter() - t, 3), "error": (error or "none")[:300]}
     report["kill"] = row
     print(json.dumps(row), flush=True)
     llm.shutdown()
+
+
+def kill_time(model, args, report):
+    kill_to_error(engine(model, 2, 64, args.util), args.prompt_len, report)
 
 
 def main():

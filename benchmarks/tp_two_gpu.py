@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import statistics
 import sys
 import tempfile
@@ -25,10 +23,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from pp_spec_gpu import timed  # noqa: E402
-from pp_two_gpu import llama8b_folder, prompts_of  # noqa: E402
+from pp_two_gpu import kill_to_error, llama8b_folder, prompts_of  # noqa: E402
 
 from pipespec import LLM, SamplingParams  # noqa: E402
-from pipespec.engine.llm_engine import EngineDeadError  # noqa: E402
 
 
 def engine(model: str, tp: int, max_seqs: int, util: float, head: str | None = None, k: int = 0) -> LLM:
@@ -99,25 +96,7 @@ def mtp(model, args, report):
 
 
 def kill_time(model, args, report):
-    llm = engine(model, 2, 16, args.util)
-    pid = llm.engine.executor.worker_pids[0]          # TP rank 1 of the only stage
-    params = SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)
-    for i, p in enumerate(prompts_of(16, args.prompt_len, llm.engine.arch.vocab_size)):
-        llm.engine.add_request(str(i), p, params)
-    for _ in range(5):
-        llm.engine.step()
-    os.kill(pid, signal.SIGKILL)
-    t = time.perf_counter()
-    error = None
-    try:
-        while llm.engine.has_unfinished_requests():
-            llm.engine.step()
-    except EngineDeadError as e:
-        error = str(e)
-    row = {"kill_to_error_s": round(time.perf_counter() - t, 3), "error": (error or "none")[:300]}
-    report["kill"] = row
-    print(json.dumps(row), flush=True)
-    llm.shutdown()
+    kill_to_error(engine(model, 2, 16, args.util), args.prompt_len, report)   # kills TP rank 1 of the stage
 
 
 def main():
