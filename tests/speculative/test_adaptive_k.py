@@ -14,7 +14,7 @@ import pytest
 from pipespec import LLM, SamplingParams
 from pipespec.plan import result_width
 from tests.conftest import DEFAULT_LLM_KWARGS, assert_engine_clean
-from tests.speculative.test_speculative import CHATS, _run_staggered
+from tests.speculative.staggered import run_staggered
 
 FORCED = [2, 0, 1, 0, 2]
 
@@ -24,22 +24,6 @@ def _spec(k: int, adaptive: bool = True, sequence=None) -> dict:
     return spec | ({"k_sequence": sequence} if sequence else {})
 
 
-@pytest.fixture(scope="module")
-def chat_prompts(tokenizer):
-    return [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": c}]),
-                             add_special_tokens=False) for c in CHATS]
-
-
-@pytest.fixture(scope="module")
-def mixed_params():
-    return [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, stop=stop)
-            for n, stop in ((29, None), (5, None), (40, ["\n\n"]), (17, None), (7, None))]
-
-
-@pytest.fixture(scope="module")
-def reference(chat_prompts, mixed_params):
-    with LLM(**DEFAULT_LLM_KWARGS) as llm:
-        return _run_staggered(llm, chat_prompts, mixed_params)
 
 
 @pytest.mark.parametrize("pp,sequence", [(1, None), (1, FORCED), (2, None), (2, FORCED)])
@@ -57,7 +41,7 @@ def test_adaptive_greedy_output_is_plain_decodings(pp, sequence, chat_prompts, m
             return result
 
         llm.engine.executor.receive = spy
-        got = _run_staggered(llm, chat_prompts, mixed_params)
+        got = run_staggered(llm, chat_prompts, mixed_params)
         stats = llm.stats()["spec_decode"]
         assert_engine_clean(llm)
     assert got == reference

@@ -14,56 +14,20 @@ from pipespec.model.mtp import load_mtp_file
 from pipespec.plan import result_width
 from pipespec.train.forward import chained_mtp, target_pass
 from tests.conftest import DEFAULT_LLM_KWARGS, assert_engine_clean
-
-CHATS = ["Write a short poem about the sea.", "Explain what a CPU does.", "List three fruits and their colours.",
-         "How do I reverse a list in Python?", "Give me a tip for learning to cook."]
-
+from tests.speculative.staggered import run_staggered
 
 def _spec(k: int) -> dict:
     return {"method": "mtp", "num_speculative_tokens": k}
 
 
-def _run_staggered(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
-    """Requests arrive at different steps (continuous batching); returns each one's output ids."""
-    eng = llm.engine
-    done: dict[str, list[int]] = {}
-    pending = list(enumerate(zip(prompts, params)))
-    steps = 0
-    while pending or eng.has_unfinished_requests():
-        if pending and steps % 3 == 0:
-            i, (ids, p) = pending.pop(0)
-            eng.add_request(f"r{i}", {"prompt_token_ids": ids}, p)
-        for out in eng.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-        steps += 1
-        assert steps < 5000
-    return [done[f"r{i}"] for i in range(len(prompts))]
 
 
-@pytest.fixture(scope="module")
-def chat_prompts(tokenizer):
-    return [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": c}]),
-                             add_special_tokens=False) for c in CHATS]
-
-
-@pytest.fixture(scope="module")
-def mixed_params():
-    # greedy; some finish mid-draft on max_tokens, one on a stop string, one runs on
-    return [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, stop=stop)
-            for n, stop in ((29, None), (5, None), (40, ["\n\n"]), (17, None), (7, None))]
-
-
-@pytest.fixture(scope="module")
-def reference(chat_prompts, mixed_params):
-    with LLM(**DEFAULT_LLM_KWARGS) as llm:
-        return _run_staggered(llm, chat_prompts, mixed_params)
 
 
 @pytest.mark.parametrize("pp,k", [(1, 1), (1, 2), (1, 3), (1, 8), (2, 1), (2, 2), (2, 3)])
 def test_greedy_lossless(pp, k, chat_prompts, mixed_params, reference):
     with LLM(**DEFAULT_LLM_KWARGS, pipeline_parallel_size=pp, speculative_config=_spec(k)) as llm:
-        got = _run_staggered(llm, chat_prompts, mixed_params)
+        got = run_staggered(llm, chat_prompts, mixed_params)
         stats = llm.stats()["spec_decode"]
         assert_engine_clean(llm)
     assert got == reference
@@ -78,7 +42,7 @@ def test_seeded_sampling_with_speculation_is_reproducible(chat_prompts):
     outs = []
     for _ in range(2):
         with LLM(**DEFAULT_LLM_KWARGS, speculative_config=_spec(2)) as llm:
-            outs.append(_run_staggered(llm, chat_prompts[:3], params))
+            outs.append(run_staggered(llm, chat_prompts[:3], params))
     assert outs[0] == outs[1]
 
 
