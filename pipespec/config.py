@@ -109,6 +109,9 @@ class ParallelConfig:
     stage_timeout: float = 30.0          # seconds a stage may take to answer before it counts as dead
     startup_timeout: float = 600.0       # seconds the stages may take to start and load their weights
     distributed_backend: str = "auto"    # activations between stages: auto = nccl on CUDA, gloo on CPU
+    # TP on GPUs: small sums through the one-host symmetric-memory all-reduce, NCCL's otherwise
+    # (runtime/one_host_all_reduce.py); vLLM's name
+    disable_custom_all_reduce: bool = False
     threads_per_stage: int | None = None  # CPU threads of each stage; None: torch's default for PP = 1,
                                           # cores / PP for PP > 1
     # debug: every message checked against its receiver's expectation, per-channel and draft-trace

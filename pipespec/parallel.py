@@ -28,6 +28,7 @@ class TensorParallel:
             raise ValueError(f"a tensor-parallel rank must be in [0, size), got rank {rank} of {size}")
         self.rank, self.size = rank, size
         self._group = None
+        self._fast = None        # runtime/one_host_all_reduce.py: small sums on one host
         # debug (check_collectives): called with (op, shape, dtype) before every collective; it may
         # raise (the runtime's checker compares the group's descriptors, runtime/symmetry.py)
         self._record: Callable[[str, tuple, torch.dtype], None] | None = None
@@ -35,14 +36,15 @@ class TensorParallel:
     def __repr__(self) -> str:
         return f"TensorParallel(rank={self.rank}, size={self.size})"
 
-    def attach(self, group, record: Callable | None = None) -> None:
+    def attach(self, group, record: Callable | None = None, fast=None) -> None:
         """The group's process group (gloo or NCCL, `size` ranks, this one `rank`); `record` logs
-        each collective for the symmetry check."""
+        each collective for the symmetry check; `fast`: a `OneHostAllReduce` for the sums it
+        handles (every rank of the group has one, or none has)."""
         if self.size == 1:
             raise ValueError("a TP group of one rank needs no process group")
         if group is not None and group.size() != self.size:
             raise ValueError(f"a process group of {group.size()} ranks for a TP group of {self.size}")
-        self._group, self._record = group, record
+        self._group, self._record, self._fast = group, record, fast
 
     def abort(self) -> None:
         """Abort the group's communicator (NCCL: ends a collective stuck on a dead peer, also one
@@ -53,6 +55,12 @@ class TensorParallel:
                 abort()
             except Exception:   # noqa: BLE001 - best effort on a path that is failing anyway
                 pass
+
+    def close(self) -> None:
+        """Release the group. Free the CUDA graphs that captured its collectives first: NCCL waits
+        for a communicator's captured work to be released before it destroys it, so a graph that
+        outlives its group hangs the process (seen on two H200s; `Stage.close` keeps the order)."""
+        self._group = self._record = self._fast = None
 
     # -- how a dimension is split ---------------------------------------------------------------
 
@@ -87,6 +95,8 @@ class TensorParallel:
         self._check("tp.all_reduce", x)
         if not x.is_contiguous():
             x = x.contiguous()
+        if self._fast is not None and self._fast.handles(x):
+            return self._fast.all_reduce(x)
         self._group.allreduce([x]).wait()
         return x
 

@@ -73,7 +73,8 @@ def _worker_settings(config: EngineConfig, hidden_size: int, env: launch.Torchru
                           startup_timeout=par.startup_timeout, backend=par.distributed_backend,
                           threads=threads, check=par.check_collectives,
                           log_level=logging.getLogger("pipespec").getEffectiveLevel(),
-                          tensor_parallel_size=par.tensor_parallel_size)
+                          tensor_parallel_size=par.tensor_parallel_size,
+                          custom_all_reduce=not par.disable_custom_all_reduce)
 
 
 def _torchrun_env(config: EngineConfig) -> launch.TorchrunEnv | None:

@@ -69,6 +69,8 @@ class LocalExecutor(Executor):
         return self._results.popleft()
 
     def shutdown(self) -> None:
+        if self.stage is not None:
+            self.stage.close()
         self.stage = None
         self._results.clear()
         release_device_memory()

@@ -361,6 +361,8 @@ class PipelineExecutor(Executor):
             torch.set_num_threads(self._threads_before)
         self._in_flight.clear()
         self._ready.clear()
+        if self.stage is not None:
+            self.stage.close()        # its graphs, then its TP group: never the other way round
         self.link = self._ctrl = None
         self.stage = None
         self.store = None

@@ -37,6 +37,7 @@ import torch
 from pipespec.runtime import launch, symmetry
 from pipespec.plan import activation_shape
 from pipespec.runtime.idle import next_plan_header
+from pipespec.runtime.one_host_all_reduce import OneHostAllReduce
 from pipespec.runtime.spawned_worker import prepare_spawned_worker
 from pipespec.runtime.step import run_stage_step
 from pipespec.runtime.transport import Link, Op, SendQueue, StageError, payload_len, unpack_plan
@@ -58,6 +59,7 @@ class WorkerSettings:
     check: bool = False             # check_collectives: descriptors, symmetry and draft-trace reports
     log_level: int = logging.WARNING
     tensor_parallel_size: int = 1   # T: ranks of each stage
+    custom_all_reduce: bool = True  # TP over NCCL: the one-host all-reduce for small sums
 
     @property
     def num_ranks(self) -> int:
@@ -92,7 +94,11 @@ def join_tp_group(store, rank: int, stage, settings: WorkerSettings) -> symmetry
     check = None if recorder is None else symmetry.CollectiveChecker(
         recorder, pg, f"tp{settings.stage_of(rank)}", settings.tp_rank_of(rank), settings.tensor_parallel_size,
         stage.device)
-    stage.tp.attach(pg, check)
+    fast = None
+    if backend == "nccl" and settings.custom_all_reduce:
+        fast = OneHostAllReduce.create(store, pg, settings.stage_of(rank), settings.tp_rank_of(rank),
+                                       settings.tensor_parallel_size, stage.device, stage.dtype)
+    stage.tp.attach(pg, check, fast)
     return recorder
 
 
@@ -182,6 +188,7 @@ def run_worker(rank: int, store, make_stage: Callable, settings: WorkerSettings)
                                  settings.stage_timeout)
         link = Link(rank, ctrl, data, stage.device, check=settings.check)
         serve(rank, link, stage, settings, store, tp_recorder)
+        stage.close()                 # its graphs, then its TP group: never the other way round
         return 0
     except BaseException as e:   # noqa: BLE001 - everything ends here, reported to the driver
         text = error_text(e)

@@ -19,6 +19,7 @@ row and a later plan's `state_commit` says which one to adopt.
 """
 from __future__ import annotations
 
+import gc
 import logging
 
 import torch
@@ -150,6 +151,14 @@ class Stage:
         off = tensors_off_device(self, self.device)
         if off:   # cheap, once: a stage touching another device fails at its first kernel otherwise
             raise RuntimeError(f"stage on {self.device} holds tensors elsewhere: {', '.join(off[:5])}")
+
+    def close(self) -> None:
+        """Free the CUDA graphs, then the TP group whose collectives they captured (in that order:
+        `TensorParallel.close`). The stage takes no more steps."""
+        self.graphs = None
+        gc.collect()                  # the graphs and their buckets hold each other: free them now
+        self.tp.close()
+        gc.collect()
 
     # -- the step -------------------------------------------------------------------------------
 

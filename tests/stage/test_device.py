@@ -67,3 +67,36 @@ def test_sparse_attention_models_take_the_torch_backend(shape, sparse):
     if sparse:
         with pytest.raises(ValueError, match="does not serve deepseek_v32"):
             choose_backend("triton", torch.device("cuda"), model)
+
+
+class _Dropped:
+    """Records when it is freed (stands in for a graph set and a process group: only the order counts)."""
+
+    def __init__(self, name: str, order: list, size: int = 2):
+        self.name, self.order, self._size = name, order, size
+
+    def size(self) -> int:
+        return self._size
+
+    def __del__(self):
+        self.order.append(self.name)
+
+
+def test_close_frees_the_cuda_graphs_before_the_tp_group(tiny_models):
+    """NCCL destroys a communicator only once the CUDA graphs that captured its collectives are
+    freed: a TP = 2 engine whose stage dropped its group first hung at shutdown on two H200s."""
+    from pipespec.config import EngineConfig
+    from pipespec.model.source import resolve_model
+    from pipespec.parallel import TensorParallel
+    from pipespec.stage import Stage
+
+    folder = tiny_models["llama"][0]
+    config = EngineConfig.from_kwargs(model=str(folder), dtype="float32", device="cpu", num_kv_blocks=4)
+    stage = Stage(resolve_model(str(folder)), config, (0, 3), 64)
+    order = []
+    stage.tp = TensorParallel(0, 2)
+    stage.tp.attach(_Dropped("tp group", order))
+    stage.graphs = _Dropped("graphs", order)
+    stage.close()
+    assert order == ["graphs", "tp group"]
+    assert stage.graphs is None

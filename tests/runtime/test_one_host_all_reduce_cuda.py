@@ -1,0 +1,96 @@
+"""The one-host all-reduce on two GPUs (two real processes, NCCL beside it): every rank sets it up,
+its sums equal NCCL's, eagerly and replayed from a CUDA graph, small sums take it and large ones
+NCCL; and what 64 sums of one 8B-model row cost each way, in a graph (printed, not asserted)."""
+from __future__ import annotations
+
+import queue
+
+import pytest
+import torch
+
+from pipespec.parallel import TensorParallel
+from pipespec.runtime import launch
+from pipespec.runtime.one_host_all_reduce import MAX_BYTES, OneHostAllReduce
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")]
+
+
+def _graph_ms(fn) -> float:
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(20):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def _rank(rank: int, port: int, out) -> None:
+    device = torch.device("cuda", rank)
+    store = launch.connect_store("127.0.0.1", port, 60)
+    pg = launch.tp_group(store, 0, rank, 2, "nccl", device, 60)
+    fast = OneHostAllReduce.create(store, pg, 0, rank, 2, device, torch.bfloat16)
+    tp = TensorParallel(rank, 2)
+    tp.attach(pg, None, fast)
+    g = torch.Generator(device=device).manual_seed(rank)
+    report = {"set_up": fast is not None, "equal": [], "handles_large": None}
+    if fast is not None:
+        for rows in (1, 3, 64):
+            x = torch.randn(rows, 4096, generator=g, device=device, dtype=torch.bfloat16)
+            want = x.clone()
+            pg.allreduce([want]).wait()
+            report["equal"].append(torch.equal(tp.all_reduce(x.clone()), want))
+        # replayed from a graph, on new inputs written into the captured buffer
+        x = torch.zeros(8, 4096, device=device, dtype=torch.bfloat16)
+        graph = torch.cuda.CUDAGraph()
+        y = x.clone()
+        tp.all_reduce(y)
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            y.copy_(x)
+            tp.all_reduce(y)
+        for _ in range(3):
+            x.copy_(torch.randn(8, 4096, generator=g, device=device, dtype=torch.bfloat16))
+            graph.replay()
+            want = x.clone()
+            pg.allreduce([want]).wait()
+            report["equal"].append(torch.equal(y, want))
+        report["handles_large"] = fast.handles(torch.empty(MAX_BYTES, dtype=torch.bfloat16, device=device))
+        row = torch.ones(1, 4096, device=device, dtype=torch.bfloat16)
+        report["fast_ms_64"] = _graph_ms(lambda: [fast.all_reduce(row) for _ in range(64)])
+        report["nccl_ms_64"] = _graph_ms(lambda: [pg.allreduce([row]).wait() for _ in range(64)])
+    torch.cuda.synchronize()
+    out.put((rank, report))
+    tp.close()
+
+
+def test_one_host_all_reduce_equals_nccl_eager_and_in_graphs():
+    store, _, port = launch.host_store(60)
+    ctx = launch.spawn_context()
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, port, out), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        reports = dict(out.get(timeout=180) for _ in procs)
+    except queue.Empty:
+        raise AssertionError("a rank did not answer within 180 s") from None
+    finally:
+        for p in procs:
+            p.join(20)
+            if p.exitcode is None:
+                p.kill()
+        del store
+    print(reports)
+    for rank, report in reports.items():
+        assert report["set_up"], f"rank {rank} did not set up the one-host all-reduce"
+        assert report["equal"] == [True] * 6, report
+        assert report["handles_large"] is False
