@@ -289,18 +289,22 @@ class CudaGraphs:
         bucket = self._buckets[self._bucket(batch)]
         out = {}
         for name, graph in (("forward", bucket.forward), ("draft", bucket.draft)):
-            if graph is None:
-                continue
-            times = []
-            for _ in range(iters):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                graph.replay()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            out[f"{name}_gpu_ms"] = round(sorted(times)[len(times) // 2], 3)
+            if graph is not None:
+                out[f"{name}_gpu_ms"] = round(replay_ms(graph, iters), 3)
         return out
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph, iters: int = 50) -> float:
+    """Median GPU milliseconds of one replay of `graph`."""
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
 
 
 class GraphsByK:

@@ -3,14 +3,14 @@ its sums equal NCCL's, eagerly and replayed from a CUDA graph, small sums take i
 NCCL; and what 64 sums of one 8B-model row cost each way, in a graph (printed, not asserted)."""
 from __future__ import annotations
 
-import queue
-
 import pytest
 import torch
 
 from pipespec.parallel import TensorParallel
 from pipespec.runtime import launch
 from pipespec.runtime.one_host_all_reduce import MAX_BYTES, OneHostAllReduce
+from pipespec.stage.cuda_graphs import replay_ms
+from tests.runtime.two_ranks import run_two_ranks
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")]
@@ -22,15 +22,7 @@ def _graph_ms(fn) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    times = []
-    for _ in range(20):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    return replay_ms(graph, 20)
 
 
 def _rank(rank: int, port: int, out) -> None:
@@ -73,22 +65,7 @@ def _rank(rank: int, port: int, out) -> None:
 
 
 def test_one_host_all_reduce_equals_nccl_eager_and_in_graphs():
-    store, _, port = launch.host_store(60)
-    ctx = launch.spawn_context()
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, port, out), daemon=True) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        reports = dict(out.get(timeout=180) for _ in procs)
-    except queue.Empty:
-        raise AssertionError("a rank did not answer within 180 s") from None
-    finally:
-        for p in procs:
-            p.join(20)
-            if p.exitcode is None:
-                p.kill()
-        del store
+    reports = run_two_ranks(_rank, timeout=180)
     print(reports)
     for rank, report in reports.items():
         assert report["set_up"], f"rank {rank} did not set up the one-host all-reduce"

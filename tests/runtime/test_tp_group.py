@@ -3,12 +3,11 @@ sums, all-gather concatenates in rank order, and with the collective check on, r
 different collectives both fail at once naming the two descriptors (I3), instead of hanging."""
 from __future__ import annotations
 
-import queue
-
 import torch
 
 from pipespec.parallel import TensorParallel
 from pipespec.runtime import launch, symmetry
+from tests.runtime.two_ranks import run_two_ranks
 
 
 def _rank(rank: int, port: int, mismatch: bool, out) -> None:
@@ -23,32 +22,13 @@ def _rank(rank: int, port: int, mismatch: bool, out) -> None:
         gathered = tp.all_gather(torch.full((2, 2), float(rank))).tolist()
         if mismatch:
             tp.all_reduce(torch.zeros(4 + rank))
-        out.put((rank, summed, gathered, None))
+        out.put((rank, (summed, gathered, None)))
     except symmetry.CollectiveMismatch as e:
-        out.put((rank, None, None, str(e)))
+        out.put((rank, (None, None, str(e))))
 
 
 def _run(mismatch: bool) -> dict:
-    store, _, port = launch.host_store(30)
-    ctx = launch.spawn_context()
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, port, mismatch, out), daemon=True) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        results = {}
-        for _ in procs:
-            rank, *rest = out.get(timeout=60)
-            results[rank] = rest
-        return results
-    except queue.Empty:
-        raise AssertionError("a TP rank did not answer within 60 s") from None
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.exitcode is None:
-                p.kill()
-        del store
+    return {rank: list(report) for rank, report in run_two_ranks(_rank, mismatch).items()}
 
 
 def test_all_reduce_and_ordered_all_gather():
