@@ -18,3 +18,8 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 def enabled(x: torch.Tensor) -> bool:
     """Whether the fused kernels serve this tensor: Triton present, a CUDA tensor, no autograd."""
     return (HAVE_TRITON and (x.is_cuda or _INTERPRET) and torch.is_inference_mode_enabled())
+
+
+def serve_device(device: torch.device) -> bool:
+    """Whether the kernels will serve tensors on `device` (decided once, at load)."""
+    return HAVE_TRITON and (device.type == "cuda" or _INTERPRET)

@@ -100,7 +100,9 @@ class Stage:
         return cache_bytes_per_block(self._cache_shapes(), self.block_size, self.dtype)
 
     def available_kv_blocks(self) -> int:
-        weights = sum(p.numel() * p.element_size() for m in self.modules_with_weights() for p in m.parameters())
+        # buffers too: quantized layers keep their packed weights there (model/quant/linear.py)
+        weights = sum(t.numel() * t.element_size() for m in self.modules_with_weights()
+                      for t in (*m.parameters(), *m.buffers()))
         # linear-attention states are a fixed amount, like the weights
         fixed = weights + state_bytes(self._state_shapes(), self._state_slots(), self.num_spec_tokens + 1, self.dtype)
         return memory.available_kv_blocks(self.config, self.model.arch, self.device, fixed,

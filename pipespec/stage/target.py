@@ -2,15 +2,21 @@
 built, loaded, and run forward."""
 from __future__ import annotations
 
+import logging
+
 import torch
 
+from pipespec import kernels
 from pipespec.config import EngineConfig
 from pipespec.model.attention import ForwardContext
+from pipespec.model.quant.linear import use_quantized_linears
 from pipespec.model.registry import build_target
 from pipespec.model.source import ModelSource
 from pipespec.model.tp_layers import SINGLE
 from pipespec.model.weights import init_dummy_weights, load_weights
 from pipespec.parallel import TensorParallel
+
+logger = logging.getLogger(__name__)
 
 
 def load_target(source: ModelSource, config: EngineConfig, layer_range: tuple[int, int], max_position: int,
@@ -22,9 +28,23 @@ def load_target(source: ModelSource, config: EngineConfig, layer_range: tuple[in
         init_dummy_weights(model, dtype, device, key=tied)
     else:
         shard = f" (TP rank {tp.rank} of {tp.size})" if tp.size > 1 else ""
-        load_weights(model, source.weights(), dtype, device,
+        weights = source.weights()
+        if source.quant is not None and kernels.serve_device(device):
+            _keep_quantized(model, weights, source.quant.method, device, tp)
+        load_weights(model, weights, dtype, device,
                      desc=f"Loading layers {layer_range[0]}-{layer_range[1] - 1}{shard}")
     return model.eval()
+
+
+def _keep_quantized(model, weights, method: str, device: torch.device, tp: TensorParallel) -> None:
+    """Quantized linear layers stay packed on the GPU (`model/quant/linear.py`); at TP > 1 they are
+    dequantized at load for now."""
+    if tp.size > 1:
+        logger.info("%s checkpoint at tensor_parallel_size=%d: weights dequantized at load (the quantized "
+                    "kernels serve TP = 1 for now)", method, tp.size)
+        return
+    count = use_quantized_linears(model, weights, device)
+    logger.info("%s checkpoint: %d linear layers kept quantized (weight-only %s kernels)", method, count, method)
 
 
 def run_target(model: torch.nn.Module, ctx: ForwardContext, input_ids: torch.Tensor,

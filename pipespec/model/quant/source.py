@@ -11,6 +11,7 @@ import torch
 
 from pipespec.model.quant.config import QuantConfig
 from pipespec.model.quant.formats import dequant_awq, dequant_fp8, dequant_gptq
+from pipespec.model.quant.packed import Fp8Weight, Int4Weight
 
 _PARTS = {"fp8": ("weight", "weight_scale_inv"), "awq": ("qweight", "qzeros", "scales"),
           "gptq": ("qweight", "qzeros", "scales", "g_idx")}
@@ -44,15 +45,32 @@ class QuantizedSource:
     def names(self) -> set[str]:
         return self._names
 
-    def get(self, name: str) -> torch.Tensor:
-        prefix = self._layers.get(name)
-        if prefix is None:
-            return self.inner.get(name)
-        part = {p: self.inner.get(f"{prefix}.{p}") for p in _PARTS[self.config.method]}
+    def is_quantized(self, name: str) -> bool:
+        return name in self._layers
+
+    def packed(self, name: str) -> Int4Weight | Fp8Weight:
+        """A quantized layer's weight as the GPU kernels read it (`name`: its logical '...weight')."""
+        part = self._parts(name)
         c = self.config
         if c.method == "fp8":
-            if part["weight"].dtype != torch.float8_e4m3fn:
-                raise ValueError(f"{prefix}.weight is {part['weight'].dtype}, not float8_e4m3fn")
+            return Fp8Weight(part["weight"], part["weight_scale_inv"].float(), c.block)
+        if c.method == "awq":
+            return Int4Weight.from_awq(part["qweight"], part["qzeros"], part["scales"], c.group_size)
+        return Int4Weight.from_gptq(part["qweight"], part["qzeros"], part["scales"], part["g_idx"])
+
+    def _parts(self, name: str) -> dict[str, torch.Tensor]:
+        prefix = self._layers[name]
+        part = {p: self.inner.get(f"{prefix}.{p}") for p in _PARTS[self.config.method]}
+        if self.config.method == "fp8" and part["weight"].dtype != torch.float8_e4m3fn:
+            raise ValueError(f"{prefix}.weight is {part['weight'].dtype}, not float8_e4m3fn")
+        return part
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self._layers:
+            return self.inner.get(name)
+        part = self._parts(name)
+        c = self.config
+        if c.method == "fp8":
             return dequant_fp8(part["weight"], part["weight_scale_inv"], c.block)
         if c.method == "awq":
             return dequant_awq(part["qweight"], part["qzeros"], part["scales"], c.group_size)

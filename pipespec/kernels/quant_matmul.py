@@ -1,0 +1,120 @@
+"""Matrix products with quantized weights that dequantize inside the kernel: int4 (AWQ / GPTQ, in
+the `Int4Weight` layout) and block-scaled FP8 e4m3. y = x @ W.T for x [M, K] in bf16/fp16/fp32.
+
+Decode is bound by reading the weights: 4 bits a weight instead of 16 is what buys the speed, so each
+tile of packed weights is read once, unpacked in registers and multiplied at the activations'
+precision (weight-only quantization, W4A16 / W8A16). The activations are never quantized.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pipespec.model.quant.packed import Int4Weight
+
+
+@triton.jit
+def _int4_kernel(x_ptr, q_ptr, z_ptr, s_ptr, y_ptr, M, stride_xm, stride_ym,
+                 N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr, IEEE: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    shift = (rk % 8) * 4                                    # nibble of row k within its word
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):                         # BLOCK_K divides GROUP: one group a tile
+        k = k0 + rk
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=(rm[:, None] < M) & (k[None, :] < K),
+                    other=0.0)
+        words = tl.load(q_ptr + (k // 8)[:, None] * N + rn[None, :], mask=(k[:, None] < K) & (rn[None, :] < N),
+                        other=0)
+        q = ((words >> shift[:, None]) & 0xF).to(tl.float32)
+        g = k0 // GROUP
+        z = tl.load(z_ptr + g * N + rn, mask=rn < N, other=0.0).to(tl.float32)
+        s = tl.load(s_ptr + g * N + rn, mask=rn < N, other=0.0).to(tl.float32)
+        w = ((q - z[None, :]) * s[None, :]).to(x.dtype)
+        if IEEE:
+            acc += tl.dot(x, w, input_precision="ieee")
+        else:
+            acc += tl.dot(x, w)
+    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
+def _fp8_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, stride_xm, stride_ym, scale_cols,
+                N: tl.constexpr, K: tl.constexpr,
+                BLOCK_OUT: tl.constexpr, BLOCK_IN: tl.constexpr, IEEE: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    scale_row = (pid_n * BLOCK_N) // BLOCK_OUT              # BLOCK_N divides BLOCK_OUT: one scale row
+    for k0 in range(0, K, BLOCK_K):                         # BLOCK_K divides BLOCK_IN: one scale a tile
+        k = k0 + rk
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=(rm[:, None] < M) & (k[None, :] < K),
+                    other=0.0)
+        w = tl.load(w_ptr + rn[None, :] * K + k[:, None], mask=(k[:, None] < K) & (rn[None, :] < N), other=0.0)
+        s = tl.load(s_ptr + scale_row * scale_cols + k0 // BLOCK_IN)
+        if IEEE:
+            part = tl.dot(x, w.to(x.dtype), input_precision="ieee")
+        else:
+            part = tl.dot(x, w.to(x.dtype))
+        acc += part * s
+    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def _tile(size: int, what: str) -> int:
+    """The largest power of two <= 64 dividing `size` (a group or scale block), at least 16 (tl.dot)."""
+    tile = 64
+    while size % tile:
+        tile //= 2
+    if tile < 16:
+        raise ValueError(f"{what} of {size} is not a multiple of 16; the quantized kernels need one")
+    return tile
+
+
+def _block_m(m: int) -> int:
+    return 16 if m <= 16 else 32 if m <= 32 else 64
+
+
+def int4_matmul(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
+    """x [..., K] @ the int4 weight's dense [N, K].T -> [..., N] in x's dtype."""
+    out_features, in_features = w.shape
+    lead = x.shape[:-1]
+    x = x.reshape(-1, in_features)
+    if w.perm is not None:
+        x = x.index_select(1, w.perm)                      # act-order: rows in group order
+    x = x.contiguous()
+    m = x.shape[0]
+    y = torch.empty(m, out_features, device=x.device, dtype=x.dtype)
+    block_k = _tile(w.group, "int4 group size")
+    block_m, block_n = _block_m(m), 64
+    grid = (triton.cdiv(m, block_m), triton.cdiv(out_features, block_n))
+    _int4_kernel[grid](x, w.qweight, w.zeros, w.scales, y, m, x.stride(0), y.stride(0),
+                       N=out_features, K=in_features, GROUP=w.group, IEEE=x.dtype == torch.float32,
+                       BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    return y.view(*lead, out_features)
+
+
+def fp8_block_matmul(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
+                     block: tuple[int, int]) -> torch.Tensor:
+    """x [..., K] @ (weight [N, K] e4m3 times its [N / bo, K / bi] block scales).T -> [..., N]."""
+    out_features, in_features = weight.shape
+    bo, bi = block
+    lead = x.shape[:-1]
+    x = x.reshape(-1, in_features).contiguous()
+    m = x.shape[0]
+    y = torch.empty(m, out_features, device=x.device, dtype=x.dtype)
+    block_n, block_k = _tile(bo, "fp8 scale block rows"), _tile(bi, "fp8 scale block columns")
+    block_m = _block_m(m)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(out_features, block_n))
+    _fp8_kernel[grid](x, weight, scale_inv.float().contiguous(), y, m, x.stride(0), y.stride(0),
+                      scale_inv.shape[1], N=out_features, K=in_features, BLOCK_OUT=bo, BLOCK_IN=bi, IEEE=x.dtype == torch.float32,
+                      BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    return y.view(*lead, out_features)

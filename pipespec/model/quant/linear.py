@@ -1,0 +1,83 @@
+"""Linear layers that keep a quantized checkpoint's weights quantized on the GPU.
+
+`use_quantized_linears` replaces each linear layer whose checkpoint tensors are all quantized (a
+fused q/k/v or gate/up projection: all its parts) by a `QuantLinear` holding the packed weight, which
+the kernels of `kernels/quant_matmul.py` multiply without ever writing the dense matrix. The rest of
+the model (norms, embeddings, the LM head, routers, MoE experts, layers the config keeps in full
+precision) loads dense as before. Where the kernels do not run (CPU, training), the dequantized
+path of `QuantizedSource` serves instead, and this module is not used.
+
+Only at TP = 1 for now: a tensor-parallel layer would need its packed tensors cut along the packed
+dimensions (groups along the input, eight rows a word), which the loader does not do yet.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from pipespec import kernels
+from pipespec.model.quant.packed import Fp8Weight, Int4Weight, concat
+
+logger = logging.getLogger(__name__)
+
+_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+
+
+class QuantLinear(nn.Module):
+    """y = x @ W.T (+ bias) with W packed (`Int4Weight` or `Fp8Weight`); the packed tensors are
+    non-persistent buffers, so the dense loader neither asks the checkpoint for them nor for a
+    `weight`."""
+
+    def __init__(self, packed: Int4Weight | Fp8Weight, bias: nn.Parameter | None):
+        super().__init__()
+        self.packed = packed
+        self.out_features, self.in_features = packed.shape
+        self.bias = bias
+        for name, t in vars(packed).items():        # moved with the module by .to()
+            if isinstance(t, torch.Tensor):
+                self.register_buffer(f"packed_{name}", t, persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        for name, t in vars(self.packed).items():    # keep the packed view on the moved buffers
+            if isinstance(t, torch.Tensor):
+                setattr(self.packed, name, getattr(self, f"packed_{name}"))
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if kernels.enabled(x):
+            y = self.packed.matmul(x)
+        else:   # training or autograd: the dense product (slow; the engine serves with the kernel)
+            y = x @ self.packed.dequantize().to(x.device, x.dtype).t()
+        return y if self.bias is None else y + self.bias
+
+
+def use_quantized_linears(model: nn.Module, source, device: torch.device) -> int:
+    """Replace the linear layers of `model` whose checkpoint tensors are all quantized in `source` (a
+    `QuantizedSource`) by `QuantLinear`s on `device`; returns how many. Call before the dense load."""
+    names = model.checkpoint_names()
+    count, kept = 0, []
+    for mname, module in list(model.named_modules()):
+        if not isinstance(module, nn.Linear) or mname.rpartition(".")[2] not in _LINEARS:
+            continue
+        parts = names.get(f"{mname}.weight", [])
+        if not parts or not all(source.is_quantized(p) for p in parts):
+            continue
+        try:
+            packed = concat([source.packed(p) for p in parts])
+        except ValueError as e:
+            kept.append(f"{mname} ({e})")
+            continue
+        if tuple(packed.shape) != tuple(module.weight.shape):
+            raise ValueError(f"{mname}: quantized weight of shape {tuple(packed.shape)}, the model expects "
+                             f"{tuple(module.weight.shape)}")
+        parent, _, leaf = mname.rpartition(".")
+        bias = module.bias
+        setattr(model.get_submodule(parent) if parent else model, leaf,
+                QuantLinear(packed.to(device), bias))
+        count += 1
+    if kept:
+        logger.info("quantized layers served dense (dequantized): %s", "; ".join(kept[:3]))
+    return count

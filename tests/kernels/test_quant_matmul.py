@@ -1,0 +1,61 @@
+"""The quantized matrix products (int4 from AWQ and GPTQ with act-order, block-scaled FP8) against
+x @ W.T with the dequantized weight. On a GPU; on CPU only under the Triton interpreter
+(TRITON_INTERPRET=1 with triton installed), which is how the kernels were first checked."""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from pipespec.model.quant.packed import Int4Weight
+from tests.model.quant import writers
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRET),
+                                 reason="needs a CUDA device (or TRITON_INTERPRET=1 with triton)")]
+# float32: exact products up to summation order; bf16: the activations' rounding (GPU only: the
+# interpreter multiplies bf16 tiles as their bit patterns)
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+DTYPES = [torch.float32, torch.bfloat16] if torch.cuda.is_available() else [torch.float32]
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def _x(m, k, dtype, seed=0):
+    return torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 5, 40])
+@pytest.mark.parametrize("layout", ["awq", "gptq", "gptq_act_order"])
+def test_int4_matmul_equals_the_dequantized_product(layout, m, dtype):
+    from pipespec.kernels.quant_matmul import int4_matmul
+    w = torch.randn(96, 256, generator=torch.Generator().manual_seed(1))
+    if layout == "awq":
+        t, ref = writers.awq(w, group=64)
+        packed = Int4Weight.from_awq(t["qweight"], t["qzeros"], t["scales"].float(), 64)
+    else:
+        t, ref = writers.gptq(w, group=32, act_order=layout == "gptq_act_order", seed=2)
+        packed = Int4Weight.from_gptq(t["qweight"], t["qzeros"], t["scales"].float(), t["g_idx"])
+    x = _x(m, 256, dtype)
+    got = int4_matmul(x, packed.to(torch.device(DEVICE)))
+    assert got.shape == (m, 96) and got.dtype == dtype
+    assert _rel(got, x.float() @ ref.to(DEVICE).t()) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 33])
+def test_fp8_block_matmul_equals_the_dequantized_product(m, dtype):
+    from pipespec.kernels.quant_matmul import fp8_block_matmul
+    w = torch.randn(200, 320, generator=torch.Generator().manual_seed(3))   # partial blocks on both sides
+    t, ref = writers.fp8(w, (128, 128))
+    x = _x(m, 320, dtype, seed=4)
+    got = fp8_block_matmul(x, t["weight"].to(DEVICE), t["weight_scale_inv"].to(DEVICE), (128, 128))
+    assert got.shape == (m, 200) and got.dtype == dtype
+    assert _rel(got, x.float() @ ref.to(DEVICE).t()) < TOL[dtype]

@@ -1,0 +1,64 @@
+"""Quantized checkpoints served by the weight-only kernels (`model/quant/linear.py`): the linear
+layers whose checkpoint tensors are all quantized become `QuantLinear`s holding the packed weight
+(fused q/k/v and gate/up from their parts), the rest loads dense, and the engine's logits and greedy
+output equal transformers on the dequantized reference weights. The swap itself is checked on CPU
+(its dense fallback); the engine runs the kernels on a GPU, or on CPU under TRITON_INTERPRET=1."""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from pipespec import LLM, SamplingParams
+from pipespec.model.quant.linear import QuantLinear, use_quantized_linears
+from pipespec.model.registry import build_target
+from pipespec.model.source import resolve_model
+from tests.helpers import engine_logits, hf_logits
+from tests.model.quant.test_quantized_checkpoints import LAYOUTS, PROMPT, _write
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
+KERNELS = torch.cuda.is_available() or INTERPRET
+FUSED = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_quantized_linears_replace_every_fused_projection(layout, tiny_models, tmp_path):
+    folder, _ = _write(tmp_path / layout, tiny_models["llama"], layout)
+    source = resolve_model(str(folder))
+    model = build_target(source.arch, (0, source.arch.num_layers), 64)
+    dense = {name: [p for p in parts] for name, parts in model.checkpoint_names().items()}
+    weights = source.weights()
+    count = use_quantized_linears(model, weights, torch.device("cpu"))
+    assert count == len(FUSED) * source.arch.num_layers
+    names = model.checkpoint_names()
+    for i in range(source.arch.num_layers):
+        for proj in FUSED:
+            name = f"model.layers.{i}.{proj}"
+            module = model.get_submodule(name)
+            assert isinstance(module, QuantLinear)
+            assert f"{name}.weight" not in names           # never asked of the dense loader
+            # outside inference mode the dense fallback: the dequantized parts, concatenated
+            want = torch.cat([weights.get(p) for p in dense[f"{name}.weight"]])
+            x = torch.randn(3, module.in_features)
+            torch.testing.assert_close(module(x), x @ want.t(), rtol=1e-5, atol=1e-5)
+    assert not isinstance(model.lm_head, QuantLinear)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not KERNELS, reason="needs a CUDA device (or TRITON_INTERPRET=1 with triton)")
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_engine_on_the_kernels_matches_the_dequantized_reference(layout, tiny_models, tmp_path):
+    folder, ref = _write(tmp_path / layout, tiny_models["llama"], layout)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with LLM(model=str(folder), device=device, dtype="float32", num_kv_blocks=32, max_model_len=128,
+             enforce_eager=True, gpu_memory_utilization=0.2) as llm:
+        model = llm.engine.executor.stage.model
+        assert sum(isinstance(m, QuantLinear) for m in model.modules()) == len(FUSED) * 3
+        got = engine_logits(llm, PROMPT).cpu()
+        out = llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(temperature=0.0, max_tokens=8,
+                           ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
+    torch.testing.assert_close(got, hf_logits(ref, PROMPT), rtol=1e-4, atol=1e-4)
+    want = ref.generate(torch.tensor([PROMPT]), max_new_tokens=8, do_sample=False, min_new_tokens=8)[0, len(PROMPT):]
+    assert out == want.tolist()
