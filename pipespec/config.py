@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _ATTENTION_BACKENDS = ("auto", "torch", "triton")
 _LOAD_FORMATS = ("auto", "dummy")
+_QUANTIZATIONS = (None, "fp8", "awq", "gptq")
 
 
 CHECK_COLLECTIVES_ENV = "PIPESPEC_CHECK_COLLECTIVES"
@@ -39,6 +40,9 @@ class ModelConfig:
     attention_backend: str = "auto"   # auto: triton on CUDA (when installed), torch elsewhere
     enforce_eager: bool = False       # True: never replay CUDA graphs (GPU decode runs op by op)
     load_format: str = "auto"         # dummy: random weights of the checkpoint's shapes (benchmarks)
+    # fp8 / awq / gptq: with load_format="dummy", random weights in that format (benchmarks); with a
+    # checkpoint it must name the checkpoint's own quantization_config method (None: whatever it is)
+    quantization: str | None = None
 
     def __post_init__(self):
         _require(self.dtype in _DTYPES, f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
@@ -47,6 +51,8 @@ class ModelConfig:
         _require(self.load_format in _LOAD_FORMATS,
                  f"load_format must be one of {_LOAD_FORMATS}, got {self.load_format!r}")
         _require(isinstance(self.enforce_eager, bool), f"enforce_eager must be a bool, got {self.enforce_eager!r}")
+        _require(self.quantization in _QUANTIZATIONS,
+                 f"quantization must be one of {_QUANTIZATIONS}, got {self.quantization!r}")
         _require(self.max_model_len is None or self.max_model_len >= 2,
                  f"max_model_len must be >= 2, got {self.max_model_len}")
         _require(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)),

@@ -19,6 +19,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true", help="do not capture or replay CUDA graphs")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights of the model's shapes, nothing read (for benchmarks)")
+    g.add_argument("--quantization", "-q", default=None, choices=["fp8", "awq", "gptq"],
+                   help="with --load-format dummy: random weights in this format (block-scaled FP8, int4); "
+                        "with a checkpoint: must match its quantization_config")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     g.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV cache blocks (default: from --kv-cache-memory on CPU, free memory on GPU)")
@@ -60,7 +63,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                 attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
-                load_format=args.load_format,
+                load_format=args.load_format, quantization=args.quantization,
                 block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                 kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

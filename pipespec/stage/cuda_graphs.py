@@ -290,17 +290,17 @@ class CudaGraphs:
         out = {}
         for name, graph in (("forward", bucket.forward), ("draft", bucket.draft)):
             if graph is not None:
-                out[f"{name}_gpu_ms"] = round(replay_ms(graph, iters), 3)
+                out[f"{name}_gpu_ms"] = round(gpu_ms(graph.replay, iters), 3)
         return out
 
 
-def replay_ms(graph: torch.cuda.CUDAGraph, iters: int = 50) -> float:
-    """Median GPU milliseconds of one replay of `graph`."""
+def gpu_ms(fn, iters: int = 50) -> float:
+    """Median GPU milliseconds of one call of `fn` (a graph's replay, a kernel launch)."""
     times = []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        graph.replay()
+        fn()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))

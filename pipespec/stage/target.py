@@ -9,7 +9,7 @@ import torch
 from pipespec import kernels
 from pipespec.config import EngineConfig
 from pipespec.model.attention import ForwardContext
-from pipespec.model.quant.linear import use_quantized_linears
+from pipespec.model.quant.linear import use_dummy_quantized_linears, use_quantized_linears
 from pipespec.model.registry import build_target
 from pipespec.model.source import ModelSource
 from pipespec.model.tp_layers import SINGLE
@@ -22,11 +22,23 @@ logger = logging.getLogger(__name__)
 def load_target(source: ModelSource, config: EngineConfig, layer_range: tuple[int, int], max_position: int,
                 dtype: torch.dtype, device: torch.device, tp: TensorParallel = SINGLE) -> torch.nn.Module:
     model = build_target(source.arch, layer_range, max_position, tp)
+    method = config.model.quantization
     if config.model.load_format == "dummy":
+        if method is not None:
+            if tp.size > 1 or not kernels.serve_device(device):
+                raise ValueError(f"quantization={method!r} with dummy weights runs on the quantized kernels: it "
+                                 "needs a CUDA device (with Triton) and tensor_parallel_size=1")
+            count = use_dummy_quantized_linears(model, method, device)
+            logger.info("dummy %s weights: %d linear layers quantized", method, count)
         # a tied head on a stage without the embedding draws the embedding's values, as it loads them
         tied = {"lm_head.weight": "model.embed_tokens.weight"} if source.arch.tie_word_embeddings else None
         init_dummy_weights(model, dtype, device, key=tied)
     else:
+        have = source.quant.method if source.quant is not None else None
+        if method is not None and method != have:
+            raise ValueError(f"quantization={method!r}, but {source.name} is "
+                             + (f"quantized with {have!r}" if have else "not quantized (no quantization_config)")
+                             + "; pipespec does not quantize a checkpoint at load")
         shard = f" (TP rank {tp.rank} of {tp.size})" if tp.size > 1 else ""
         weights = source.weights()
         if source.quant is not None and kernels.serve_device(device):

@@ -9,7 +9,7 @@ import torch
 from pipespec.parallel import TensorParallel
 from pipespec.runtime import launch
 from pipespec.runtime.one_host_all_reduce import MAX_BYTES, OneHostAllReduce
-from pipespec.stage.cuda_graphs import replay_ms
+from pipespec.stage.cuda_graphs import gpu_ms
 from tests.runtime.two_ranks import run_two_ranks
 
 pytestmark = [pytest.mark.gpu,
@@ -22,7 +22,7 @@ def _graph_ms(fn) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return replay_ms(graph, 20)
+    return gpu_ms(graph.replay, 20)
 
 
 def _rank(rank: int, port: int, out) -> None:

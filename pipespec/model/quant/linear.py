@@ -13,6 +13,7 @@ dimensions (groups along the input, eight rows a word), which the loader does no
 from __future__ import annotations
 
 import logging
+import zlib
 
 import torch
 from torch import nn
@@ -80,4 +81,32 @@ def use_quantized_linears(model: nn.Module, source, device: torch.device) -> int
         count += 1
     if kept:
         logger.info("quantized layers served dense (dequantized): %s", "; ".join(kept[:3]))
+    return count
+
+
+@torch.no_grad()
+def use_dummy_quantized_linears(model: nn.Module, method: str, device: torch.device, seed: int = 0) -> int:
+    """`load_format="dummy"` with `quantization=method`: the same layers `use_quantized_linears` would
+    keep quantized get random packed weights (int4: groups of up to 128 rows, zero 8, weights about
+    N(0, 0.02) like the dense dummy; fp8: 128 x 128 scale blocks). Returns how many."""
+    gen = torch.Generator(device=device)
+    count = 0
+    for mname, module in list(model.named_modules()):
+        if not isinstance(module, nn.Linear) or mname.rpartition(".")[2] not in _LINEARS:
+            continue
+        out, inp = module.weight.shape
+        gen.manual_seed(seed * 1_000_003 + zlib.crc32(mname.encode()))
+        if method == "fp8":
+            w = torch.randn(out, inp, device=device, generator=gen).to(torch.float8_e4m3fn)
+            packed = Fp8Weight(w, torch.full((-(-out // 128), -(-inp // 128)), 0.02, device=device), (128, 128))
+        else:
+            group = next((g for g in (128, 64, 32, 16) if inp % g == 0), None)
+            if group is None:
+                continue
+            q = torch.randint(-2**31, 2**31 - 1, (inp // 8, out), device=device, generator=gen, dtype=torch.int32)
+            full = torch.full((inp // group, out), 1.0, device=device)
+            packed = Int4Weight(q, full * 8, full * 0.0045, group)      # (q - 8) * s: std ~0.02
+        parent, _, leaf = mname.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, leaf, QuantLinear(packed, module.bias))
+        count += 1
     return count

@@ -62,3 +62,33 @@ def test_engine_on_the_kernels_matches_the_dequantized_reference(layout, tiny_mo
     torch.testing.assert_close(got, hf_logits(ref, PROMPT), rtol=1e-4, atol=1e-4)
     want = ref.generate(torch.tensor([PROMPT]), max_new_tokens=8, do_sample=False, min_new_tokens=8)[0, len(PROMPT):]
     assert out == want.tolist()
+
+
+@pytest.mark.parametrize("method", ["fp8", "awq"])
+def test_dummy_quantized_linears_draw_weights_like_the_dense_dummy(method, tiny_models):
+    from pipespec.model.quant.linear import use_dummy_quantized_linears
+    source = resolve_model(str(tiny_models["llama"][0]))
+    model = build_target(source.arch, (0, source.arch.num_layers), 64)
+    assert use_dummy_quantized_linears(model, method, torch.device("cpu")) == len(FUSED) * source.arch.num_layers
+    module = model.get_submodule("model.layers.0.mlp.down_proj")
+    assert isinstance(module, QuantLinear) and module.packed.shape == (64, 96)
+    w = module.packed.dequantize()
+    assert 0.01 < w.std().item() < 0.04 and w.mean().abs().item() < 0.01
+
+
+def test_quantization_must_name_the_checkpoints_own(tiny_models, tmp_path):
+    plain = str(tiny_models["llama"][0])
+    with pytest.raises(ValueError, match="quantization='awq', but .* is not quantized"):
+        LLM(model=plain, quantization="awq", device="cpu", num_kv_blocks=8)
+    folder, _ = _write(tmp_path / "awq", tiny_models["llama"], "awq")
+    with pytest.raises(ValueError, match="quantization='fp8', but .* is quantized with 'awq'"):
+        LLM(model=str(folder), quantization="fp8", device="cpu", num_kv_blocks=8)
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        LLM(model=plain, quantization="int3", device="cpu", num_kv_blocks=8)
+
+
+@pytest.mark.skipif(KERNELS, reason="checks the refusal where the quantized kernels cannot run")
+def test_dummy_quantization_without_the_kernels_is_refused(tiny_models):
+    with pytest.raises(ValueError, match="quantization='fp8' with dummy weights runs on the quantized kernels"):
+        LLM(model=str(tiny_models["llama"][0]), load_format="dummy", quantization="fp8", device="cpu",
+            num_kv_blocks=8)

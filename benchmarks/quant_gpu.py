@@ -1,0 +1,107 @@
+"""Weight-only quantized kernels and engines against bf16 on one GPU (issue 18).
+
+1. Kernels: the Llama-3-8B projections (qkv, o, gate_up, down) at M = 1, 16 and 64 rows: bf16
+   `x @ W.T` against `int4_matmul` (group 128) and `fp8_block_matmul` (128 x 128 blocks); median
+   microseconds of 50 timed calls each, and the weight bytes read per second.
+2. Engines: the Llama-3-8B shape with random weights (`--load-format dummy`), bf16 against
+   `--quantization fp8` and `--quantization awq` (int4), CUDA graphs on, random 32-token prompts,
+   greedy, 64 new tokens; tokens/s by batch, medians of interleaved repeats; the peer is the bf16
+   engine in the same run. Goals at batch 1: fp8 >= 1.7x, int4 >= 2.5x.
+
+Usage (GPU machine): python benchmarks/quant_gpu.py [--batches 1,64] [--repeats 3] [--skip kernels,engines]
+       [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from pp_spec_gpu import timed  # noqa: E402
+from pp_two_gpu import llama8b_folder, prompts_of  # noqa: E402
+
+from pipespec import LLM, SamplingParams  # noqa: E402
+from pipespec.stage.cuda_graphs import gpu_ms  # noqa: E402
+
+PROJECTIONS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+
+
+def _us(fn) -> float:
+    fn()                                  # compiles the kernel
+    return gpu_ms(fn) * 1000
+
+
+def kernels(report):
+    from pipespec.kernels.quant_matmul import fp8_block_matmul, int4_matmul
+    from pipespec.model.quant.packed import Fp8Weight, Int4Weight
+    dev = torch.device("cuda")
+    for name, (n, k) in PROJECTIONS.items():
+        dense = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
+        q4 = Int4Weight(torch.randint(-2**31, 2**31 - 1, (k // 8, n), device=dev, dtype=torch.int32),
+                        torch.full((k // 128, n), 8.0, device=dev), torch.full((k // 128, n), 0.005, device=dev), 128)
+        f8 = Fp8Weight(torch.randn(n, k, device=dev).to(torch.float8_e4m3fn),
+                       torch.full((n // 128, k // 128), 0.02, device=dev), (128, 128))
+        for m in (1, 16, 64):
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            t = {"bf16": _us(lambda: x @ dense.t()), "int4": _us(lambda: int4_matmul(x, q4)),
+                 "fp8": _us(lambda: fp8_block_matmul(x, f8.weight, f8.scale_inv, f8.block))}
+            row = {"part": "kernel", "proj": name, "m": m, **{f"{kk}_us": round(v, 1) for kk, v in t.items()},
+                   "bf16_gbps": round(n * k * 2 / t["bf16"] / 1e3, 0), "int4_gbps": round(n * k / 2 / t["int4"] / 1e3, 0),
+                   "fp8_gbps": round(n * k / t["fp8"] / 1e3, 0),
+                   "int4_over_bf16": round(t["bf16"] / t["int4"], 2), "fp8_over_bf16": round(t["bf16"] / t["fp8"], 2)}
+            report["kernels"].append(row)
+            print(json.dumps(row), flush=True)
+
+
+def engines(args, report):
+    model = llama8b_folder()
+    kinds = {"bf16": None, "fp8": "fp8", "int4": "awq"}
+    llms = {kind: LLM(model=model, load_format="dummy", quantization=q, device="cuda", dtype="bfloat16",
+                      gpu_memory_utilization=args.util, max_num_seqs=max(args.batches), max_model_len=1024,
+                      max_num_batched_tokens=max(1024, max(args.batches))) for kind, q in kinds.items()}
+    params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
+    for batch in args.batches:
+        prompts = prompts_of(batch, 32, 128256)
+        for llm in llms.values():        # warm-up: the buckets this batch replays
+            llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+        runs = {kind: [] for kind in llms}
+        for _ in range(args.repeats):
+            for kind, llm in llms.items():
+                runs[kind].append(timed(llm, prompts, params)["tokens_per_s"])
+        med = {kind: statistics.median(r) for kind, r in runs.items()}
+        row = {"part": "engine", "batch": batch, **{f"{k}_tokens_per_s": round(v, 1) for k, v in med.items()},
+               "fp8_over_bf16": round(med["fp8"] / med["bf16"], 3), "int4_over_bf16": round(med["int4"] / med["bf16"], 3)}
+        report["engines"].append(row)
+        print(json.dumps(row), flush=True)
+    for llm in llms.values():
+        llm.shutdown()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", default="1,64")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--util", type=float, default=0.28, help="gpu_memory_utilization of each of the 3 engines")
+    ap.add_argument("--skip", default="", help="comma-separated: kernels, engines")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    args.batches = [int(b) for b in args.batches.split(",")]
+    skip = set(filter(None, args.skip.split(",")))
+    report = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(0), "kernels": [], "engines": []}
+    if "kernels" not in skip:
+        kernels(report)
+    if "engines" not in skip:
+        engines(args, report)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
