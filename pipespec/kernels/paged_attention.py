@@ -8,6 +8,13 @@ position L - q_len + t and sees keys 0..that position.
 Programs are laid out (request, KV head, tile of query rows). The rows of a tile are (token, head)
 pairs of one KV head's query-head group, so a GQA group shares every K/V load and even a one-token
 decode fills a tensor-core tile. Softmax is the online (running max) form, in float32.
+
+Split KV (flash-decoding): a few requests over long contexts give too few programs to keep the GPU's
+memory busy (batch 1, 8 KV heads: 8 programs on 132 SMs). Then each (request, head, tile) is also
+split into `num_splits` ranges of its KV, each writing its partial (max, sum, weighted values) to a
+scratch buffer, and `_combine_kernel` merges them. The number of splits depends only on host shapes
+(batch, heads, the block table's width), so a captured graph fixes it; each split finds its own
+range from the device's sequence lengths, and a split with nothing to read contributes nothing.
 """
 from __future__ import annotations
 
@@ -19,12 +26,16 @@ import triton.language as tl
 @triton.jit
 def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, query_start_ptr, seq_lens_ptr,
-        scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_ct, stride_ch, stride_bt,
+        part_m_ptr, part_l_ptr, part_acc_ptr, num_heads, scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_ct, stride_ch, stride_bt,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, NUM_SPLITS: tl.constexpr):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     tile = tl.program_id(2)
+    split = 0
+    if NUM_SPLITS > 1:
+        split = tile % NUM_SPLITS
+        tile = tile // NUM_SPLITS
     q_start = tl.load(query_start_ptr + req)
     q_len = tl.load(query_start_ptr + req + 1) - q_start
     if tile * BLOCK_M >= q_len * GROUP:
@@ -45,14 +56,20 @@ def _paged_attention_kernel(
     # keys past the tile's last query position are masked for every row: stop there
     last_tok = tl.minimum(tile * BLOCK_M + BLOCK_M - 1, q_len * GROUP - 1) // GROUP
     kv_end = first_pos + last_tok + 1
+    lo = 0
+    hi = kv_end
+    if NUM_SPLITS > 1:     # this split's share of the keys, whole BLOCK_N tiles
+        chunk = ((kv_end + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, kv_end)
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)     # finite: a fully masked row stays NaN-free
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     qk_scale = scale * 1.4426950408889634              # exp2 domain
     table = block_tables_ptr + req.to(tl.int64) * stride_bt
-    for start in range(0, kv_end, BLOCK_N):
+    for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
-        n_ok = n < kv_end
+        n_ok = n < hi
         page = tl.load(table + n // PAGE, mask=n_ok, other=0).to(tl.int64)
         slot = page * PAGE + n % PAGE
         kv_off = slot[None, :] * stride_ct + kv_head * stride_ch + d[:, None]
@@ -68,23 +85,69 @@ def _paged_attention_kernel(
                     mask=n_ok[:, None], other=0.0)                                  # [N, D]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
-    out = acc / tl.maximum(l_i, 1e-30)[:, None]
-    tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    if NUM_SPLITS > 1:     # partials of (row, head, split); _combine_kernel merges a row's splits
+        part = (q_rows * num_heads + head) * NUM_SPLITS + split
+        tl.store(part_m_ptr + part, m_i, mask=row_ok)
+        tl.store(part_l_ptr + part, l_i, mask=row_ok)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=row_ok[:, None])
+    else:
+        out = acc / tl.maximum(l_i, 1e-30)[:, None]
+        tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _combine_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, num_heads, stride_ot, stride_oh,
+                    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    s = tl.arange(0, SPLITS)
+    s_ok = s < NUM_SPLITS
+    part = (row * num_heads + head) * NUM_SPLITS + s
+    m = tl.load(part_m_ptr + part, mask=s_ok, other=float("-inf"))
+    w = tl.exp2(m - tl.max(m, axis=0))                  # an empty split (m = -1e30) weighs 0
+    l_sum = tl.sum(w * tl.load(part_l_ptr + part, mask=s_ok, other=0.0), axis=0)
+    d = tl.arange(0, HEAD_DIM)
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=s_ok[:, None], other=0.0)
+    out = tl.sum(w[:, None] * acc, axis=0) / tl.maximum(l_sum, 1e-30)
+    tl.store(out_ptr + row * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
 def _block_m(rows_per_request: int) -> int:
     return 16 if rows_per_request <= 16 else 32 if rows_per_request <= 32 else 64
 
 
+MAX_SPLITS = 32
+SPLIT_MIN_KV = 1024        # below this many keys a request's one program reads them fast enough
+
+
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+def num_kv_splits(programs: int, max_kv: int, sms: int) -> int:
+    """Splits of each program's keys: enough programs for about two per SM, each split reading at
+    least 256 keys; 1 (no split) when the grid already fills the GPU or contexts are short."""
+    if max_kv < SPLIT_MIN_KV or programs >= sms:
+        return 1
+    return max(1, min(MAX_SPLITS, -(-2 * sms // programs), max_kv // 256))
+
+
+def kv_splits_for(batch: int, kv_heads: int, rows_per_request: int, max_kv: int, device: torch.device) -> int:
+    """The splits `paged_attention` uses by default for these host shapes."""
+    tiles = triton.cdiv(rows_per_request, _block_m(rows_per_request))
+    return num_kv_splits(batch * kv_heads * tiles, max_kv, _sm_count(device))
+
+
 def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                     max_query_len: int, scale: float, page_size: int,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, num_splits: int | None = None) -> torch.Tensor:
     """q [T, H, D] (any row/head strides); caches [slots, KVH, D]; block_tables [B, W];
     query_start_loc [B + 1]; seq_lens [B] (KV length after this step, new rows included, already
     written). `max_query_len` is a host int bounding every request's query run (it sizes the grid, so
-    a captured graph fixes it). Returns out [T, H, D]."""
+    a captured graph fixes it). `num_splits`: KV splits per program (None: `num_kv_splits` from the
+    host shapes). Returns out [T, H, D]."""
     t, heads, dim = q.shape
     kv_heads = key_cache.shape[1]
     group = heads // kv_heads
@@ -96,11 +159,25 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
         return out
     rows = max_query_len * group
     block_m = _block_m(rows)
-    grid = (batch, kv_heads, triton.cdiv(rows, block_m))
+    tiles = triton.cdiv(rows, block_m)
+    if num_splits is None:
+        num_splits = kv_splits_for(batch, kv_heads, rows, block_tables.shape[1] * page_size, q.device)
+    split = num_splits > 1
+    if split:
+        part_m = torch.empty(t * heads * num_splits, dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+        part_acc = torch.empty(t * heads * num_splits, dim, dtype=torch.float32, device=q.device)
+    else:
+        part_m = part_l = part_acc = out           # unused
+    grid = (batch, kv_heads, tiles * num_splits)
     _paged_attention_kernel[grid](
-        q, key_cache, value_cache, out, block_tables, query_start_loc, seq_lens, scale,
+        q, key_cache, value_cache, out, block_tables, query_start_loc, seq_lens, part_m, part_l, part_acc,
+        heads, scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), key_cache.stride(0), key_cache.stride(1),
         block_tables.stride(0), GROUP=group, HEAD_DIM=dim, PAGE=page_size, BLOCK_M=block_m,
         BLOCK_N=64, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 stays exact
-        num_warps=4 if block_m <= 32 else 8, num_stages=2)
+        NUM_SPLITS=num_splits, num_warps=4 if block_m <= 32 else 8, num_stages=2)
+    if split:
+        _combine_kernel[(t, heads)](part_m, part_l, part_acc, out, heads, out.stride(0), out.stride(1), HEAD_DIM=dim,
+                                    NUM_SPLITS=num_splits, SPLITS=triton.next_power_of_2(num_splits), num_warps=4)
     return out

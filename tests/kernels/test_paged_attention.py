@@ -1,11 +1,20 @@
-"""The Triton paged-attention kernel against the PyTorch reference backend (GPU only)."""
+"""The Triton paged-attention kernel against the PyTorch reference backend, whole and with the KV
+split across programs (GPU; on CPU under TRITON_INTERPRET=1 in float32)."""
+import importlib.util
+import os
+
 import pytest
 import torch
 
 from pipespec.model.attention import ForwardContext, KVCache, TorchReferenceBackend
 
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# the interpreter multiplies bf16 tiles as their bit patterns: float32 only there
+DTYPES = [torch.bfloat16, torch.float32] if torch.cuda.is_available() else [torch.float32]
 pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+              pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRET),
+                                 reason="needs a CUDA device (or TRITON_INTERPRET=1 with triton)")]
 
 # (query rows, KV length after the step) per request: decode, verify, a whole prefill, a prefill
 # chunk reading earlier blocks, and a long context
@@ -18,8 +27,8 @@ MIXES = {
 
 
 def _case(mix, heads, kv_heads, dim, dtype, page=16, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    dev = "cuda"
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    dev = DEVICE
     widths = [-(-s // page) for _, s in mix]
     num_blocks = sum(widths) + 8
     key = torch.randn(num_blocks * page, kv_heads, dim, generator=g, device=dev).to(dtype)
@@ -50,7 +59,7 @@ def _reference(q, key, value, tables, qsl, seq_lens, positions, page):
 
 @pytest.mark.parametrize("mix", sorted(MIXES))
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (32, 8, 128), (4, 4, 64)])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_kernel_matches_reference(mix, heads, kv_heads, dim, dtype):
     from pipespec.kernels.paged_attention import paged_attention
     q, key, value, tables, qsl, seq_lens, positions, max_q = _case(MIXES[mix], heads, kv_heads, dim, dtype)
@@ -64,8 +73,30 @@ def test_kernel_reads_strided_queries():
     """q as a view into the fused qkv rows (row stride larger than heads * dim), as the model passes it."""
     from pipespec.kernels.paged_attention import paged_attention
     q, key, value, tables, qsl, seq_lens, positions, max_q = _case(MIXES["mixed"], 9, 3, 64, torch.float32)
-    wide = torch.randn(q.shape[0], 15, 64, device="cuda")
+    wide = torch.randn(q.shape[0], 15, 64, device=DEVICE)
     wide[:, :9] = q
     got = paged_attention(wide[:, :9], key, value, tables, qsl, seq_lens, max_q, 0.125, 16)
     want = paged_attention(q, key, value, tables, qsl, seq_lens, max_q, 0.125, 16)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("mix", ["decode", "verify", "mixed"])
+@pytest.mark.parametrize("num_splits", [2, 5, 32])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_split_kv_matches_reference(mix, num_splits, dtype):
+    """Each program's keys split over `num_splits` programs and merged (splits that get no keys,
+    short contexts in one batch with long ones, verify rows' causal masks, GQA groups)."""
+    from pipespec.kernels.paged_attention import paged_attention
+    q, key, value, tables, qsl, seq_lens, positions, max_q = _case(MIXES[mix], 32, 8, 128, dtype, seed=1)
+    want = _reference(q, key, value, tables, qsl, seq_lens, positions, 16)
+    got = paged_attention(q, key, value, tables, qsl, seq_lens, max_q, 128 ** -0.5, 16, num_splits=num_splits).float()
+    err = (got - want).norm() / want.norm()
+    assert err < (2e-2 if dtype == torch.bfloat16 else 1e-5), f"relative error {err:.2e}"
+
+
+def test_split_count_follows_the_host_shapes():
+    from pipespec.kernels.paged_attention import MAX_SPLITS, num_kv_splits
+    assert num_kv_splits(programs=8, max_kv=512, sms=132) == 1            # short contexts: one program
+    assert num_kv_splits(programs=256, max_kv=32768, sms=132) == 1        # the grid fills the GPU
+    assert num_kv_splits(programs=8, max_kv=4096, sms=132) == 16          # two programs an SM, >= 256 keys
+    assert num_kv_splits(programs=8, max_kv=32768, sms=132) == MAX_SPLITS
