@@ -13,7 +13,6 @@ import json
 import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
 

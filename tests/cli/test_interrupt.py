@@ -81,5 +81,5 @@ def test_killed_stage_exits_1_without_a_leaked_semaphore():
     os.kill(stages[0], signal.SIGKILL)
     code, err = run.finish()
     assert code == 1, err[-3000:]
-    assert f"error: pipeline failure" in err and "killed by SIGKILL" in err
+    assert "error: pipeline failure" in err and "killed by SIGKILL" in err
     assert "Traceback" not in err and LEAK not in err, err[-3000:]

@@ -10,8 +10,6 @@
 """
 from __future__ import annotations
 
-import functools
-import json
 import os
 import shutil
 import signal

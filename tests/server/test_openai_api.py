@@ -3,7 +3,7 @@ import asyncio
 
 import httpx
 import pytest
-from openai import APIStatusError, AsyncOpenAI, AuthenticationError, OpenAI
+from openai import AsyncOpenAI, AuthenticationError, OpenAI
 
 from pipespec import LLM, SamplingParams
 
