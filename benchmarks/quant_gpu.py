@@ -2,14 +2,16 @@
 
 1. Kernels: the Llama-3-8B projections (qkv, o, gate_up, down) at M = 1, 16 and 64 rows: bf16
    `x @ W.T` against `int4_matmul` (group 128) and `fp8_block_matmul` (128 x 128 blocks); median
-   microseconds of 50 timed calls each, and the weight bytes read per second.
+   microseconds of 50 timed calls each, and the weight bytes read per second. With `--sweep`, the
+   batch-1 rows of the two largest projections also try other launch shapes (`Tiles`) and report
+   the best, to choose the defaults from.
 2. Engines: the Llama-3-8B shape with random weights (`--load-format dummy`), bf16 against
    `--quantization fp8` and `--quantization awq` (int4), CUDA graphs on, random 32-token prompts,
    greedy, 64 new tokens; tokens/s by batch, medians of interleaved repeats; the peer is the bf16
    engine in the same run. Goals at batch 1: fp8 >= 1.7x, int4 >= 2.5x.
 
 Usage (GPU machine): python benchmarks/quant_gpu.py [--batches 1,64] [--repeats 3] [--skip kernels,engines]
-       [--json out.json]
+       [--sweep] [--json out.json]
 """
 from __future__ import annotations
 
@@ -37,7 +39,24 @@ def _us(fn) -> float:
     return gpu_ms(fn) * 1000
 
 
-def kernels(report):
+SWEEP = [(n, w, st) for n in (32, 64, 128) for w, st in ((4, 2), (4, 4), (8, 3))]
+
+
+def sweep(name, x, q4, f8, report):
+    from pipespec.kernels.quant_matmul import Tiles, fp8_block_matmul, int4_matmul
+    for kind, run in (("int4", lambda t: int4_matmul(x, q4, t)),
+                      ("fp8", lambda t: fp8_block_matmul(x, f8.weight, f8.scale_inv, f8.block, t))):
+        times = {}
+        for n, warps, stages in SWEEP:
+            tiles = Tiles(block_n=n, num_warps=warps, num_stages=stages)
+            times[f"n{n}_w{warps}_s{stages}"] = round(_us(lambda: run(tiles)), 1)
+        best = min(times, key=times.get)
+        row = {"part": "sweep", "kernel": kind, "proj": name, "m": x.shape[0], "best": best, "us": times}
+        report["kernels"].append(row)
+        print(json.dumps(row), flush=True)
+
+
+def kernels(report, do_sweep: bool):
     from pipespec.kernels.quant_matmul import fp8_block_matmul, int4_matmul
     from pipespec.model.quant.packed import Fp8Weight, Int4Weight
     dev = torch.device("cuda")
@@ -57,6 +76,8 @@ def kernels(report):
                    "int4_over_bf16": round(t["bf16"] / t["int4"], 2), "fp8_over_bf16": round(t["bf16"] / t["fp8"], 2)}
             report["kernels"].append(row)
             print(json.dumps(row), flush=True)
+            if do_sweep and m == 1 and name in ("gate_up", "down"):
+                sweep(name, x, q4, f8, report)
 
 
 def engines(args, report):
@@ -90,13 +111,14 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--util", type=float, default=0.28, help="gpu_memory_utilization of each of the 3 engines")
     ap.add_argument("--skip", default="", help="comma-separated: kernels, engines")
+    ap.add_argument("--sweep", action="store_true", help="try other launch shapes at batch 1")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
     skip = set(filter(None, args.skip.split(",")))
     report = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(0), "kernels": [], "engines": []}
     if "kernels" not in skip:
-        kernels(report)
+        kernels(report, args.sweep)
     if "engines" not in skip:
         engines(args, report)
     if args.json:

@@ -7,6 +7,8 @@ precision (weight-only quantization, W4A16 / W8A16). The activations are never q
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -79,11 +81,31 @@ def _tile(size: int, what: str) -> int:
     return tile
 
 
+@dataclass(frozen=True)
+class Tiles:
+    """Launch shape of one product: the defaults, or a benchmark's candidates (`quant_gpu.py`).
+    0 for block_n / block_k: the largest power of two <= 64 dividing the group or scale block."""
+    block_n: int = 64
+    block_k: int = 0
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def k_tile(self, size: int, what: str) -> int:
+        if self.block_k:
+            if size % self.block_k:
+                raise ValueError(f"block_k={self.block_k} does not divide the {what} ({size})")
+            return self.block_k
+        return _tile(size, what)
+
+
+DEFAULT_TILES = Tiles()
+
+
 def _block_m(m: int) -> int:
     return 16 if m <= 16 else 32 if m <= 32 else 64
 
 
-def int4_matmul(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
+def int4_matmul(x: torch.Tensor, w: Int4Weight, tiles: Tiles = DEFAULT_TILES) -> torch.Tensor:
     """x [..., K] @ the int4 weight's dense [N, K].T -> [..., N] in x's dtype."""
     out_features, in_features = w.shape
     lead = x.shape[:-1]
@@ -93,17 +115,18 @@ def int4_matmul(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
     x = x.contiguous()
     m = x.shape[0]
     y = torch.empty(m, out_features, device=x.device, dtype=x.dtype)
-    block_k = _tile(w.group, "int4 group size")
-    block_m, block_n = _block_m(m), 64
+    block_k = tiles.k_tile(w.group, "int4 group size")
+    block_m, block_n = _block_m(m), tiles.block_n
     grid = (triton.cdiv(m, block_m), triton.cdiv(out_features, block_n))
     _int4_kernel[grid](x, w.qweight, w.zeros, w.scales, y, m, x.stride(0), y.stride(0),
                        N=out_features, K=in_features, GROUP=w.group, IEEE=x.dtype == torch.float32,
-                       BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+                       BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=tiles.num_warps,
+                       num_stages=tiles.num_stages)
     return y.view(*lead, out_features)
 
 
 def fp8_block_matmul(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
-                     block: tuple[int, int]) -> torch.Tensor:
+                     block: tuple[int, int], tiles: Tiles = DEFAULT_TILES) -> torch.Tensor:
     """x [..., K] @ (weight [N, K] e4m3 times its [N / bo, K / bi] block scales).T -> [..., N]."""
     out_features, in_features = weight.shape
     bo, bi = block
@@ -111,10 +134,12 @@ def fp8_block_matmul(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Ten
     x = x.reshape(-1, in_features).contiguous()
     m = x.shape[0]
     y = torch.empty(m, out_features, device=x.device, dtype=x.dtype)
-    block_n, block_k = _tile(bo, "fp8 scale block rows"), _tile(bi, "fp8 scale block columns")
+    block_n = tiles.block_n if tiles.block_n and bo % tiles.block_n == 0 else _tile(bo, "fp8 scale block rows")
+    block_k = tiles.k_tile(bi, "fp8 scale block columns")
     block_m = _block_m(m)
     grid = (triton.cdiv(m, block_m), triton.cdiv(out_features, block_n))
     _fp8_kernel[grid](x, weight, scale_inv.float().contiguous(), y, m, x.stride(0), y.stride(0),
                       scale_inv.shape[1], N=out_features, K=in_features, BLOCK_OUT=bo, BLOCK_IN=bi, IEEE=x.dtype == torch.float32,
-                      BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+                      BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=tiles.num_warps,
+                      num_stages=tiles.num_stages)
     return y.view(*lead, out_features)
