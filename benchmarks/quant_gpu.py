@@ -44,7 +44,7 @@ SWEEP = [(n, w, st) for n in (32, 64, 128) for w, st in ((4, 2), (4, 4), (8, 3))
 
 def sweep(name, x, q4, f8, report):
     from pipespec.kernels.quant_matmul import Tiles, fp8_block_matmul, int4_matmul
-    for kind, run in (("int4", lambda t: int4_matmul(x, q4, t)),
+    for kind, run in (("int4", lambda t: int4_matmul(x, q4.qweight, q4.zeros, q4.scales, q4.group, tiles=t)),
                       ("fp8", lambda t: fp8_block_matmul(x, f8.weight, f8.scale_inv, f8.block, t))):
         times = {}
         for n, warps, stages in SWEEP:
@@ -57,7 +57,7 @@ def sweep(name, x, q4, f8, report):
 
 
 def kernels(report, do_sweep: bool):
-    from pipespec.kernels.quant_matmul import fp8_block_matmul, int4_matmul
+    from pipespec.kernels.quant_matmul import fp8_block_matmul
     from pipespec.model.quant.packed import Fp8Weight, Int4Weight
     dev = torch.device("cuda")
     for name, (n, k) in PROJECTIONS.items():
@@ -68,7 +68,7 @@ def kernels(report, do_sweep: bool):
                        torch.full((n // 128, k // 128), 0.02, device=dev), (128, 128))
         for m in (1, 16, 64):
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            t = {"bf16": _us(lambda: x @ dense.t()), "int4": _us(lambda: int4_matmul(x, q4)),
+            t = {"bf16": _us(lambda: x @ dense.t()), "int4": _us(lambda: q4.matmul(x)),
                  "fp8": _us(lambda: fp8_block_matmul(x, f8.weight, f8.scale_inv, f8.block))}
             row = {"part": "kernel", "proj": name, "m": m, **{f"{kk}_us": round(v, 1) for kk, v in t.items()},
                    "bf16_gbps": round(n * k * 2 / t["bf16"] / 1e3, 0), "int4_gbps": round(n * k / 2 / t["int4"] / 1e3, 0),

@@ -13,8 +13,6 @@ import torch
 import triton
 import triton.language as tl
 
-from pipespec.model.quant.packed import Int4Weight
-
 
 @triton.jit
 def _int4_kernel(x_ptr, q_ptr, z_ptr, s_ptr, y_ptr, M, stride_xm, stride_ym,
@@ -105,21 +103,23 @@ def _block_m(m: int) -> int:
     return 16 if m <= 16 else 32 if m <= 32 else 64
 
 
-def int4_matmul(x: torch.Tensor, w: Int4Weight, tiles: Tiles = DEFAULT_TILES) -> torch.Tensor:
-    """x [..., K] @ the int4 weight's dense [N, K].T -> [..., N] in x's dtype."""
-    out_features, in_features = w.shape
+def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group: int,
+                perm: torch.Tensor | None = None, tiles: Tiles = DEFAULT_TILES) -> torch.Tensor:
+    """x [..., K] @ W.T -> [..., N] in x's dtype, W the int4 weight in `model/quant/packed.py`'s
+    layout: qweight int32 [K / 8, N], zeros and scales float32 [K / group, N], perm (act-order) [K]."""
+    in_features, out_features = qweight.shape[0] * 8, qweight.shape[1]
     lead = x.shape[:-1]
     x = x.reshape(-1, in_features)
-    if w.perm is not None:
-        x = x.index_select(1, w.perm)                      # act-order: rows in group order
+    if perm is not None:
+        x = x.index_select(1, perm)                        # act-order: rows in group order
     x = x.contiguous()
     m = x.shape[0]
     y = torch.empty(m, out_features, device=x.device, dtype=x.dtype)
-    block_k = tiles.k_tile(w.group, "int4 group size")
+    block_k = tiles.k_tile(group, "int4 group size")
     block_m, block_n = _block_m(m), tiles.block_n
     grid = (triton.cdiv(m, block_m), triton.cdiv(out_features, block_n))
-    _int4_kernel[grid](x, w.qweight, w.zeros, w.scales, y, m, x.stride(0), y.stride(0),
-                       N=out_features, K=in_features, GROUP=w.group, IEEE=x.dtype == torch.float32,
+    _int4_kernel[grid](x, qweight, zeros, scales, y, m, x.stride(0), y.stride(0),
+                       N=out_features, K=in_features, GROUP=group, IEEE=x.dtype == torch.float32,
                        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=tiles.num_warps,
                        num_stages=tiles.num_stages)
     return y.view(*lead, out_features)

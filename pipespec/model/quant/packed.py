@@ -54,7 +54,7 @@ class Int4Weight:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         from pipespec.kernels.quant_matmul import int4_matmul
-        return int4_matmul(x, self)
+        return int4_matmul(x, self.qweight, self.zeros, self.scales, self.group, self.perm)
 
     def dequantize(self) -> torch.Tensor:
         """Dense float32 [out, in] in the checkpoint's input order (the reference)."""
