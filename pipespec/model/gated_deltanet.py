@@ -9,9 +9,10 @@ allocated (`StepPlan.state_slots`). Per token t, with q and k L2-normalised and 
     o_t = S^T q_t
 
 then o is RMS-normed per head, times silu(z), and projected out. `gated_delta_rule` is the plain
-PyTorch recurrence (one token at a time, all requests of a step at once): decode and verify lines
-run it (a few rows, inside CUDA graphs), and it is the oracle of the GPU kernels. Prefill chunks on
-a GPU run fla-core's chunked kernel when it is installed (`kernels/fla_delta_rule.py`).
+PyTorch recurrence (one token at a time, all requests of a step at once): the CPU runs it, and it
+is the oracle of the GPU kernels. On a GPU decode and verify lines run one fused Triton kernel
+(`kernels/delta_rule_recurrent.py`, inside CUDA graphs), and bf16 prefill chunks fla-core's chunked
+kernel when it is installed (`kernels/fla_delta_rule.py`).
 
 States, candidates for verify rows and the step's view of them: `model/linear_state.py`.
 
@@ -26,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipespec import kernels
 from pipespec.kernels.fla_delta_rule import chunked_delta_rule, fla_available
 from pipespec.model.hybrid_config import HybridConfig
 from pipespec.model.linear_state import LinearMeta, LinearState, StateShape
@@ -39,6 +41,11 @@ def use_chunked_kernel(x: torch.Tensor, meta: LinearMeta) -> bool:
     verify lines, whose per-row candidate states it keeps."""
     return (x.is_cuda and x.dtype != torch.float32 and fla_available() and not meta.flags.verify
             and meta.flags.width > 8)
+
+
+def _fused_recurrence_serves(dk: int, dv: int) -> bool:
+    from pipespec.kernels.delta_rule_recurrent import supported    # Triton: only where kernels run
+    return supported(dk, dv)
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -169,6 +176,9 @@ class GatedDeltaNet(nn.Module):
         rec0 = torch.where(meta.fresh[:, None, None, None], torch.zeros((), device=x.device), state.rec[meta.slots])
         if use_chunked_kernel(x, meta):
             (o, final), after = chunked_delta_rule(q.to(x.dtype), k.to(x.dtype), v, g, beta, rec0, meta.valid), None
+        elif kernels.enabled(x) and _fused_recurrence_serves(self.dk, self.dv):
+            from pipespec.kernels.delta_rule_recurrent import recurrent_delta_rule
+            o, final, after = recurrent_delta_rule(q, k, v, g, beta, rec0, meta.valid, keep=meta.flags.verify)
         else:
             o, final, after = gated_delta_rule(q, k, v, g, beta, rec0, meta.valid, keep=meta.flags.verify)
         meta.store(state, full, final, after)
