@@ -42,19 +42,14 @@ def load_target(source: ModelSource, config: EngineConfig, layer_range: tuple[in
         shard = f" (TP rank {tp.rank} of {tp.size})" if tp.size > 1 else ""
         weights = source.weights()
         if source.quant is not None and kernels.serve_device(device):
-            _keep_quantized(model, weights, source.quant.method, device, tp)
+            _keep_quantized(model, weights, source.quant.method, device)
         load_weights(model, weights, dtype, device,
                      desc=f"Loading layers {layer_range[0]}-{layer_range[1] - 1}{shard}")
     return model.eval()
 
 
-def _keep_quantized(model, weights, method: str, device: torch.device, tp: TensorParallel) -> None:
-    """Quantized linear layers stay packed on the GPU (`model/quant/linear.py`); at TP > 1 they are
-    dequantized at load for now."""
-    if tp.size > 1:
-        logger.info("%s checkpoint at tensor_parallel_size=%d: weights dequantized at load (the quantized "
-                    "kernels serve TP = 1 for now)", method, tp.size)
-        return
+def _keep_quantized(model, weights, method: str, device: torch.device) -> None:
+    """Quantized linear layers stay packed on the GPU, each rank its shard (`model/quant/linear.py`)."""
     count = use_quantized_linears(model, weights, device)
     logger.info("%s checkpoint: %d linear layers kept quantized (weight-only %s kernels)", method, count, method)
 

@@ -7,8 +7,11 @@ the model (norms, embeddings, the LM head, routers, MoE experts, layers the conf
 precision) loads dense as before. Where the kernels do not run (CPU, training), the dequantized
 path of `QuantizedSource` serves instead, and this module is not used.
 
-Only at TP = 1 for now: a tensor-parallel layer would need its packed tensors cut along the packed
-dimensions (groups along the input, eight rows a word), which the loader does not do yet.
+With tensor parallelism each rank keeps its shard of the packed tensors: a column-parallel layer
+its output rows of each part (FP8: whole scale blocks), a row-parallel one its input columns (int4:
+whole groups, and not under act-order, whose rows are permuted; FP8: whole blocks), all-reducing
+after the product as the dense layer does. A layer that cannot be cut so loads dense (a log line
+names it). Each rank reads the whole quantized tensors of its layers and keeps its part.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from torch import nn
 
 from pipespec import kernels
 from pipespec.model.quant.packed import Fp8Weight, Int4Weight, concat
+from pipespec.model.tp_layers import ColumnParallelLinear, RowParallelLinear, pairs
 
 logger = logging.getLogger(__name__)
 
@@ -31,11 +35,17 @@ class QuantLinear(nn.Module):
     non-persistent buffers, so the dense loader neither asks the checkpoint for them nor for a
     `weight`."""
 
-    def __init__(self, packed: Int4Weight | Fp8Weight, bias: nn.Parameter | None):
+    def __init__(self, packed: Int4Weight | Fp8Weight, bias: nn.Parameter | None, replaces: nn.Module | None = None):
+        """`replaces`: the dense layer it stands for; a row-parallel one's all-reduce and a column-
+        parallel one's bias shard carry over."""
         super().__init__()
         self.packed = packed
         self.out_features, self.in_features = packed.shape
         self.bias = bias
+        row = isinstance(replaces, RowParallelLinear) and replaces.tp.size > 1
+        self.tp, self.reduce = (replaces.tp, replaces.reduce) if row else (None, True)
+        self._bias_shard = ({"bias": replaces.checkpoint_shards()["bias"]}
+                            if isinstance(replaces, ColumnParallelLinear) and bias is not None else {})
         for name, t in vars(packed).items():        # moved with the module by .to()
             if isinstance(t, torch.Tensor):
                 self.register_buffer(f"packed_{name}", t, persistent=False)
@@ -52,7 +62,14 @@ class QuantLinear(nn.Module):
             y = self.packed.matmul(x)
         else:   # training or autograd: the dense product (slow; the engine serves with the kernel)
             y = x @ self.packed.dequantize().to(x.device, x.dtype).t()
+        if self.tp is not None:          # row-parallel: partial sums, bias after the reduce
+            if not self.reduce:
+                return y
+            y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
+
+    def checkpoint_shards(self) -> dict:
+        return self._bias_shard
 
 
 def use_quantized_linears(model: nn.Module, source, device: torch.device) -> int:
@@ -67,7 +84,7 @@ def use_quantized_linears(model: nn.Module, source, device: torch.device) -> int
         if not parts or not all(source.is_quantized(p) for p in parts):
             continue
         try:
-            packed = concat([source.packed(p) for p in parts])
+            packed = concat([_shard(source.packed(p), module, i) for i, p in enumerate(parts)])
         except ValueError as e:
             kept.append(f"{mname} ({e})")
             continue
@@ -75,13 +92,21 @@ def use_quantized_linears(model: nn.Module, source, device: torch.device) -> int
             raise ValueError(f"{mname}: quantized weight of shape {tuple(packed.shape)}, the model expects "
                              f"{tuple(module.weight.shape)}")
         parent, _, leaf = mname.rpartition(".")
-        bias = module.bias
         setattr(model.get_submodule(parent) if parent else model, leaf,
-                QuantLinear(packed.to(device), bias))
+                QuantLinear(packed.to(device), module.bias, module))
         count += 1
     if kept:
         logger.info("quantized layers served dense (dequantized): %s", "; ".join(kept[:3]))
     return count
+
+
+def _shard(packed: Int4Weight | Fp8Weight, module: nn.Module, part: int) -> Int4Weight | Fp8Weight:
+    """This rank's share of checkpoint part `part` of `module`'s weight."""
+    if isinstance(module, ColumnParallelLinear):
+        return concat([packed.rows(a, b) for a, b in pairs(module.ranges[part])])
+    if isinstance(module, RowParallelLinear) and module.tp.size > 1:
+        return packed.columns(module.start, module.start + module.in_features)
+    return packed
 
 
 @torch.no_grad()
@@ -107,6 +132,6 @@ def use_dummy_quantized_linears(model: nn.Module, method: str, device: torch.dev
             full = torch.full((inp // group, out), 1.0, device=device)
             packed = Int4Weight(q, full * 8, full * 0.0045, group)      # (q - 8) * s: std ~0.02
         parent, _, leaf = mname.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, leaf, QuantLinear(packed, module.bias))
+        setattr(model.get_submodule(parent) if parent else model, leaf, QuantLinear(packed, module.bias, module))
         count += 1
     return count

@@ -52,6 +52,18 @@ class Int4Weight:
                           self.scales.to(device, torch.float32), self.group,
                           None if self.perm is None else self.perm.to(device))
 
+    def rows(self, start: int, stop: int) -> Int4Weight:
+        """Output rows [start, stop) (a column-parallel shard)."""
+        return Int4Weight(self.qweight[:, start:stop], self.zeros[:, start:stop], self.scales[:, start:stop],
+                          self.group, self.perm)
+
+    def columns(self, start: int, stop: int) -> Int4Weight:
+        """Input columns [start, stop) (a row-parallel shard): whole groups, no act-order."""
+        if self.perm is not None or start % self.group or stop % self.group:
+            raise ValueError(f"input columns {start}:{stop} are not whole groups of {self.group} in order")
+        return Int4Weight(self.qweight[start // 8:stop // 8], self.zeros[start // self.group:stop // self.group],
+                          self.scales[start // self.group:stop // self.group], self.group)
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         from pipespec.kernels.quant_matmul import int4_matmul
         return int4_matmul(x, self.qweight, self.zeros, self.scales, self.group, self.perm)
@@ -101,6 +113,18 @@ class Fp8Weight:
 
     def to(self, device: torch.device) -> Fp8Weight:
         return Fp8Weight(self.weight.to(device), self.scale_inv.to(device, torch.float32), self.block)
+
+    def rows(self, start: int, stop: int) -> Fp8Weight:
+        bo = self.block[0]
+        if start % bo or (stop % bo and stop != self.shape[0]):
+            raise ValueError(f"output rows {start}:{stop} are not whole {bo}-row scale blocks")
+        return Fp8Weight(self.weight[start:stop], self.scale_inv[start // bo:-(-stop // bo)], self.block)
+
+    def columns(self, start: int, stop: int) -> Fp8Weight:
+        bi = self.block[1]
+        if start % bi or (stop % bi and stop != self.shape[1]):
+            raise ValueError(f"input columns {start}:{stop} are not whole {bi}-column scale blocks")
+        return Fp8Weight(self.weight[:, start:stop], self.scale_inv[:, start // bi:-(-stop // bi)], self.block)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         from pipespec.kernels.quant_matmul import fp8_block_matmul

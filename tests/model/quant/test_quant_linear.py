@@ -92,3 +92,49 @@ def test_dummy_quantization_without_the_kernels_is_refused(tiny_models):
     with pytest.raises(ValueError, match="quantization='fp8' with dummy weights runs on the quantized kernels"):
         LLM(model=str(tiny_models["llama"][0]), load_format="dummy", quantization="fp8", device="cpu",
             num_kv_blocks=8)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("rank", [0, 1])
+def test_tensor_parallel_shards_of_the_packed_weights_equal_the_dense_shards(layout, rank, tiny_models, tmp_path):
+    """At TP = 2 each rank's packed shard (output rows of a column-parallel layer, input columns of a
+    row-parallel one) dequantizes to exactly the dense shard the loader gives that rank; layers that
+    cannot be cut on the layout's boundaries (act-order rows, FP8 blocks across a shard) stay dense."""
+    from pipespec.model.weights import load_weights
+    from pipespec.parallel import TensorParallel
+    folder, _ = _write(tmp_path / layout, tiny_models["llama"], layout)
+    source = resolve_model(str(folder))
+    layers = (0, source.arch.num_layers)
+    dense = build_target(source.arch, layers, 64, TensorParallel(rank, 2))
+    load_weights(dense, source.weights(), torch.float32, torch.device("cpu"))
+    model = build_target(source.arch, layers, 64, TensorParallel(rank, 2))
+    count = use_quantized_linears(model, source.weights(), torch.device("cpu"))
+    swapped = {name: m for name, m in model.named_modules() if isinstance(m, QuantLinear)}
+    assert len(swapped) == count > 0
+    for name, module in swapped.items():
+        torch.testing.assert_close(module.packed.dequantize(), dense.get_submodule(name).weight, rtol=0, atol=1e-6)
+        assert (module.tp is not None) == name.endswith(("o_proj", "down_proj"))
+    if layout == "gptq-act-order":
+        assert not any(name.endswith(("o_proj", "down_proj")) for name in swapped)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.device_count() >= 2 or (INTERPRET and not torch.cuda.is_available())),
+                    reason="needs two CUDA devices (or TRITON_INTERPRET=1 with triton on CPU)")
+def test_engine_on_the_kernels_at_tp2_equals_tp1(tiny_models, tmp_path):
+    """AWQ, split over two ranks on the kernels (row-parallel layers all-reduce their partial sums):
+    greedy output equals one rank's."""
+    folder, _ = _write(tmp_path / "awq", tiny_models["llama"], "awq")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    kw = dict(device=device, dtype="float32", num_kv_blocks=32, max_model_len=128, enforce_eager=True,
+              gpu_memory_utilization=0.2)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    with LLM(model=str(folder), **kw) as llm:
+        want = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)[0].outputs[0].token_ids
+    with LLM(model=str(folder), tensor_parallel_size=2, **kw) as llm:
+        swapped = {n.rsplit(".", 1)[-1] for n, m in llm.engine.executor.stage.model.named_modules()
+                   if isinstance(m, QuantLinear)}
+        # down_proj's 48 input columns a rank are not whole groups of 32: it stays dense
+        assert swapped == {"qkv_proj", "o_proj", "gate_up_proj"}
+        got = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert got == want
