@@ -69,3 +69,11 @@ def hf_greedy(model, token_ids: list[int], new_tokens: int) -> list[int]:
         generated.append(nxt)
         out = model(input_ids=torch.tensor([[nxt]]), use_cache=True, **{name: getattr(out, name)})
     return generated
+
+
+def sigint_as_in_a_terminal() -> None:
+    """`preexec_fn` for a child a test will Ctrl-C: SIGINT back to its default. A test suite started
+    as a background job inherits SIGINT ignored, and a Python started so never raises
+    KeyboardInterrupt; a program run from a terminal always does."""
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -10,6 +10,7 @@ import threading
 import time
 
 from pipespec.runtime.launch import pid_alive
+from tests.helpers import sigint_as_in_a_terminal
 from tests.live_server import REPO, pipespec_env
 
 LEAK = "leaked semaphore"
@@ -23,7 +24,7 @@ class Generate:
             [sys.executable, "-m", "pipespec", "generate", "-pp", "2", "--max-model-len", "4096",
              "--max-tokens", "4000", "--ignore-eos", "Tell me a long story"],
             cwd=REPO, env=pipespec_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            start_new_session=True)
+            start_new_session=True, preexec_fn=sigint_as_in_a_terminal)
         self.lines: list[str] = []
         self._reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stderr), daemon=True)
         self._reader.start()

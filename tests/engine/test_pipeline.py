@@ -27,6 +27,7 @@ from pipespec.engine.llm_engine import EngineDeadError
 from pipespec.runtime.launch import pid_alive
 from pipespec.runtime.transport import StageError
 from tests.conftest import DEFAULT_LLM_KWARGS
+from tests.helpers import sigint_as_in_a_terminal
 
 NEW_TOKENS = 12
 ARRIVALS = [0, 0, 1, 2, 4, 6, 9, 12]
@@ -389,7 +390,8 @@ def test_ctrl_c_shuts_everything_down(tiny_llama, tmp_path):
     script = tmp_path / "run.py"
     script.write_text(_CTRL_C_SCRIPT.format(kwargs=repr(TINY_KWARGS)))
     proc = subprocess.Popen([sys.executable, str(script), str(tiny_llama)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=sigint_as_in_a_terminal)
     try:
         line = ""
         deadline = time.monotonic() + 90
