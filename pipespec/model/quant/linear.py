@@ -72,14 +72,23 @@ class QuantLinear(nn.Module):
         return self._bias_shard
 
 
+def _linears(model: nn.Module):
+    """(name, layer) of every attention or MLP projection, listed before any is replaced."""
+    return [(name, m) for name, m in model.named_modules()
+            if isinstance(m, nn.Linear) and name.rpartition(".")[2] in _LINEARS]
+
+
+def _replace(model: nn.Module, name: str, packed: Int4Weight | Fp8Weight, dense: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, QuantLinear(packed, dense.bias, dense))
+
+
 def use_quantized_linears(model: nn.Module, source, device: torch.device) -> int:
     """Replace the linear layers of `model` whose checkpoint tensors are all quantized in `source` (a
     `QuantizedSource`) by `QuantLinear`s on `device`; returns how many. Call before the dense load."""
     names = model.checkpoint_names()
     count, kept = 0, []
-    for mname, module in list(model.named_modules()):
-        if not isinstance(module, nn.Linear) or mname.rpartition(".")[2] not in _LINEARS:
-            continue
+    for mname, module in _linears(model):
         parts = names.get(f"{mname}.weight", [])
         if not parts or not all(source.is_quantized(p) for p in parts):
             continue
@@ -91,9 +100,7 @@ def use_quantized_linears(model: nn.Module, source, device: torch.device) -> int
         if tuple(packed.shape) != tuple(module.weight.shape):
             raise ValueError(f"{mname}: quantized weight of shape {tuple(packed.shape)}, the model expects "
                              f"{tuple(module.weight.shape)}")
-        parent, _, leaf = mname.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, leaf,
-                QuantLinear(packed.to(device), module.bias, module))
+        _replace(model, mname, packed.to(device), module)
         count += 1
     if kept:
         logger.info("quantized layers served dense (dequantized): %s", "; ".join(kept[:3]))
@@ -116,9 +123,7 @@ def use_dummy_quantized_linears(model: nn.Module, method: str, device: torch.dev
     N(0, 0.02) like the dense dummy; fp8: 128 x 128 scale blocks). Returns how many."""
     gen = torch.Generator(device=device)
     count = 0
-    for mname, module in list(model.named_modules()):
-        if not isinstance(module, nn.Linear) or mname.rpartition(".")[2] not in _LINEARS:
-            continue
+    for mname, module in _linears(model):
         out, inp = module.weight.shape
         gen.manual_seed(seed * 1_000_003 + zlib.crc32(mname.encode()))
         if method == "fp8":
@@ -131,7 +136,6 @@ def use_dummy_quantized_linears(model: nn.Module, method: str, device: torch.dev
             q = torch.randint(-2**31, 2**31 - 1, (inp // 8, out), device=device, generator=gen, dtype=torch.int32)
             full = torch.full((inp // group, out), 1.0, device=device)
             packed = Int4Weight(q, full * 8, full * 0.0045, group)      # (q - 8) * s: std ~0.02
-        parent, _, leaf = mname.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, leaf, QuantLinear(packed, module.bias, module))
+        _replace(model, mname, packed, module)
         count += 1
     return count
