@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from pipespec.model.quant.packed import Int4Weight
+from pipespec.model.quant.packed import Fp8Weight, Int4Weight
 from tests.model.quant import writers
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
@@ -58,3 +58,19 @@ def test_fp8_block_matmul_equals_the_dequantized_product(m, dtype):
     got = fp8_block_matmul(x, t["weight"].to(DEVICE), t["weight_scale_inv"].to(DEVICE), (128, 128))
     assert got.shape == (m, 200) and got.dtype == dtype
     assert _rel(got, x.float() @ ref.to(DEVICE).t()) < TOL[dtype]
+
+
+def test_tensor_parallel_shards_multiply_like_their_slice_of_the_weight():
+    """A column-parallel shard is a view of some output columns of the packed tensors, a row-parallel
+    one of some input rows: on the device each multiplies like that slice of the dense weight."""
+    w = torch.randn(128, 256, generator=torch.Generator().manual_seed(5))
+    t, ref = writers.awq(w, group=64)
+    int4 = Int4Weight.from_awq(t["qweight"], t["qzeros"], t["scales"].float(), 64)
+    t, ref8 = writers.fp8(w, (32, 64))
+    fp8 = Fp8Weight(t["weight"], t["weight_scale_inv"], (32, 64))
+    x = _x(3, 256, torch.float32)
+    for packed, dense in ((int4, ref), (fp8, ref8)):
+        got = packed.rows(32, 96).to(torch.device(DEVICE)).matmul(x)
+        assert _rel(got, x.float() @ dense[32:96].to(DEVICE).t()) < 1e-5
+        got = packed.columns(64, 192).to(torch.device(DEVICE)).matmul(x[:, 64:192])
+        assert _rel(got, x[:, 64:192].float() @ dense[:, 64:192].to(DEVICE).t()) < 1e-5

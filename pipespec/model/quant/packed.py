@@ -46,10 +46,11 @@ class Int4Weight:
         return self.qweight.shape[1], self.qweight.shape[0] * 8
 
     def to(self, device: torch.device) -> Int4Weight:
-        """On `device`, zeros and scales in float32 (the kernel multiplies in float32; a 128-row group
-        costs 8 bytes a column against 64 of packed weights)."""
-        return Int4Weight(self.qweight.to(device), self.zeros.to(device, torch.float32),
-                          self.scales.to(device, torch.float32), self.group,
+        """On `device` and contiguous (the kernel indexes rows by the full width; a TP shard is a view
+        of some columns), zeros and scales in float32 (the kernel multiplies in float32; a 128-row
+        group costs 8 bytes a column against 64 of packed weights)."""
+        return Int4Weight(self.qweight.to(device).contiguous(), self.zeros.to(device, torch.float32).contiguous(),
+                          self.scales.to(device, torch.float32).contiguous(), self.group,
                           None if self.perm is None else self.perm.to(device))
 
     def rows(self, start: int, stop: int) -> Int4Weight:
@@ -112,7 +113,9 @@ class Fp8Weight:
         return tuple(self.weight.shape)
 
     def to(self, device: torch.device) -> Fp8Weight:
-        return Fp8Weight(self.weight.to(device), self.scale_inv.to(device, torch.float32), self.block)
+        """On `device` and contiguous (a TP shard is a view of some columns)."""
+        return Fp8Weight(self.weight.to(device).contiguous(), self.scale_inv.to(device, torch.float32).contiguous(),
+                         self.block)
 
     def rows(self, start: int, stop: int) -> Fp8Weight:
         bo = self.block[0]
