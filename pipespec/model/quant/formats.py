@@ -34,7 +34,7 @@ def dequant_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int,
     return weight.float() * scale
 
 
-def _awq_columns(words: torch.Tensor) -> torch.Tensor:
+def awq_columns(words: torch.Tensor) -> torch.Tensor:
     """int32 [rows, out / 8] -> int64 [rows, out] in column order."""
     nib = _nibbles(words)                                         # [rows, out/8, 8] by nibble
     cols = torch.empty_like(nib)
@@ -42,8 +42,18 @@ def _awq_columns(words: torch.Tensor) -> torch.Tensor:
     return cols.reshape(words.shape[0], -1)
 
 
+def gptq_rows(qweight: torch.Tensor) -> torch.Tensor:
+    """GPTQ's int32 [in / 8, out] -> int64 [in, out]: row 8k + i from nibble i of word k."""
+    return _nibbles(qweight.t()).reshape(qweight.shape[1], -1).t()
+
+
+def gptq_zeros(qzeros: torch.Tensor) -> torch.Tensor:
+    """GPTQ's int32 [groups, out / 8] -> int64 [groups, out], the stored-minus-one undone."""
+    return _nibbles(qzeros).reshape(qzeros.shape[0], -1) + 1
+
+
 def dequant_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
-    q, z = _awq_columns(qweight), _awq_columns(qzeros)           # [in, out], [in/group, out]
+    q, z = awq_columns(qweight), awq_columns(qzeros)             # [in, out], [in/group, out]
     rows = torch.arange(q.shape[0]) // group
     w = (q - z[rows]).float() * scales.float()[rows]              # [in, out]
     return w.t().contiguous()
@@ -51,8 +61,7 @@ def dequant_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tenso
 
 def dequant_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
                  g_idx: torch.Tensor) -> torch.Tensor:
-    q = _nibbles(qweight.t()).reshape(qweight.shape[1], -1).t()   # [in, out]: row 8k + i from nibble i
-    z = _nibbles(qzeros).reshape(qzeros.shape[0], -1) + 1         # [groups, out]
+    q, z = gptq_rows(qweight), gptq_zeros(qzeros)                # [in, out], [groups, out]
     g = g_idx.long()
     w = (q - z[g]).float() * scales.float()[g]
     return w.t().contiguous()

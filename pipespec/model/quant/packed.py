@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pipespec.model.quant.formats import _awq_columns, _nibbles, dequant_fp8
+from pipespec.model.quant.formats import awq_columns, dequant_fp8, gptq_rows, gptq_zeros
 
 
 def pack_int4_along_k(q: torch.Tensor) -> torch.Tensor:
@@ -71,7 +71,7 @@ class Int4Weight:
 
     def dequantize(self) -> torch.Tensor:
         """Dense float32 [out, in] in the checkpoint's input order (the reference)."""
-        q = _nibbles(self.qweight.t()).reshape(self.qweight.shape[1], -1).t()      # [K, N]
+        q = gptq_rows(self.qweight)                                                 # [K, N]
         g = torch.arange(q.shape[0], device=q.device) // self.group
         w = (q.float() - self.zeros.float()[g]) * self.scales.float()[g]
         if self.perm is not None:
@@ -80,7 +80,7 @@ class Int4Weight:
 
     @classmethod
     def from_awq(cls, qweight, qzeros, scales, group: int) -> Int4Weight:
-        q, z = _awq_columns(qweight), _awq_columns(qzeros)        # [K, N], [K / group, N]
+        q, z = awq_columns(qweight), awq_columns(qzeros)          # [K, N], [K / group, N]
         _check_groups(q.shape[0], group, scales)
         return cls(pack_int4_along_k(q), z.to(scales.dtype), scales.clone(), group)
 
@@ -91,14 +91,14 @@ class Int4Weight:
         if k % groups:
             raise ValueError(f"GPTQ weight with {k} input rows and {groups} groups: rows do not divide evenly")
         group = k // groups
-        z = (_nibbles(qzeros).reshape(groups, -1) + 1).to(scales.dtype)      # stored minus one
+        z = gptq_zeros(qzeros).to(scales.dtype)
         g = g_idx.long()
         if torch.equal(g, torch.arange(k) // group):
             return cls(qweight.clone(), z, scales.clone(), group)
         perm = torch.argsort(g, stable=True)
         if not torch.equal(g[perm], torch.arange(k) // group):
             raise ValueError(f"GPTQ g_idx does not give every group {group} rows; cannot repack")
-        q = _nibbles(qweight.t()).reshape(qweight.shape[1], -1).t()         # [K, N] in input order
+        q = gptq_rows(qweight)                                              # [K, N] in input order
         return cls(pack_int4_along_k(q[perm]), z, scales.clone(), group, perm)
 
 
