@@ -18,6 +18,8 @@ range from the device's sequence lengths, and a split with nothing to read contr
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -121,8 +123,17 @@ MAX_SPLITS = 32
 SPLIT_MIN_KV = 1024        # below this many keys a request's one program reads them fast enough
 
 
+@functools.cache
+def _sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    """Read once per device (every layer's attention call of an eager step asks); 132, an H200's, for
+    the interpreter on CPU."""
+    if device.type != "cuda":
+        return 132
+    return _sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def num_kv_splits(programs: int, max_kv: int, sms: int) -> int:
