@@ -3,7 +3,7 @@
 1. Kernels: the Llama-3-8B projections (qkv, o, gate_up, down) at M = 1, 16 and 64 rows: bf16
    `x @ W.T` against `int4_matmul` (group 128) and `fp8_block_matmul` (128 x 128 blocks); median
    microseconds of 50 timed calls each, and the weight bytes read per second. With `--sweep`, the
-   batch-1 rows of the two largest projections also try other launch shapes (`Tiles`) and report
+   batch-1 row of every projection also tries other launch shapes (`Tiles`, split-K included) and reports
    the best, to choose the defaults from.
 2. Engines: the Llama-3-8B shape with random weights (`--load-format dummy`), bf16 against
    `--quantization fp8` and `--quantization awq` (int4), CUDA graphs on, random 32-token prompts,
@@ -39,7 +39,7 @@ def _us(fn) -> float:
     return gpu_ms(fn) * 1000
 
 
-SWEEP = [(n, w, st) for n in (32, 64, 128) for w, st in ((4, 2), (4, 4), (8, 3))]
+SWEEP = [(n, w, st, sk) for n in (32, 64, 128) for w, st in ((4, 3), (8, 3)) for sk in (0, 1, 8)]
 
 
 def sweep(name, x, q4, f8, report):
@@ -47,9 +47,9 @@ def sweep(name, x, q4, f8, report):
     for kind, run in (("int4", lambda t: int4_matmul(x, q4.qweight, q4.zeros, q4.scales, q4.group, tiles=t)),
                       ("fp8", lambda t: fp8_block_matmul(x, f8.weight, f8.scale_inv, f8.block, t))):
         times = {}
-        for n, warps, stages in SWEEP:
-            tiles = Tiles(block_n=n, num_warps=warps, num_stages=stages)
-            times[f"n{n}_w{warps}_s{stages}"] = round(_us(lambda: run(tiles)), 1)
+        for n, warps, stages, split in SWEEP:
+            tiles = Tiles(block_n=n, num_warps=warps, num_stages=stages, split_k=split)
+            times[f"n{n}_w{warps}_s{stages}_k{split or 'auto'}"] = round(_us(lambda: run(tiles)), 1)
         best = min(times, key=times.get)
         row = {"part": "sweep", "kernel": kind, "proj": name, "m": x.shape[0], "best": best, "us": times}
         report["kernels"].append(row)
@@ -76,7 +76,7 @@ def kernels(report, do_sweep: bool):
                    "int4_over_bf16": round(t["bf16"] / t["int4"], 2), "fp8_over_bf16": round(t["bf16"] / t["fp8"], 2)}
             report["kernels"].append(row)
             print(json.dumps(row), flush=True)
-            if do_sweep and m == 1 and name in ("gate_up", "down"):
+            if do_sweep and m == 1:
                 sweep(name, x, q4, f8, report)
 
 

@@ -7,7 +7,7 @@ whole and cut into shards, so both TP sizes run the same model; the MTP head is 
 DeepSeek-style head for that shape (written once to a temporary file), so its acceptance says
 nothing: the MTP rows measure what drafting costs and how TP = 2 carries it.
 Usage: python benchmarks/tp_two_gpu.py [--batches 1,64] [--new-tokens 64] [--repeats 3]
-       [--util 0.40] [--skip speed,mtp,kill] [--json out.json]
+       [--util 0.40] [--skip speed,mtp,kill] [--nccl-peer] [--json out.json]
 """
 from __future__ import annotations
 
@@ -28,11 +28,18 @@ from pp_two_gpu import kill_to_error, llama8b_folder, prompts_of  # noqa: E402
 from pipespec import LLM, SamplingParams  # noqa: E402
 
 
-def engine(model: str, tp: int, max_seqs: int, util: float, head: str | None = None, k: int = 0) -> LLM:
+def engine(model: str, tp: int, max_seqs: int, util: float, head: str | None = None, k: int = 0,
+           nccl_only: bool = False) -> LLM:
     spec = {"method": "mtp", "num_speculative_tokens": k, "model": head} if k else None
     return LLM(model=model, load_format="dummy", device="cuda", dtype="bfloat16", tensor_parallel_size=tp,
                distributed_backend="nccl", gpu_memory_utilization=util, max_num_seqs=max_seqs,
-               max_model_len=1024, max_num_batched_tokens=max(1024, max_seqs), speculative_config=spec)
+               max_model_len=1024, max_num_batched_tokens=max(1024, max_seqs), speculative_config=spec,
+               disable_custom_all_reduce=nccl_only)
+
+
+# the engines compared: TP = 1 (the peer), TP = 2 as configured by default, and with --nccl-peer TP = 2
+# with every all-reduce through NCCL (what the one-host all-reduce buys)
+LABELS = {"tp1": (1, False), "tp2": (2, False), "tp2_nccl": (2, True)}
 
 
 def random_head(model: str) -> str:
@@ -52,7 +59,7 @@ def random_head(model: str) -> str:
 
 def compare(engines: dict[int, LLM], batch: int, args, label: str) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
-    vocab = engines[1].engine.arch.vocab_size
+    vocab = engines["tp1"].engine.arch.vocab_size
     prompts = prompts_of(batch, args.prompt_len, vocab)
     for llm in engines.values():                 # warm-up: every bucket this batch replays
         llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
@@ -61,21 +68,22 @@ def compare(engines: dict[int, LLM], batch: int, args, label: str) -> dict:
         for tp, llm in engines.items():
             runs[tp].append(timed(llm, prompts, params))
     med = {tp: statistics.median(r["tokens_per_s"] for r in rs) for tp, rs in runs.items()}
-    row = {"rows": label, "batch": batch, "tp1_tokens_per_s": round(med[1], 1),
-           "tp2_tokens_per_s": round(med[2], 1), "tp2_over_tp1": round(med[2] / med[1], 3),
-           "tp2_driver_busy": round(statistics.median(r["busy"][0] for r in runs[2]), 3),
-           "tp2_graph_replays": engines[2].engine.executor.stage.graphs.replays
-           if engines[2].engine.executor.stage.graphs is not None else 0,
+    row = {"rows": label, "batch": batch, **{f"{tp}_tokens_per_s": round(v, 1) for tp, v in med.items()},
+           **{f"{tp}_over_tp1": round(v / med["tp1"], 3) for tp, v in med.items() if tp != "tp1"},
+           "tp2_driver_busy": round(statistics.median(r["busy"][0] for r in runs["tp2"]), 3),
+           "tp2_graph_replays": engines["tp2"].engine.executor.stage.graphs.replays
+           if engines["tp2"].engine.executor.stage.graphs is not None else 0,
            # same weights at both sizes; bf16 sums in another order may still flip a near tie
-           "greedy_identical": runs[1][0]["outputs"] == runs[2][0]["outputs"]}
-    if "acceptance_length" in runs[2][0]:
+           "greedy_identical": runs["tp1"][0]["outputs"] == runs["tp2"][0]["outputs"]}
+    if "acceptance_length" in runs["tp2"][0]:
         row["acceptance_length"] = {tp: round(rs[0]["acceptance_length"], 3) for tp, rs in runs.items()}
     return row
 
 
 def speed(model, args, report):
     max_seqs = max(args.batches)
-    engines = {tp: engine(model, tp, max_seqs, args.util) for tp in (1, 2)}
+    labels = [lb for lb in LABELS if args.nccl_peer or lb != "tp2_nccl"]
+    engines = {lb: engine(model, LABELS[lb][0], max_seqs, args.util, nccl_only=LABELS[lb][1]) for lb in labels}
     report["kv_blocks"] = {tp: llm.engine.scheduler.allocator.num_blocks for tp, llm in engines.items()}
     for batch in args.batches:
         row = compare(engines, batch, args, "plain")
@@ -87,7 +95,7 @@ def speed(model, args, report):
 
 def mtp(model, args, report):
     head = random_head(model)
-    engines = {tp: engine(model, tp, 8, args.util, head=head, k=2) for tp in (1, 2)}
+    engines = {lb: engine(model, LABELS[lb][0], 8, args.util, head=head, k=2) for lb in ("tp1", "tp2")}
     row = compare(engines, 1, args, "mtp_k2")
     report["speed"].append(row)
     print(json.dumps(row), flush=True)
@@ -108,6 +116,8 @@ def main():
     ap.add_argument("--util", type=float, default=0.40,
                     help="gpu_memory_utilization of each engine (TP = 1 and TP = 2 share cuda:0)")
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: speed, mtp, kill")
+    ap.add_argument("--nccl-peer", action="store_true",
+                    help="also run TP = 2 with every all-reduce through NCCL (--disable-custom-all-reduce)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if torch.cuda.device_count() < 2:

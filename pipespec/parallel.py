@@ -57,10 +57,18 @@ class TensorParallel:
                 pass
 
     def close(self) -> None:
-        """Release the group. Free the CUDA graphs that captured its collectives first: NCCL waits
-        for a communicator's captured work to be released before it destroys it, so a graph that
-        outlives its group hangs the process (seen on two H200s; `Stage.close` keeps the order)."""
-        self._group = self._record = self._fast = None
+        """Shut the group down now (NCCL: destroys its communicator), rather than in its destructor
+        at some later garbage collection, where an NCCL group's implicit abort was seen to hang
+        30 s and more on two H200s. Destroy the CUDA graphs that captured its collectives first
+        (`Stage.close` keeps the order): a communicator is not freed while captured work holds it."""
+        group, self._group, self._record = self._group, None, None
+        if self._fast is not None:
+            self._fast.close()
+            self._fast = None
+        shutdown = getattr(group, "shutdown", None) if _is_nccl(group) else None
+        if shutdown is not None:
+            torch.cuda.synchronize()
+            shutdown()
 
     # -- how a dimension is split ---------------------------------------------------------------
 
@@ -110,3 +118,7 @@ class TensorParallel:
         outs = [torch.empty_like(x) for _ in range(self.size)]
         self._group.allgather([outs], [x]).wait()
         return torch.cat(outs, dim=-1)
+
+
+def _is_nccl(group) -> bool:
+    return group is not None and type(group).__name__ == "ProcessGroupNCCL"

@@ -13,18 +13,31 @@ import torch
 import triton
 import triton.language as tl
 
+from pipespec.kernels.paged_attention import _sm_count
+
 
 @triton.jit
-def _int4_kernel(x_ptr, q_ptr, z_ptr, s_ptr, y_ptr, M, stride_xm, stride_ym,
+def _store(y_ptr, acc, rm, rn, M, N, stride_ym, SPLIT_K: tl.constexpr):
+    """The tile's sum, or with split-K this split's float32 partial (plane program_id(2) of [S, M, N])."""
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    if SPLIT_K == 1:
+        tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(y_ptr + tl.program_id(2) * M * N + rm[:, None] * N + rn[None, :], acc, mask=mask)
+
+
+@triton.jit
+def _int4_kernel(x_ptr, q_ptr, z_ptr, s_ptr, y_ptr, M, stride_xm, stride_ym, k_per_split,
                  N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr, IEEE: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     shift = (rk % 8) * 4                                    # nibble of row k within its word
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):                         # BLOCK_K divides GROUP: one group a tile
+    k_start = tl.program_id(2) * k_per_split                # k_per_split: whole BLOCK_K tiles
+    for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):   # one group a tile
         k = k0 + rk
         x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=(rm[:, None] < M) & (k[None, :] < K),
                     other=0.0)
@@ -39,22 +52,22 @@ def _int4_kernel(x_ptr, q_ptr, z_ptr, s_ptr, y_ptr, M, stride_xm, stride_ym,
             acc += tl.dot(x, w, input_precision="ieee")
         else:
             acc += tl.dot(x, w)
-    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=(rm[:, None] < M) & (rn[None, :] < N))
+    _store(y_ptr, acc, rm, rn, M, N, stride_ym, SPLIT_K)
 
 
 @triton.jit
-def _fp8_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, stride_xm, stride_ym, scale_cols,
+def _fp8_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, stride_xm, stride_ym, scale_cols, k_per_split,
                 N: tl.constexpr, K: tl.constexpr,
                 BLOCK_OUT: tl.constexpr, BLOCK_IN: tl.constexpr, IEEE: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     scale_row = (pid_n * BLOCK_N) // BLOCK_OUT              # BLOCK_N divides BLOCK_OUT: one scale row
-    for k0 in range(0, K, BLOCK_K):                         # BLOCK_K divides BLOCK_IN: one scale a tile
+    k_start = tl.program_id(2) * k_per_split
+    for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):   # one scale a tile
         k = k0 + rk
         x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=(rm[:, None] < M) & (k[None, :] < K),
                     other=0.0)
@@ -65,8 +78,7 @@ def _fp8_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, stride_xm, stride_ym, scale_cols,
         else:
             part = tl.dot(x, w.to(x.dtype))
         acc += part * s
-    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=(rm[:, None] < M) & (rn[None, :] < N))
+    _store(y_ptr, acc, rm, rn, M, N, stride_ym, SPLIT_K)
 
 
 def _tile(size: int, what: str) -> int:
@@ -82,11 +94,13 @@ def _tile(size: int, what: str) -> int:
 @dataclass(frozen=True)
 class Tiles:
     """Launch shape of one product: the defaults, or a benchmark's candidates (`quant_gpu.py`).
-    0 for block_n / block_k: the largest power of two <= 64 dividing the group or scale block."""
+    0 for block_n / block_k: the largest power of two <= 64 dividing the group or scale block.
+    split_k: programs sharing one output tile's K range (0: `split_k_for` picks)."""
     block_n: int = 64
     block_k: int = 0
     num_warps: int = 4
     num_stages: int = 2
+    split_k: int = 0
 
     def k_tile(self, size: int, what: str) -> int:
         if self.block_k:
@@ -97,10 +111,41 @@ class Tiles:
 
 
 DEFAULT_TILES = Tiles()
+MAX_SPLIT_K = 16
 
 
 def _block_m(m: int) -> int:
     return 16 if m <= 16 else 32 if m <= 32 else 64
+
+
+def split_k_for(programs: int, k_tiles: int, sms: int) -> int:
+    """Decode multiplies one row by a weight: with N / BLOCK_N output tiles alone, a 4,096-wide
+    projection launches 64 programs on 132 SMs, each walking all of K, too few loads in flight to
+    stream the weight. Split K until there are about two programs per SM, each with >= 4 K tiles."""
+    if programs >= sms:
+        return 1
+    return max(1, min(MAX_SPLIT_K, -(-2 * sms // programs), k_tiles // 4))
+
+
+def _launch(kernel, x: torch.Tensor, out_features: int, in_features: int, block_n: int, block_k: int,
+            tiles: Tiles, weights: tuple, scalars: tuple = (), **constexprs) -> torch.Tensor:
+    """Run `kernel` on x [M, K] over (M tiles, N tiles, K splits); with splits > 1 each writes a
+    float32 partial and one sum (in split order: deterministic, unlike atomics) gives y."""
+    m = x.shape[0]
+    block_m = _block_m(m)
+    grid_mn = triton.cdiv(m, block_m), triton.cdiv(out_features, block_n)
+    k_tiles = triton.cdiv(in_features, block_k)
+    split = tiles.split_k or split_k_for(grid_mn[0] * grid_mn[1], k_tiles, _sm_count(x.device))
+    split = max(1, min(split, k_tiles))
+    k_per_split = triton.cdiv(k_tiles, split) * block_k
+    split = triton.cdiv(in_features, k_per_split)          # no empty splits
+    y = torch.empty(m, out_features, device=x.device, dtype=x.dtype)
+    dest = y if split == 1 else torch.empty(split, m, out_features, device=x.device, dtype=torch.float32)
+    kernel[(*grid_mn, split)](x, *weights, dest, m, x.stride(0), y.stride(0), *scalars, k_per_split,
+                              N=out_features, K=in_features, IEEE=x.dtype == torch.float32, BLOCK_M=block_m,
+                              BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=tiles.num_warps,
+                              num_stages=tiles.num_stages, **constexprs)
+    return y if split == 1 else dest.sum(0).to(x.dtype)
 
 
 def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group: int,
@@ -112,16 +157,8 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, sca
     x = x.reshape(-1, in_features)
     if perm is not None:
         x = x.index_select(1, perm)                        # act-order: rows in group order
-    x = x.contiguous()
-    m = x.shape[0]
-    y = torch.empty(m, out_features, device=x.device, dtype=x.dtype)
-    block_k = tiles.k_tile(group, "int4 group size")
-    block_m, block_n = _block_m(m), tiles.block_n
-    grid = (triton.cdiv(m, block_m), triton.cdiv(out_features, block_n))
-    _int4_kernel[grid](x, qweight, zeros, scales, y, m, x.stride(0), y.stride(0),
-                       N=out_features, K=in_features, GROUP=group, IEEE=x.dtype == torch.float32,
-                       BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=tiles.num_warps,
-                       num_stages=tiles.num_stages)
+    y = _launch(_int4_kernel, x.contiguous(), out_features, in_features, tiles.block_n,
+                tiles.k_tile(group, "int4 group size"), tiles, (qweight, zeros, scales), GROUP=group)
     return y.view(*lead, out_features)
 
 
@@ -132,14 +169,8 @@ def fp8_block_matmul(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Ten
     bo, bi = block
     lead = x.shape[:-1]
     x = x.reshape(-1, in_features).contiguous()
-    m = x.shape[0]
-    y = torch.empty(m, out_features, device=x.device, dtype=x.dtype)
     block_n = tiles.block_n if tiles.block_n and bo % tiles.block_n == 0 else _tile(bo, "fp8 scale block rows")
-    block_k = tiles.k_tile(bi, "fp8 scale block columns")
-    block_m = _block_m(m)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(out_features, block_n))
-    _fp8_kernel[grid](x, weight, scale_inv.float().contiguous(), y, m, x.stride(0), y.stride(0),
-                      scale_inv.shape[1], N=out_features, K=in_features, BLOCK_OUT=bo, BLOCK_IN=bi, IEEE=x.dtype == torch.float32,
-                      BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=tiles.num_warps,
-                      num_stages=tiles.num_stages)
+    y = _launch(_fp8_kernel, x, out_features, in_features, block_n, tiles.k_tile(bi, "fp8 scale block columns"),
+                tiles, (weight, scale_inv.float().contiguous()), (scale_inv.shape[1],),
+                BLOCK_OUT=bo, BLOCK_IN=bi)
     return y.view(*lead, out_features)

@@ -26,8 +26,8 @@ MAX_BYTES = 1 << 20   # one-shot reads every peer's whole buffer: past ~1 MiB NC
 
 
 class OneHostAllReduce:
-    def __init__(self, buffer: torch.Tensor, group_name: str):
-        self.buffer, self.group_name = buffer, group_name
+    def __init__(self, buffer: torch.Tensor | None, group_name: str, group=None):
+        self.buffer, self.group_name, self._group = buffer, group_name, group
 
     def handles(self, x: torch.Tensor) -> bool:
         return x.dtype == self.buffer.dtype and x.numel() <= self.buffer.numel() and x.is_cuda
@@ -46,21 +46,23 @@ class OneHostAllReduce:
         if tp_rank == 0:     # one name per engine: a process may build several engines in turn
             store.set("name", f"pipespec-tp{stage}-{uuid.uuid4().hex[:12]}")
         name = store.get("name").decode()
-        fast, why = None, ""
+        made, why = None, ""
         try:
-            fast = cls._setup(store, name, tp_rank, tp_size, device, dtype, max_bytes)
+            made = cls._register(store, nccl_group, name, tp_rank, tp_size)
+            made._map(store, tp_rank, tp_size, dtype, max_bytes)
             # small integers: every order of summing them gives the same, exactly
             probe = (torch.arange(1000, device=device) % 8 + tp_rank).to(dtype)
             want = probe.clone()
             nccl_group.allreduce([want]).wait()
-            got = fast.all_reduce(probe.clone())
-            if not torch.equal(got, want):
-                fast, why = None, "its probe sum differed from NCCL's"
+            if not torch.equal(made.all_reduce(probe.clone()), want):
+                why = "its probe sum differed from NCCL's"
         except Exception as e:   # noqa: BLE001 - a capability probe: any failure means "use NCCL"
-            fast, why = None, f"{type(e).__name__}: {e}"
-        ok = torch.tensor([fast is not None], dtype=torch.int32, device=device)
+            why = f"{type(e).__name__}: {e}"
+        ok = torch.tensor([made is not None and not why], dtype=torch.int32, device=device)
         nccl_group.allreduce([ok], _min_op()).wait()
         if not bool(ok.item()):
+            if made is not None:
+                made.close()
             if tp_rank == 0 or why:
                 logger.info("TP stage %d: the one-host all-reduce is off%s; NCCL's all-reduce serves every sum",
                             stage, f" ({why})" if why else " (another rank could not set it up)")
@@ -68,17 +70,37 @@ class OneHostAllReduce:
         if tp_rank == 0:
             logger.info("TP stage %d: one-host all-reduce (symmetric memory, one-shot) for sums up to %d KiB, "
                         "NCCL above", stage, max_bytes >> 10)
-        return fast
+        return made
 
     @classmethod
-    def _setup(cls, store, name: str, rank: int, size: int, device: torch.device, dtype: torch.dtype,
-               max_bytes: int) -> OneHostAllReduce:
+    def _register(cls, store, nccl_group, name: str, rank: int, size: int) -> OneHostAllReduce:
+        from torch._C._distributed_c10d import ProcessGroup, _register_process_group
+
+        # The symmetric-memory ops find their group by name in c10d's registry, where only groups
+        # made by `dist.new_group` are; the stage's TP group is a bare NCCL backend: register a
+        # ProcessGroup over it under this engine's name (what `new_group` does inside).
+        group = ProcessGroup(store, rank, size)
+        group._register_backend(torch.device("cuda"), ProcessGroup.BackendType.NCCL, nccl_group)
+        group._set_default_backend(ProcessGroup.BackendType.NCCL)
+        group._set_group_name(name)
+        _register_process_group(name, group)
+        return cls(None, name, group)          # registered: close() unregisters it, whatever follows
+
+    def _map(self, store, rank: int, size: int, dtype: torch.dtype, max_bytes: int) -> None:
+        """Allocate this rank's buffer and map every peer's (collective)."""
         from torch.distributed import _symmetric_memory as symm
 
-        symm._SymmetricMemory.set_group_info(name, rank, size, store)
-        buffer = symm.empty(max_bytes // torch.tensor([], dtype=dtype).element_size(), dtype=dtype, device=device)
-        symm.rendezvous(buffer, name)
-        return cls(buffer, name)
+        symm._SymmetricMemory.set_group_info(self.group_name, rank, size, store)
+        self.buffer = symm.empty(max_bytes // torch.tensor([], dtype=dtype).element_size(), dtype=dtype,
+                                 device=torch.device("cuda", torch.cuda.current_device()))
+        symm.rendezvous(self.buffer, self.group_name)
+
+    def close(self) -> None:
+        """Unregister the group's name (the NCCL group itself is the stage's to shut down)."""
+        from torch._C._distributed_c10d import _unregister_process_group
+        if self._group is not None:
+            _unregister_process_group(self.group_name)
+            self._group = self.buffer = None
 
 
 def _min_op():

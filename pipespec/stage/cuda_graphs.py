@@ -200,6 +200,16 @@ class CudaGraphs:
                     len(self.buckets), self.buckets[-1], self.rows_per_req, self.num_spec_tokens,
                     time.perf_counter() - start)
 
+    def release(self) -> None:
+        """Destroy every captured graph now, whoever still holds a reference to this object: a graph
+        keeps the NCCL communicators whose collectives it captured alive (`Stage.close`)."""
+        torch.cuda.synchronize()
+        for bucket in self._buckets.values():
+            bucket.forward.reset()
+            if bucket.draft is not None:
+                bucket.draft.reset()
+        self._buckets.clear()
+
     # -- replay ---------------------------------------------------------------------------------
 
     def fits(self, layout: StepLayout, is_last: bool) -> bool:
@@ -320,6 +330,10 @@ class GraphsByK:
         pool = torch.cuda.graph_pool_handle()
         for k in sorted(self.by_k, reverse=True):     # the widest first: the others reuse its memory
             self.by_k[k].capture(pool)
+
+    def release(self) -> None:
+        for graphs in self.by_k.values():
+            graphs.release()
 
     def fits(self, layout: StepLayout, is_last: bool) -> bool:
         graphs = self.by_k.get(layout.num_spec_tokens)

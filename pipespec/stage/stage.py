@@ -157,8 +157,9 @@ class Stage:
     def close(self) -> None:
         """Free the CUDA graphs, then the TP group whose collectives they captured (in that order:
         `TensorParallel.close`). The stage takes no more steps."""
+        if self.graphs is not None:
+            self.graphs.release()
         self.graphs = None
-        gc.collect()                  # the graphs and their buckets hold each other: free them now
         self.tp.close()
         gc.collect()
 

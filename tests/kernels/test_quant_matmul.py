@@ -74,3 +74,26 @@ def test_tensor_parallel_shards_multiply_like_their_slice_of_the_weight():
         assert _rel(got, x.float() @ dense[32:96].to(DEVICE).t()) < 1e-5
         got = packed.columns(64, 192).to(torch.device(DEVICE)).matmul(x[:, 64:192])
         assert _rel(got, x[:, 64:192].float() @ dense[:, 64:192].to(DEVICE).t()) < 1e-5
+
+
+@pytest.mark.parametrize("split_k", [2, 3, 5])
+def test_split_k_sums_the_same_product(split_k):
+    """Decode's split of K over programs (uneven splits included) changes only the summation order."""
+    from pipespec.kernels.quant_matmul import Tiles, fp8_block_matmul, int4_matmul
+    w = torch.randn(64, 512, generator=torch.Generator().manual_seed(6))
+    t, ref = writers.awq(w, group=64)
+    int4 = Int4Weight.from_awq(t["qweight"], t["qzeros"], t["scales"].float(), 64).to(torch.device(DEVICE))
+    t8, ref8 = writers.fp8(w, (32, 64))
+    x = _x(2, 512, torch.float32, seed=7)
+    tiles = Tiles(block_n=32, split_k=split_k)
+    got = int4_matmul(x, int4.qweight, int4.zeros, int4.scales, 64, tiles=tiles)
+    assert _rel(got, x @ ref.to(DEVICE).t()) < 1e-5
+    got = fp8_block_matmul(x, t8["weight"].to(DEVICE), t8["weight_scale_inv"].to(DEVICE), (32, 64), tiles)
+    assert _rel(got, x @ ref8.to(DEVICE).t()) < 1e-5
+
+
+def test_split_k_fills_the_gpu_only_when_the_grid_does_not():
+    from pipespec.kernels.quant_matmul import split_k_for
+    assert split_k_for(64, 64, 132) == 5            # a 4,096-wide projection at batch 1: 320 programs
+    assert split_k_for(448, 64, 132) == 1           # gate_up: 448 tiles already fill 132 SMs
+    assert split_k_for(8, 8, 132) == 2              # short K: each split keeps >= 4 tiles

@@ -3,6 +3,8 @@ its sums equal NCCL's, eagerly and replayed from a CUDA graph, small sums take i
 NCCL; and what 64 sums of one 8B-model row cost each way, in a graph (printed, not asserted)."""
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -25,7 +27,20 @@ def _graph_ms(fn) -> float:
     return gpu_ms(graph.replay, 20)
 
 
+class _Lines(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
 def _rank(rank: int, port: int, out) -> None:
+    lines = _Lines()             # the set-up's log line says why it is off, if it is
+    log = logging.getLogger("pipespec.runtime.one_host_all_reduce")
+    log.setLevel(logging.INFO)
+    log.addHandler(lines)
     device = torch.device("cuda", rank)
     store = launch.connect_store("127.0.0.1", port, 60)
     pg = launch.tp_group(store, 0, rank, 2, "nccl", device, 60)
@@ -33,7 +48,7 @@ def _rank(rank: int, port: int, out) -> None:
     tp = TensorParallel(rank, 2)
     tp.attach(pg, None, fast)
     g = torch.Generator(device=device).manual_seed(rank)
-    report = {"set_up": fast is not None, "equal": [], "handles_large": None}
+    report = {"set_up": fast is not None, "equal": [], "handles_large": None, "log": lines.lines}
     if fast is not None:
         for rows in (1, 3, 64):
             x = torch.randn(rows, 4096, generator=g, device=device, dtype=torch.bfloat16)
@@ -68,6 +83,6 @@ def test_one_host_all_reduce_equals_nccl_eager_and_in_graphs():
     reports = run_two_ranks(_rank, timeout=180)
     print(reports)
     for rank, report in reports.items():
-        assert report["set_up"], f"rank {rank} did not set up the one-host all-reduce"
+        assert report["set_up"], f"rank {rank} did not set up the one-host all-reduce: {report['log']}"
         assert report["equal"] == [True] * 6, report
         assert report["handles_large"] is False
