@@ -7,7 +7,7 @@ whole and cut into shards, so both TP sizes run the same model; the MTP head is 
 DeepSeek-style head for that shape (written once to a temporary file), so its acceptance says
 nothing: the MTP rows measure what drafting costs and how TP = 2 carries it.
 Usage: python benchmarks/tp_two_gpu.py [--batches 1,64] [--new-tokens 64] [--repeats 3]
-       [--util 0.40] [--skip speed,mtp,kill] [--nccl-peer] [--json out.json]
+       [--util 0.40] [--skip speed,mtp,kill] [--custom-peer] [--json out.json]
 """
 from __future__ import annotations
 
@@ -29,17 +29,17 @@ from pipespec import LLM, SamplingParams  # noqa: E402
 
 
 def engine(model: str, tp: int, max_seqs: int, util: float, head: str | None = None, k: int = 0,
-           nccl_only: bool = False) -> LLM:
+           custom_all_reduce: bool = False) -> LLM:
     spec = {"method": "mtp", "num_speculative_tokens": k, "model": head} if k else None
     return LLM(model=model, load_format="dummy", device="cuda", dtype="bfloat16", tensor_parallel_size=tp,
                distributed_backend="nccl", gpu_memory_utilization=util, max_num_seqs=max_seqs,
                max_model_len=1024, max_num_batched_tokens=max(1024, max_seqs), speculative_config=spec,
-               disable_custom_all_reduce=nccl_only)
+               custom_all_reduce=custom_all_reduce)
 
 
-# the engines compared: TP = 1 (the peer), TP = 2 as configured by default, and with --nccl-peer TP = 2
-# with every all-reduce through NCCL (what the one-host all-reduce buys)
-LABELS = {"tp1": (1, False), "tp2": (2, False), "tp2_nccl": (2, True)}
+# the engines compared: TP = 1 (the peer), TP = 2 as configured by default (NCCL's all-reduce), and
+# with --custom-peer TP = 2 with the one-host all-reduce (what it buys)
+LABELS = {"tp1": (1, False), "tp2": (2, False), "tp2_custom": (2, True)}
 
 
 def random_head(model: str) -> str:
@@ -82,8 +82,9 @@ def compare(engines: dict[int, LLM], batch: int, args, label: str) -> dict:
 
 def speed(model, args, report):
     max_seqs = max(args.batches)
-    labels = [lb for lb in LABELS if args.nccl_peer or lb != "tp2_nccl"]
-    engines = {lb: engine(model, LABELS[lb][0], max_seqs, args.util, nccl_only=LABELS[lb][1]) for lb in labels}
+    labels = [lb for lb in LABELS if args.custom_peer or lb != "tp2_custom"]
+    engines = {lb: engine(model, LABELS[lb][0], max_seqs, args.util, custom_all_reduce=LABELS[lb][1])
+               for lb in labels}
     report["kv_blocks"] = {tp: llm.engine.scheduler.allocator.num_blocks for tp, llm in engines.items()}
     for batch in args.batches:
         row = compare(engines, batch, args, "plain")
@@ -116,8 +117,8 @@ def main():
     ap.add_argument("--util", type=float, default=0.40,
                     help="gpu_memory_utilization of each engine (TP = 1 and TP = 2 share cuda:0)")
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: speed, mtp, kill")
-    ap.add_argument("--nccl-peer", action="store_true",
-                    help="also run TP = 2 with every all-reduce through NCCL (--disable-custom-all-reduce)")
+    ap.add_argument("--custom-peer", action="store_true",
+                    help="also run TP = 2 with the one-host all-reduce (--custom-all-reduce)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if torch.cuda.device_count() < 2:

@@ -67,7 +67,8 @@ class TensorParallel:
             self._fast = None
         shutdown = getattr(group, "shutdown", None) if _is_nccl(group) else None
         if shutdown is not None:
-            torch.cuda.synchronize()
+            if torch.cuda.is_initialized():
+                torch.cuda.synchronize()      # nothing of ours still running on the communicator
             shutdown()
 
     # -- how a dimension is split ---------------------------------------------------------------

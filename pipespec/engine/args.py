@@ -49,8 +49,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                          "T x P processes in all (default: 1)")
     pp.add_argument("--pp-layer-partition", default=None, metavar="N,N,...",
                     help="layers of each stage, e.g. 10,10,10 (default: as even as possible)")
-    pp.add_argument("--disable-custom-all-reduce", action="store_true",
-                    help="TP on GPUs: every sum through NCCL, not the one-host symmetric-memory all-reduce")
+    pp.add_argument("--custom-all-reduce", action="store_true",
+                    help="TP on GPUs: decode-sized sums through a one-host symmetric-memory all-reduce "
+                         "instead of NCCL (experimental; default off)")
     pp.add_argument("--stage-timeout", type=float, default=30.0,
                     help="seconds a stage may stay silent before the engine fails")
     pp.add_argument("--distributed-backend", default="auto", choices=["auto", "gloo", "nccl"],
@@ -72,7 +73,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 pipeline_parallel_size=_pipeline_size(args.pipeline_parallel_size, args.tensor_parallel_size),
                 tensor_parallel_size=args.tensor_parallel_size,
                 pp_layer_partition=args.pp_layer_partition, stage_timeout=args.stage_timeout,
-                disable_custom_all_reduce=args.disable_custom_all_reduce,
+                custom_all_reduce=args.custom_all_reduce,
                 distributed_backend=args.distributed_backend, threads_per_stage=args.threads_per_stage,
                 speculative_config=args.speculative_config)
 

@@ -74,7 +74,7 @@ def _worker_settings(config: EngineConfig, hidden_size: int, env: launch.Torchru
                           threads=threads, check=par.check_collectives,
                           log_level=logging.getLogger("pipespec").getEffectiveLevel(),
                           tensor_parallel_size=par.tensor_parallel_size,
-                          custom_all_reduce=not par.disable_custom_all_reduce)
+                          custom_all_reduce=par.custom_all_reduce)
 
 
 def _torchrun_env(config: EngineConfig) -> launch.TorchrunEnv | None:

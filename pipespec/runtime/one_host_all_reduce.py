@@ -10,7 +10,7 @@ barrier, and sum everyone's buffer itself: one kernel, no host, captured by CUDA
 Sums larger than `max_bytes` (prefill chunks) and dtypes other than the buffer's still go through
 NCCL. Setting up is a collective probe over the TP group's NCCL group: the fast path is used only if
 every rank set it up and it gave NCCL's sum on every rank, so the ranks never disagree on which
-path a collective takes. `disable_custom_all_reduce=True` (vLLM's name) turns it off.
+path a collective takes. Opt-in: `custom_all_reduce=True` (`--custom-all-reduce`).
 """
 from __future__ import annotations
 
@@ -34,7 +34,8 @@ class OneHostAllReduce:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of `x` over the group, into `x` (contiguous, `handles(x)`)."""
-        total = torch.ops.symm_mem.one_shot_all_reduce_copy(self.buffer, x, "sum", self.group_name)
+        staging = self.buffer[: x.numel()].view(x.shape)   # the op wants the buffer in x's shape
+        total = torch.ops.symm_mem.one_shot_all_reduce_copy(staging, x, "sum", self.group_name)
         return x.copy_(total)
 
     @classmethod

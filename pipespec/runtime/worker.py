@@ -59,7 +59,7 @@ class WorkerSettings:
     check: bool = False             # check_collectives: descriptors, symmetry and draft-trace reports
     log_level: int = logging.WARNING
     tensor_parallel_size: int = 1   # T: ranks of each stage
-    custom_all_reduce: bool = True  # TP over NCCL: the one-host all-reduce for small sums
+    custom_all_reduce: bool = False  # TP over NCCL: the one-host all-reduce for small sums
 
     @property
     def num_ranks(self) -> int:

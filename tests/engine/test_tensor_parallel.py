@@ -125,9 +125,9 @@ def test_cli_tensor_parallel_flag(monkeypatch):
     args = build_parser().parse_args(["generate", "-tp", "2", "-pp", "3", "hi"])
     par = EngineConfig.from_kwargs(**engine_kwargs(args)).parallel
     assert (par.tensor_parallel_size, par.pipeline_parallel_size, par.world_size) == (2, 3, 6)
-    assert par.disable_custom_all_reduce is False
-    args = build_parser().parse_args(["generate", "-tp", "2", "--disable-custom-all-reduce", "hi"])
-    assert EngineConfig.from_kwargs(**engine_kwargs(args)).parallel.disable_custom_all_reduce is True
+    assert par.custom_all_reduce is False
+    args = build_parser().parse_args(["generate", "-tp", "2", "--custom-all-reduce", "hi"])
+    assert EngineConfig.from_kwargs(**engine_kwargs(args)).parallel.custom_all_reduce is True
     with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
         EngineConfig.from_kwargs(tensor_parallel_size=0)
 

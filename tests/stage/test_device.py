@@ -69,22 +69,33 @@ def test_sparse_attention_models_take_the_torch_backend(shape, sparse):
             choose_backend("triton", torch.device("cuda"), model)
 
 
-class _Dropped:
-    """Records when it is freed (stands in for a graph set and a process group: only the order counts)."""
+class _Graphs:
+    """Stands in for a stage's graph set (CUDA only): records when its graphs are destroyed."""
 
-    def __init__(self, name: str, order: list, size: int = 2):
-        self.name, self.order, self._size = name, order, size
+    def __init__(self, order: list):
+        self.order = order
+
+    def release(self):
+        self.order.append("graphs destroyed")
+
+
+class ProcessGroupNCCL:
+    """Stands in for an NCCL group (named like one: only those are shut down explicitly)."""
+
+    def __init__(self, order: list):
+        self.order = order
 
     def size(self) -> int:
-        return self._size
+        return 2
 
-    def __del__(self):
-        self.order.append(self.name)
+    def shutdown(self):
+        self.order.append("tp group shut down")
 
 
-def test_close_frees_the_cuda_graphs_before_the_tp_group(tiny_models):
-    """NCCL destroys a communicator only once the CUDA graphs that captured its collectives are
-    freed: a TP = 2 engine whose stage dropped its group first hung at shutdown on two H200s."""
+def test_close_destroys_the_cuda_graphs_before_shutting_the_tp_group_down(tiny_models):
+    """NCCL frees a communicator only once the CUDA graphs that captured its collectives are
+    destroyed, and an NCCL group left to its destructor was seen to hang 30 s and more on two
+    H200s: the stage destroys its graphs, then shuts its group down, explicitly and in that order."""
     from pipespec.config import EngineConfig
     from pipespec.model.source import resolve_model
     from pipespec.parallel import TensorParallel
@@ -95,8 +106,8 @@ def test_close_frees_the_cuda_graphs_before_the_tp_group(tiny_models):
     stage = Stage(resolve_model(str(folder)), config, (0, 3), 64)
     order = []
     stage.tp = TensorParallel(0, 2)
-    stage.tp.attach(_Dropped("tp group", order))
-    stage.graphs = _Dropped("graphs", order)
+    stage.tp.attach(ProcessGroupNCCL(order))
+    stage.graphs = _Graphs(order)
     stage.close()
-    assert order == ["graphs", "tp group"]
+    assert order == ["graphs destroyed", "tp group shut down"]
     assert stage.graphs is None
