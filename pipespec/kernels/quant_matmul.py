@@ -34,16 +34,19 @@ def _int4_kernel(x_ptr, q_ptr, z_ptr, s_ptr, y_ptr, M, stride_xm, stride_ym, k_p
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
-    shift = (rk % 8) * 4                                    # nibble of row k within its word
+    rw = tl.arange(0, BLOCK_K // 8)
+    shift = tl.arange(0, 8) * 4                             # row 8w + j is nibble j of word w
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_start = tl.program_id(2) * k_per_split                # k_per_split: whole BLOCK_K tiles
     for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):   # one group a tile
         k = k0 + rk
         x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=(rm[:, None] < M) & (k[None, :] < K),
                     other=0.0)
-        words = tl.load(q_ptr + (k // 8)[:, None] * N + rn[None, :], mask=(k[:, None] < K) & (rn[None, :] < N),
-                        other=0)
-        q = ((words >> shift[:, None]) & 0xF).to(tl.float32)
+        w_row = k0 // 8 + rw                                # each packed word is read once
+        words = tl.load(q_ptr + w_row[:, None] * N + rn[None, :],
+                        mask=(w_row[:, None] < K // 8) & (rn[None, :] < N), other=0)
+        q = (words[:, None, :] >> shift[None, :, None]) & 0xF
+        q = tl.reshape(q, (BLOCK_K, BLOCK_N)).to(tl.float32)
         g = k0 // GROUP
         z = tl.load(z_ptr + g * N + rn, mask=rn < N, other=0.0).to(tl.float32)
         s = tl.load(s_ptr + g * N + rn, mask=rn < N, other=0.0).to(tl.float32)

@@ -317,6 +317,24 @@ def gpu_ms(fn, iters: int = 50) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def graph_ms(calls: list, iters: int = 20) -> float:
+    """GPU milliseconds of one of `calls` (closures over different buffers), as decode runs them:
+    replayed from one CUDA graph that makes every call in turn, median over `iters` replays, divided
+    by their number. Timed eagerly, a kernel that runs faster than the host launches it measures the
+    launch (Triton's Python launch costs tens of microseconds); calls over distinct buffers whose
+    total exceeds the L2 cache measure memory, not cache (benchmarks size them so)."""
+    for call in calls:
+        call()                                # compiles, settles the allocator
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    ms = gpu_ms(graph.replay, iters) / len(calls)
+    graph.reset()
+    return ms
+
+
 class GraphsByK:
     """A stage's graph sets, one per K its steps may use: with adaptive K every K in 0..the config's
     (a step with K = 0 replays a forward of one row per request and a draft graph that only writes

@@ -12,22 +12,11 @@ import torch
 from pipespec.parallel import TensorParallel
 from pipespec.runtime import launch
 from pipespec.runtime.one_host_all_reduce import MAX_BYTES, OneHostAllReduce
-from pipespec.stage.cuda_graphs import gpu_ms
+from pipespec.stage.cuda_graphs import graph_ms
 from tests.runtime.two_ranks import run_two_ranks
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")]
-
-
-def _graph_ms(fn) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    ms = gpu_ms(graph.replay, 20)
-    graph.reset()              # it holds the communicators it captured (parallel.TensorParallel.close)
-    return ms
 
 
 class _Lines(logging.Handler):
@@ -75,8 +64,8 @@ def _rank(rank: int, port: int, out) -> None:
             report["equal"].append(torch.equal(y, want))
         report["handles_large"] = fast.handles(torch.empty(MAX_BYTES, dtype=torch.bfloat16, device=device))
         row = torch.ones(1, 4096, device=device, dtype=torch.bfloat16)
-        report["fast_ms_64"] = _graph_ms(lambda: [fast.all_reduce(row) for _ in range(64)])
-        report["nccl_ms_64"] = _graph_ms(lambda: [pg.allreduce([row]).wait() for _ in range(64)])
+        report["fast_ms_64"] = 64 * graph_ms([lambda: fast.all_reduce(row)] * 64)
+        report["nccl_ms_64"] = 64 * graph_ms([lambda: pg.allreduce([row]).wait()] * 64)
         graph.reset()
     torch.cuda.synchronize()
     tp.close()
