@@ -7,7 +7,7 @@ whole and cut into shards, so both TP sizes run the same model; the MTP head is 
 DeepSeek-style head for that shape (written once to a temporary file), so its acceptance says
 nothing: the MTP rows measure what drafting costs and how TP = 2 carries it.
 Usage: python benchmarks/tp_two_gpu.py [--batches 1,64] [--new-tokens 64] [--repeats 3]
-       [--util 0.40] [--skip speed,mtp,kill] [--custom-peer] [--json out.json]
+       [--util 0.40] [--skip speed,mtp,kill] [--custom-peer] [--profile] [--json out.json]
 """
 from __future__ import annotations
 
@@ -104,6 +104,36 @@ def mtp(model, args, report):
         llm.shutdown()
 
 
+def profile(model, args, report):
+    """Where a batch-1 step's time goes on the driver's GPU, TP = 1 against TP = 2 (rank 0): kernel
+    time by name over 32 decode tokens against the wall time. An all-reduce kernel's time includes
+    its wait for the peer, so a rank that starts its steps late shows up as long all-reduces."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+    tokens = 32
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    for tp in (1, 2):
+        llm = engine(model, tp, 1, args.util, custom_all_reduce=args.custom_peer and tp == 2)
+        prompts = prompts_of(1, args.prompt_len, llm.engine.arch.vocab_size)
+        llm.generate(prompts, params, use_tqdm=False)
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t
+        events = [e for e in prof.key_averages() if getattr(e, "self_device_time_total", 0) > 0]
+        events.sort(key=lambda e: -e.self_device_time_total)
+        per_token = 1e3 * tokens                      # us in all -> ms per token
+        row = {"part": "profile", "tp": tp, "wall_ms_per_token": round(wall * 1e3 / tokens, 3),
+               "gpu_kernels_ms_per_token": round(sum(e.self_device_time_total for e in events) / per_token, 3),
+               "top": [(e.key[:80], round(e.self_device_time_total / per_token, 4), e.count) for e in events[:15]]}
+        report["profile"].append(row)
+        print(json.dumps(row), flush=True)
+        if args.json:
+            prof.export_chrome_trace(str(Path(args.json).with_suffix(f".tp{tp}.trace.json")))
+        llm.shutdown()
+
+
 def kill_time(model, args, report):
     kill_to_error(engine(model, 2, 16, args.util), args.prompt_len, report)   # kills TP rank 1 of the stage
 
@@ -117,6 +147,7 @@ def main():
     ap.add_argument("--util", type=float, default=0.40,
                     help="gpu_memory_utilization of each engine (TP = 1 and TP = 2 share cuda:0)")
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: speed, mtp, kill")
+    ap.add_argument("--profile", action="store_true", help="also profile batch-1 steps of TP = 1 and TP = 2")
     ap.add_argument("--custom-peer", action="store_true",
                     help="also run TP = 2 with the one-host all-reduce (--custom-all-reduce)")
     ap.add_argument("--json", default=None)
@@ -127,13 +158,16 @@ def main():
     skip = set(filter(None, args.skip.split(",")))
     model = llama8b_folder()
     report = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(0),
-              "gpus": torch.cuda.device_count(), "model": "llama3-8b-shape dummy bf16", "speed": []}
+              "gpus": torch.cuda.device_count(), "model": "llama3-8b-shape dummy bf16", "speed": [],
+              "profile": []}
     if "speed" not in skip:
         speed(model, args, report)
     if "mtp" not in skip:
         mtp(model, args, report)
     if "kill" not in skip:
         kill_time(model, args, report)
+    if args.profile:
+        profile(model, args, report)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
 
