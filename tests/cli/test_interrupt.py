@@ -9,9 +9,13 @@ import sys
 import threading
 import time
 
+import pytest
+
 from pipespec.runtime.launch import pid_alive
 from tests.helpers import sigint_as_in_a_terminal
 from tests.live_server import REPO, pipespec_env
+
+pytestmark = pytest.mark.serial      # process ends within deadlines: not beside other tests
 
 LEAK = "leaked semaphore"
 

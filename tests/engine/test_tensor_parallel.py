@@ -87,6 +87,7 @@ def test_default_model_refuses_tp2_naming_the_heads():
         LLM(model=None, tensor_parallel_size=2, startup_timeout=60, **DEFAULT_LLM_KWARGS)
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("pp, victim", [(1, 1), (2, 3)])
 def test_killed_tp_rank_fails_generate_within_timeout(tiny_models, prompts, pp, victim):
     """victim 1: the driver's TP peer on stage 0 (the driver waits in an all-reduce with it);

@@ -129,6 +129,7 @@ def _peer(port: int) -> None:
     os._exit(3)
 
 
+@pytest.mark.serial
 def test_link_catches_mismatch_times_out_and_notices_death():
     store, host, port = launch.host_store(60)
     proc = launch.spawn_context().Process(target=_peer, args=(port,), daemon=True)

@@ -78,6 +78,7 @@ def test_bad_input_does_not_disturb_a_running_stream(server):
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
 
 
+@pytest.mark.serial
 def test_overload_gets_503_not_unbounded_queueing(server):
     """64 requests may wait to run (--max-queued-requests); beyond, 503 (tests/server/test_lifecycle.py
     checks that running requests do not count)."""

@@ -14,6 +14,8 @@ import pytest
 from pipespec.runtime.launch import pid_alive
 from tests.live_server import LiveServer
 
+pytestmark = pytest.mark.serial      # process ends within deadlines: not beside other tests
+
 PP2 = ("-pp", "2", "--max-model-len", "2048", "--max-num-seqs", "4")
 
 

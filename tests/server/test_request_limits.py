@@ -15,6 +15,7 @@ from tests.live_server import LiveServer
 AUTH = {"Authorization": "Bearer sk-test"}
 
 
+@pytest.mark.serial
 def test_body_over_the_cap_gets_413_naming_the_limit(server):
     body = json.dumps({"prompt": "hello " * (DEFAULT_MAX_BODY_BYTES // 6 + 10)}).encode()
     t0 = time.monotonic()
@@ -31,6 +32,7 @@ def test_body_over_the_cap_gets_413_naming_the_limit(server):
     assert httpx.get(f"{server.url}/health").status_code == 200
 
 
+@pytest.mark.serial
 def test_health_answers_while_a_huge_prompt_is_tokenized(server):
     """A 4 MB prompt (under the cap) takes the server seconds to tokenize and refuse (it is far over
     max_model_len); /health meanwhile answers at once."""

@@ -26,6 +26,7 @@ def _run(tmp_path, *flags, timeout=120):
     return proc, time.monotonic() - t0
 
 
+@pytest.mark.serial
 def test_gen_time_bounds_all_generation_and_the_plan_predicts_the_total(tmp_path):
     # 64 held-out prompts of up to 64 tokens at 4 at once take minutes on this CPU: only the budget
     # can end generation in seconds
