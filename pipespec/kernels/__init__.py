@@ -23,3 +23,9 @@ def enabled(x: torch.Tensor) -> bool:
 def serve_device(device: torch.device) -> bool:
     """Whether the kernels will serve tensors on `device` (decided once, at load)."""
     return HAVE_TRITON and (device.type == "cuda" or _INTERPRET)
+
+
+def fused_routing_supported(num_experts: int, n_group: int = 1) -> bool:
+    """Whether `moe_routing.route` takes this router: a power-of-two expert count (every released
+    MoE this engine loads) that its groups divide."""
+    return num_experts & (num_experts - 1) == 0 and num_experts % n_group == 0 and num_experts >= n_group

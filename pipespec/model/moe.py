@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipespec import kernels
+from pipespec.kernels import fused_routing_supported
 from pipespec.model.layers import GatedMLP
 from pipespec.model.routed_experts import routed_experts
 from pipespec.model.tp_layers import SINGLE, expert_range
@@ -52,9 +54,14 @@ class SparseMoE(nn.Module):
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        probs = F.softmax(self.gate(x).float(), dim=-1)
-        weight, index = probs.topk(self.top_k, dim=-1)
-        if self.norm_topk:
-            weight = weight / weight.sum(-1, keepdim=True)
+        logits = self.gate(x).float()
+        if kernels.enabled(x) and fused_routing_supported(logits.shape[-1]):
+            from pipespec.kernels.moe_routing import route     # softmax, top-k and norm in one kernel
+            weight, index = route(logits, self.top_k, sigmoid=False, normalize=self.norm_topk)
+        else:
+            probs = F.softmax(logits, dim=-1)
+            weight, index = probs.topk(self.top_k, dim=-1)
+            if self.norm_topk:
+                weight = weight / weight.sum(-1, keepdim=True)
         out = self.experts(x, index, weight)
         return self.tp.all_reduce(out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x))

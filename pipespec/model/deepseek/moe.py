@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pipespec import kernels
+from pipespec.kernels import fused_routing_supported
 from pipespec.model.deepseek.config import MoEConfig
 from pipespec.model.layers import GatedMLP
 from pipespec.model.routed_experts import routed_experts
@@ -31,7 +33,13 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] float32, expert ids [T, k])."""
         c = self.cfg
-        scores = nn.functional.linear(x.float(), self.weight.float()).sigmoid()
+        logits = nn.functional.linear(x.float(), self.weight.float())
+        if kernels.enabled(x) and fused_routing_supported(c.num_experts, c.n_group):
+            from pipespec.kernels.moe_routing import route     # one kernel for all that follows
+            return route(logits, c.top_k, sigmoid=True, bias=self.e_score_correction_bias.float(),
+                         n_group=c.n_group, topk_group=c.topk_group, normalize=c.norm_topk_prob,
+                         scale=c.routed_scaling_factor)
+        scores = logits.sigmoid()
         choice = scores + self.e_score_correction_bias.float()   # the bias picks experts, never weighs them
         if c.n_group > 1:
             grouped = choice.view(-1, c.n_group, c.num_experts // c.n_group)
