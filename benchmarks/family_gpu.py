@@ -9,7 +9,7 @@ Shapes (from the published configs where this machine could read them; see SHAPE
   deepseek_v3_slice DeepSeek-V3's real hidden size, heads and experts, 3 layers (per-layer figures)
 
 Usage (GPU machine): python benchmarks/family_gpu.py --model qwen3_5_2b [--batch 1 64] [--k 0 2]
-       [--new-tokens 64] [--repeats 3] [--skip-hf] [--pp 2] [--json out.json]
+       [--new-tokens 64] [--repeats 3] [--skip-hf] [--pp 2] [--profile] [--json out.json]
 The roofline counts the bytes one batch-1 step must read: every weight but the routed experts, and
 top_k / num_experts of those (the experts one token uses). Transformers runs after pipespec is shut
 down when both would not fit (its tokens/s is then from a separate phase of the same run).
@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_bench import PipespecRunner, TransformersRunner, copy_bandwidth  # noqa: E402
+from kernel_profile import kernel_profile  # noqa: E402
 
 _HYBRID = dict(full_attention_interval=4, head_dim=256, linear_conv_kernel_dim=4, linear_key_head_dim=128,
                linear_value_head_dim=128, partial_rotary_factor=0.25, rms_norm_eps=1e-6, vocab_size=248320,
@@ -132,6 +133,13 @@ def run(args) -> dict:
                           roofline_tokens_per_s_batch1=round(bandwidth / active, 1),
                           cuda_graphs=stage.graphs is not None)
         stage = None                          # hold nothing of the engine past its close (its KV cache)
+        if args.profile:                      # batch 1: where a step's GPU time goes, kernel by kernel
+            prompts = groups[min(groups)][:1]
+            eng.run(prompts, args.new_tokens)
+            row = {"part": "profile", "k": k, **kernel_profile(lambda: eng.run(prompts, args.new_tokens),
+                                                               args.new_tokens)}
+            report.setdefault("profile", []).append(row)
+            print(json.dumps(row), flush=True)
         for b, prompts in groups.items():
             eng.run(prompts, args.new_tokens)                       # warm-up on the timed shape
             for _ in range(args.repeats):
@@ -176,6 +184,7 @@ def main():
     ap.add_argument("--util", type=float, default=0.85)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="also profile batch-1 decode kernel by kernel")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     report = run(args)

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from kernel_profile import kernel_profile  # noqa: E402
 from pp_spec_gpu import timed  # noqa: E402
 from pp_two_gpu import kill_to_error, llama8b_folder, prompts_of  # noqa: E402
 
@@ -105,32 +106,19 @@ def mtp(model, args, report):
 
 
 def profile(model, args, report):
-    """Where a batch-1 step's time goes on the driver's GPU, TP = 1 against TP = 2 (rank 0): kernel
-    time by name over 32 decode tokens against the wall time. An all-reduce kernel's time includes
-    its wait for the peer, so a rank that starts its steps late shows up as long all-reduces."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
+    """Where a batch-1 step's time goes on the driver's GPU, TP = 1 against TP = 2 (rank 0), over 32
+    decode tokens (`kernel_profile`)."""
     tokens = 32
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     for tp in (1, 2):
         llm = engine(model, tp, 1, args.util, custom_all_reduce=args.custom_peer and tp == 2)
         prompts = prompts_of(1, args.prompt_len, llm.engine.arch.vocab_size)
         llm.generate(prompts, params, use_tqdm=False)
-        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            t = time.perf_counter()
-            llm.generate(prompts, params, use_tqdm=False)
-            torch.cuda.synchronize()
-            wall = time.perf_counter() - t
-        events = [e for e in prof.key_averages() if getattr(e, "self_device_time_total", 0) > 0]
-        events.sort(key=lambda e: -e.self_device_time_total)
-        per_token = 1e3 * tokens                      # us in all -> ms per token
-        row = {"part": "profile", "tp": tp, "wall_ms_per_token": round(wall * 1e3 / tokens, 3),
-               "gpu_kernels_ms_per_token": round(sum(e.self_device_time_total for e in events) / per_token, 3),
-               "top": [(e.key[:80], round(e.self_device_time_total / per_token, 4), e.count) for e in events[:15]]}
+        trace = str(Path(args.json).with_suffix(f".tp{tp}.trace.json")) if args.json else None
+        row = {"part": "profile", "tp": tp, **kernel_profile(
+            lambda: llm.generate(prompts, params, use_tqdm=False), tokens, trace=trace)}
         report["profile"].append(row)
         print(json.dumps(row), flush=True)
-        if args.json:
-            prof.export_chrome_trace(str(Path(args.json).with_suffix(f".tp{tp}.trace.json")))
         llm.shutdown()
 
 
