@@ -1,12 +1,16 @@
-"""The gated delta rule for decode and verify lines in one Triton kernel (`gated_delta_rule`'s GPU
-form; that PyTorch recurrence stays the oracle).
+"""The gated delta rule for decode and verify lines in one Triton kernel, its inputs prepared in it:
+`model/gated_deltanet.py`'s `delta_rule_inputs` followed by `gated_delta_rule` (those PyTorch
+functions stay the oracle and the CPU path).
 
 A decode or verify step of a Gated DeltaNet layer walks a few rows (1 + K) per request (prefill
-lines run it too where fla-core's chunked kernel does not serve: float32, or fla not installed). In PyTorch
-each row is some eight kernels over the whole float32 state [B, Hv, Dk, Dv]; here a program holds one
-(request, value head, Dv slice) of the state in registers for all the rows: the state is read once,
+lines run it too where fla-core's chunked kernel does not serve: float32, or fla not installed). In
+PyTorch, preparing a row's inputs (q and k L2-normalised and spread over the value heads, the decay
+g from A_log, dt_bias and a, beta = sigmoid(b)) is a dozen small kernels and the recurrence some
+eight more over the whole float32 state [B, Hv, Dk, Dv]; at decode each is microseconds of launch
+inside the step's graph. Here a program holds one (request, value head, Dv slice) of the state in
+registers for all the rows and reads the conv output, a and b directly: the state is read once,
 written once, plus once per row when verify rows keep a candidate state after each row. Padding
-rows arrive with g = beta = 0, which leave the state exactly as it was.
+rows get g = beta = 0, which leave the state exactly as it was.
 """
 from __future__ import annotations
 
@@ -16,25 +20,40 @@ import triton.language as tl
 
 
 @triton.jit
-def _recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, s_ptr, o_ptr, final_ptr, after_ptr,
-                      length, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-                      KEEP: tl.constexpr):
+def _softplus(x):
+    """torch's softplus (threshold 20), without losing exp(x) to 1 + exp(x) for very negative x."""
+    return tl.where(x > 20.0, x, tl.where(x < -15.0, tl.exp(x), tl.log(1.0 + tl.exp(x))))
+
+
+@triton.jit
+def _recurrent_kernel(conv_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, valid_ptr, s_ptr, o_ptr, final_ptr, after_ptr,
+                      length, q_scale, C: tl.constexpr, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr,
+                      DV: tl.constexpr, BV: tl.constexpr, KEEP: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
+    kh = h // (HV // HK)                                             # the key head serving value head h
     dk = tl.arange(0, DK)
     dv = tl.program_id(2) * BV + tl.arange(0, BV)
     state_off = ((b * HV + h) * DK + dk[:, None]) * DV + dv[None, :]
     s = tl.load(s_ptr + state_off)                                   # [DK, BV] float32
+    neg_a = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
+    dt_bias = tl.load(dtb_ptr + h).to(tl.float32)
     for t in range(length):                 # a loop, not unrolled: prefill lines run it too
-        row = (b * length + t) * HV + h
-        k = tl.load(k_ptr + row * DK + dk).to(tl.float32)
-        q = tl.load(q_ptr + row * DK + dk).to(tl.float32)
-        v = tl.load(v_ptr + row * DV + dv).to(tl.float32)
-        g = tl.load(g_ptr + row)
-        beta = tl.load(beta_ptr + row)
+        line = b * length + t
+        live = tl.load(valid_ptr + line) != 0
+        q = tl.load(conv_ptr + line * C + kh * DK + dk).to(tl.float32)
+        k = tl.load(conv_ptr + line * C + (HK + kh) * DK + dk).to(tl.float32)
+        v = tl.load(conv_ptr + line * C + 2 * HK * DK + h * DV + dv).to(tl.float32)
+        q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * q_scale          # l2_normalize, eps 1e-6
+        k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
+        g = neg_a * _softplus(tl.load(a_ptr + line * HV + h).to(tl.float32) + dt_bias)
+        beta = tl.sigmoid(tl.load(b_ptr + line * HV + h).to(tl.float32))
+        g = tl.where(live, g, 0.0)
+        beta = tl.where(live, beta, 0.0)
         s = s * tl.exp(g)                                            # decay
         delta = (v - tl.sum(k[:, None] * s, axis=0)) * beta          # beta (v - S^T k)
         s = s + k[:, None] * delta[None, :]                          # rank-1 write
+        row = line * HV + h
         tl.store(o_ptr + row * DV + dv, tl.sum(q[:, None] * s, axis=0))
         if KEEP:
             tl.store(after_ptr + (row * DK + dk[:, None]) * DV + dv[None, :], s)
@@ -46,21 +65,20 @@ def supported(dk: int, dv: int) -> bool:
     return dk & (dk - 1) == 0 and dv & (dv - 1) == 0
 
 
-def recurrent_delta_rule(q, k, v, g, beta, state, valid, keep: bool = False):
-    """Same arguments and results as `model/gated_deltanet.py::gated_delta_rule`: q, k [B, L, Hv, Dk]
-    (normalised, q scaled); v [B, L, Hv, Dv]; g, beta [B, L, Hv]; state float32 [B, Hv, Dk, Dv];
-    valid bool [B, L]. Returns (o float32 [B, L, Hv, Dv], final state, states after each row
-    [B, L, Hv, Dk, Dv] when `keep`, else None)."""
-    bsz, length, hv, dk = q.shape
-    dv = v.shape[-1]
-    pad = ~valid[..., None]
-    g = g.float().masked_fill(pad, 0.0).contiguous()
-    beta = beta.float().masked_fill(pad, 0.0).contiguous()
-    q, k, v, state = q.contiguous(), k.contiguous(), v.contiguous(), state.float().contiguous()
-    o = torch.empty(bsz, length, hv, dv, dtype=torch.float32, device=v.device)
+def fused_gated_delta_rule(conv, a, b, A_log, dt_bias, state, valid, key_heads: int, dk: int, keep: bool = False):
+    """`delta_rule_inputs(conv, a, b, A_log, dt_bias, key_heads, dk, dv)` then `gated_delta_rule` on
+    them: conv [B, L, Hk Dk | Hk Dk | Hv Dv] (after the conv's SiLU); a, b [B, L, Hv]; state float32
+    [B, Hv, Dk, Dv]; valid bool [B, L]. Returns (o float32 [B, L, Hv, Dv], final state, states after
+    each row [B, L, Hv, Dk, Dv] when `keep`, else None)."""
+    bsz, length, channels = conv.shape
+    hv, dv = state.shape[1], state.shape[3]
+    conv, a, b = conv.contiguous(), a.contiguous(), b.contiguous()
+    state, valid = state.float().contiguous(), valid.contiguous()
+    o = torch.empty(bsz, length, hv, dv, dtype=torch.float32, device=conv.device)
     final = torch.empty_like(state)
-    after = torch.empty(bsz, length, hv, dk, dv, dtype=torch.float32, device=v.device) if keep else final
+    after = torch.empty(bsz, length, hv, dk, dv, dtype=torch.float32, device=conv.device) if keep else final
     bv = min(dv, 32)
-    _recurrent_kernel[(bsz, hv, dv // bv)](q, k, v, g, beta, state, o, final, after, length, HV=hv, DK=dk, DV=dv,
-                                           BV=bv, KEEP=keep, num_warps=4)
+    _recurrent_kernel[(bsz, hv, dv // bv)](conv, a, b, A_log, dt_bias, valid, state, o, final, after, length,
+                                           dk ** -0.5, C=channels, HK=key_heads, HV=hv, DK=dk, DV=dv, BV=bv,
+                                           KEEP=keep, num_warps=4)
     return o, final, (after if keep else None)

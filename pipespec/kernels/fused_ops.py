@@ -1,4 +1,5 @@
-"""Fused elementwise kernels for the decoder: residual add + RMSNorm, RoPE, SiLU-and-multiply, KV write.
+"""Fused elementwise kernels for the decoder: residual add + RMSNorm, gated RMSNorm, RoPE,
+SiLU-and-multiply, KV write.
 
 Each replaces several PyTorch launches with one, which is what a small model's decode step is made
 of once CUDA graphs remove the launch overhead. Numerics follow the PyTorch path in `model.layers`:
@@ -42,6 +43,31 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
                               weight, n, eps, HAS_RESIDUAL=residual is not None,
                               BLOCK=triton.next_power_of_2(n))
     return out if residual is None else (out, res_out)
+
+
+@triton.jit
+def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, n_cols, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+    normed = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    y = (normed * w).to(out_ptr.dtype.element_ty).to(tl.float32)
+    z = tl.load(z_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * n_cols + cols, (y * z * tl.sigmoid(z)).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x over its last dim (plain weight) times silu(z) in float32 (Gated DeltaNet's output
+    norm, `model/gated_deltanet.py::GatedRMSNorm`): one kernel for its ten PyTorch ops."""
+    x, z = x.contiguous(), z.contiguous()
+    n = x.shape[-1]
+    out = torch.empty_like(x)
+    if x.numel():
+        _gated_rms_norm_kernel[(x.numel() // n,)](x, z, weight, out, n, eps, BLOCK=triton.next_power_of_2(n))
+    return out
 
 
 @triton.jit

@@ -52,6 +52,20 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
+def delta_rule_inputs(conv, a, b, A_log, dt_bias, key_heads: int, dk: int, dv: int):
+    """The recurrence's inputs from a step's lines: conv [B, L, q | k | v] (after the conv and its
+    SiLU, heads major), a, b [B, L, Hv] -> q, k [B, L, Hv, Dk] (L2-normalised, q scaled by Dk^-0.5,
+    each key head serving its Hv / Hk value heads), v [B, L, Hv, Dv], g (log decay), beta [B, L, Hv]."""
+    B, L, _ = conv.shape
+    hv = a.shape[-1]
+    q, k, v = conv.split([key_heads * dk, key_heads * dk, hv * dv], dim=-1)
+    q = l2_normalize(q.float().view(B, L, key_heads, dk)) * dk ** -0.5
+    k = l2_normalize(k.float().view(B, L, key_heads, dk))
+    q, k = (y.repeat_interleave(hv // key_heads, dim=2) for y in (q, k))
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    return q, k, v.view(B, L, hv, dv), g, b.float().sigmoid()
+
+
 def gated_delta_rule(q, k, v, g, beta, state, valid, keep=None):
     """The recurrence over padded lines. q, k: [B, L, Hv, Dk] (normalised, q scaled); v: [B, L, Hv, Dv];
     g, beta: [B, L, Hv]; state: float32 [B, Hv, Dk, Dv]; valid: bool [B, L] (padding leaves the state
@@ -87,6 +101,9 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        if kernels.enabled(x):
+            from pipespec.kernels.fused_ops import gated_rms_norm
+            return gated_rms_norm(x, z, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         out = self.weight * x32.to(x.dtype)
@@ -158,29 +175,26 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, meta: LinearMeta, state: LinearState) -> torch.Tensor:
         meta.commit_candidates(state)
         qkv, z, b, a = self._split(self.in_proj(x))
-        B, L = meta.rows.shape
         lines = qkv[meta.rows] * meta.valid[..., None]                            # [B, L, C]
         past = torch.where(meta.fresh[:, None, None], torch.zeros((), dtype=qkv.dtype, device=x.device),
                            state.conv[meta.slots])
         full = torch.cat([past, lines], dim=1)                                   # [B, w + L, C]
         conv = (full.unfold(1, self.kernel, 1) * self.conv1d.weight[:, 0]).sum(-1)   # [B, L, C]
         conv = F.silu(conv)
-        q, k, v = conv.split([self.key_size, self.key_size, self.value_size], dim=-1)
-        r = self.hv // self.hk
-        q = l2_normalize(q.float().view(B, L, self.hk, self.dk)) * self.dk ** -0.5
-        k = l2_normalize(k.float().view(B, L, self.hk, self.dk))
-        q, k = (y.repeat_interleave(r, dim=2) for y in (q, k))
-        v = v.view(B, L, self.hv, self.dv)
-        g = -self.A_log.float().exp() * F.softplus(a[meta.rows].float() + self.dt_bias.float())
-        beta = b[meta.rows].float().sigmoid()
         rec0 = torch.where(meta.fresh[:, None, None, None], torch.zeros((), device=x.device), state.rec[meta.slots])
-        if use_chunked_kernel(x, meta):
-            (o, final), after = chunked_delta_rule(q.to(x.dtype), k.to(x.dtype), v, g, beta, rec0, meta.valid), None
-        elif kernels.enabled(x) and _fused_recurrence_serves(self.dk, self.dv):
-            from pipespec.kernels.delta_rule_recurrent import recurrent_delta_rule
-            o, final, after = recurrent_delta_rule(q, k, v, g, beta, rec0, meta.valid, keep=meta.flags.verify)
+        a, b = a[meta.rows], b[meta.rows]
+        chunked = use_chunked_kernel(x, meta)
+        if not chunked and kernels.enabled(x) and _fused_recurrence_serves(self.dk, self.dv):
+            # one kernel: `delta_rule_inputs` and the recurrence (decode and verify lines)
+            from pipespec.kernels.delta_rule_recurrent import fused_gated_delta_rule
+            o, final, after = fused_gated_delta_rule(conv, a, b, self.A_log, self.dt_bias, rec0, meta.valid,
+                                                     self.hk, self.dk, keep=meta.flags.verify)
         else:
-            o, final, after = gated_delta_rule(q, k, v, g, beta, rec0, meta.valid, keep=meta.flags.verify)
+            q, k, v, g, beta = delta_rule_inputs(conv, a, b, self.A_log, self.dt_bias, self.hk, self.dk, self.dv)
+            if chunked:
+                (o, final), after = chunked_delta_rule(q.to(x.dtype), k.to(x.dtype), v, g, beta, rec0, meta.valid), None
+            else:
+                o, final, after = gated_delta_rule(q, k, v, g, beta, rec0, meta.valid, keep=meta.flags.verify)
         meta.store(state, full, final, after)
         flat = o[meta.line, meta.offset].to(x.dtype)                              # [T, Hv, Dv]
         out = self.norm(flat, z).reshape(x.shape[0], self.value_size)

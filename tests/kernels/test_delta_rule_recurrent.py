@@ -1,13 +1,13 @@
-"""The fused recurrent gated delta rule (decode and verify lines) equals the PyTorch recurrence:
-outputs of real rows, each line's final state, and the candidate state after every row; padding
-rows leave the state as it was. GPU; on CPU under TRITON_INTERPRET=1 in float32."""
+"""The fused recurrent gated delta rule (decode and verify lines, its inputs prepared in the kernel)
+equals the PyTorch preparation and recurrence: outputs of real rows, each line's final state, and the
+candidate state after every row; padding rows leave the state as it was. GPU; on CPU under TRITON_INTERPRET=1 in float32."""
 import importlib.util
 import os
 
 import pytest
 import torch
 
-from pipespec.model.gated_deltanet import gated_delta_rule, l2_normalize
+from pipespec.model.gated_deltanet import delta_rule_inputs, gated_delta_rule
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -18,20 +18,24 @@ pytestmark = [pytest.mark.gpu,
 
 @pytest.mark.parametrize("rows,lengths", [(1, [1, 1, 1]), (4, [4, 2, 1]), (9, [9, 9, 3])])
 @pytest.mark.parametrize("keep", [False, True])
-@pytest.mark.parametrize("dk,dv", [(8, 8), (16, 32), (128, 128)])
-def test_fused_recurrence_equals_reference(rows, lengths, keep, dk, dv):
-    from pipespec.kernels.delta_rule_recurrent import recurrent_delta_rule
-    g = torch.Generator(device=DEVICE).manual_seed(rows)
-    b, h = len(lengths), 3
+@pytest.mark.parametrize("hk,hv,dk,dv", [(1, 1, 8, 8), (1, 3, 16, 32), (2, 4, 128, 128)])
+def test_fused_recurrence_equals_reference(rows, lengths, keep, hk, hv, dk, dv):
+    """From the conv output, a and b (padding lines zero, as the layer builds them) to outputs and
+    states: the kernel's in-register preparation and recurrence against the PyTorch functions."""
+    from pipespec.kernels.delta_rule_recurrent import fused_gated_delta_rule
+    g = torch.Generator(device=DEVICE).manual_seed(rows + hv)
+    b = len(lengths)
     valid = torch.arange(rows, device=DEVICE)[None, :] < torch.tensor(lengths, device=DEVICE)[:, None]
-    q = l2_normalize(torch.randn(b, rows, h, dk, device=DEVICE, generator=g)) * dk ** -0.5
-    k = l2_normalize(torch.randn(b, rows, h, dk, device=DEVICE, generator=g))
-    v = torch.randn(b, rows, h, dv, device=DEVICE, generator=g)
-    decay = -torch.rand(b, rows, h, device=DEVICE, generator=g) * 0.5
-    beta = torch.rand(b, rows, h, device=DEVICE, generator=g)
-    state = torch.randn(b, h, dk, dv, device=DEVICE, generator=g) * 0.1
+    conv = torch.randn(b, rows, 2 * hk * dk + hv * dv, device=DEVICE, generator=g) * valid[..., None]
+    a = torch.randn(b, rows, hv, device=DEVICE, generator=g) * 3     # softplus on both sides of 0
+    beta_in = torch.randn(b, rows, hv, device=DEVICE, generator=g)
+    a_log = torch.randn(hv, device=DEVICE, generator=g) * 0.5
+    dt_bias = torch.randn(hv, device=DEVICE, generator=g) * 0.5
+    state = torch.randn(b, hv, dk, dv, device=DEVICE, generator=g) * 0.1
+    q, k, v, decay, beta = delta_rule_inputs(conv, a, beta_in, a_log, dt_bias, hk, dk, dv)
     want, want_final, want_after = gated_delta_rule(q, k, v, decay, beta, state, valid, keep=keep)
-    got, got_final, got_after = recurrent_delta_rule(q, k, v, decay, beta, state, valid, keep=keep)
+    got, got_final, got_after = fused_gated_delta_rule(conv, a, beta_in, a_log, dt_bias, state, valid, hk, dk,
+                                                       keep=keep)
     torch.testing.assert_close(got[valid], want[valid], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got_final, want_final, atol=1e-5, rtol=1e-5)
     if keep:

@@ -25,6 +25,18 @@ def test_rms_norm_with_and_without_residual(dtype):
     assert _rel(rms_norm(x, norm.weight, 1e-5), norm(x)) < (1e-2 if dtype == torch.bfloat16 else 1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gated_rms_norm(dtype):
+    from pipespec.kernels.fused_ops import gated_rms_norm
+    from pipespec.model.gated_deltanet import GatedRMSNorm
+    x = torch.randn(5, 16, 128, device="cuda", dtype=dtype)
+    z = torch.randn(5, 16, 256, device="cuda", dtype=dtype)[..., ::2]      # a strided view, as split gives
+    norm = GatedRMSNorm(128, 1e-6).cuda().to(dtype)
+    norm.weight.data.normal_(1.0, 0.2)
+    want = norm(x, z)                       # grad mode: the PyTorch path
+    assert _rel(gated_rms_norm(x, z, norm.weight, 1e-6), want) < (1e-2 if dtype == torch.bfloat16 else 1e-6)
+
+
 def test_silu_mul():
     from pipespec.kernels.fused_ops import silu_mul
     x = torch.randn(9, 2 * 1536, device="cuda", dtype=torch.bfloat16)
