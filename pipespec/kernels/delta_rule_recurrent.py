@@ -8,8 +8,9 @@ PyTorch, preparing a row's inputs (q and k L2-normalised and spread over the val
 g from A_log, dt_bias and a, beta = sigmoid(b)) is a dozen small kernels and the recurrence some
 eight more over the whole float32 state [B, Hv, Dk, Dv]; at decode each is microseconds of launch
 inside the step's graph. Here a program holds one (request, value head, Dv slice) of the state in
-registers for all the rows and reads the conv output, a and b directly: the state is read once,
-written once, plus once per row when verify rows keep a candidate state after each row. Padding
+registers for all the rows and reads the conv output, a and b directly: the state is read once, in
+place from the request's slot, written once, plus once per row when verify rows keep a candidate
+state after each row. Padding
 rows get g = beta = 0, which leave the state exactly as it was.
 """
 from __future__ import annotations
@@ -26,16 +27,21 @@ def _softplus(x):
 
 
 @triton.jit
-def _recurrent_kernel(conv_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, valid_ptr, s_ptr, o_ptr, final_ptr, after_ptr,
-                      length, q_scale, C: tl.constexpr, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr,
+def _recurrent_kernel(conv_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, valid_ptr, pool_ptr, slot_ptr, fresh_ptr,
+                      o_ptr, final_ptr, after_ptr, length, q_scale, C: tl.constexpr, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr,
                       DV: tl.constexpr, BV: tl.constexpr, KEEP: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     kh = h // (HV // HK)                                             # the key head serving value head h
     dk = tl.arange(0, DK)
     dv = tl.program_id(2) * BV + tl.arange(0, BV)
-    state_off = ((b * HV + h) * DK + dk[:, None]) * DV + dv[None, :]
-    s = tl.load(s_ptr + state_off)                                   # [DK, BV] float32
+    head = (h * DK + dk[:, None]) * DV + dv[None, :]
+    state_off = b * HV * DK * DV + head
+    # read in place from the request's slot of the layer's state pool; a request that starts here
+    # (position 0) starts from zeros, whatever its slot holds
+    pool_off = tl.load(slot_ptr + b) * HV * DK * DV + head
+    fresh = tl.load(fresh_ptr + b) != 0
+    s = tl.where(fresh, 0.0, tl.load(pool_ptr + pool_off))           # [DK, BV] float32
     neg_a = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
     dt_bias = tl.load(dtb_ptr + h).to(tl.float32)
     for t in range(length):                 # a loop, not unrolled: prefill lines run it too
@@ -65,20 +71,23 @@ def supported(dk: int, dv: int) -> bool:
     return dk & (dk - 1) == 0 and dv & (dv - 1) == 0
 
 
-def fused_gated_delta_rule(conv, a, b, A_log, dt_bias, state, valid, key_heads: int, dk: int, keep: bool = False):
+def fused_gated_delta_rule(conv, a, b, A_log, dt_bias, pool, slots, fresh, valid, key_heads: int, dk: int,
+                           keep: bool = False):
     """`delta_rule_inputs(conv, a, b, A_log, dt_bias, key_heads, dk, dv)` then `gated_delta_rule` on
-    them: conv [B, L, Hk Dk | Hk Dk | Hv Dv] (after the conv's SiLU); a, b [B, L, Hv]; state float32
-    [B, Hv, Dk, Dv]; valid bool [B, L]. Returns (o float32 [B, L, Hv, Dv], final state, states after
-    each row [B, L, Hv, Dk, Dv] when `keep`, else None)."""
+    them, from the states `where(fresh, 0, pool[slots])`: conv [B, L, Hk Dk | Hk Dk | Hv Dv] (after the
+    conv's SiLU); a, b [B, L, Hv]; pool float32 [slots, Hv, Dk, Dv] (a layer's recurrent states, read
+    in place); slots int64 [B]; fresh, valid bool [B], [B, L]. Returns (o float32 [B, L, Hv, Dv],
+    final states [B, Hv, Dk, Dv], states after each row [B, L, Hv, Dk, Dv] when `keep`, else None)."""
     bsz, length, channels = conv.shape
-    hv, dv = state.shape[1], state.shape[3]
-    conv, a, b = conv.contiguous(), a.contiguous(), b.contiguous()
-    state, valid = state.float().contiguous(), valid.contiguous()
+    hv, dv = pool.shape[1], pool.shape[3]
+    if pool.dtype != torch.float32 or not pool.is_contiguous():
+        raise ValueError("the recurrent state pool must be contiguous float32")
+    conv, a, b, valid = conv.contiguous(), a.contiguous(), b.contiguous(), valid.contiguous()
     o = torch.empty(bsz, length, hv, dv, dtype=torch.float32, device=conv.device)
-    final = torch.empty_like(state)
+    final = torch.empty(bsz, hv, dk, dv, dtype=torch.float32, device=conv.device)
     after = torch.empty(bsz, length, hv, dk, dv, dtype=torch.float32, device=conv.device) if keep else final
     bv = min(dv, 32)
-    _recurrent_kernel[(bsz, hv, dv // bv)](conv, a, b, A_log, dt_bias, valid, state, o, final, after, length,
-                                           dk ** -0.5, C=channels, HK=key_heads, HV=hv, DK=dk, DV=dv, BV=bv,
+    _recurrent_kernel[(bsz, hv, dv // bv)](conv, a, b, A_log, dt_bias, valid, pool, slots.contiguous(),
+                                           fresh.contiguous(), o, final, after, length, dk ** -0.5, C=channels, HK=key_heads, HV=hv, DK=dk, DV=dv, BV=bv,
                                            KEEP=keep, num_warps=4)
     return o, final, (after if keep else None)

@@ -181,15 +181,17 @@ class GatedDeltaNet(nn.Module):
         full = torch.cat([past, lines], dim=1)                                   # [B, w + L, C]
         conv = (full.unfold(1, self.kernel, 1) * self.conv1d.weight[:, 0]).sum(-1)   # [B, L, C]
         conv = F.silu(conv)
-        rec0 = torch.where(meta.fresh[:, None, None, None], torch.zeros((), device=x.device), state.rec[meta.slots])
         a, b = a[meta.rows], b[meta.rows]
         chunked = use_chunked_kernel(x, meta)
         if not chunked and kernels.enabled(x) and _fused_recurrence_serves(self.dk, self.dv):
-            # one kernel: `delta_rule_inputs` and the recurrence (decode and verify lines)
+            # one kernel: `delta_rule_inputs` and the recurrence (decode and verify lines), reading
+            # each request's state in place from its slot
             from pipespec.kernels.delta_rule_recurrent import fused_gated_delta_rule
-            o, final, after = fused_gated_delta_rule(conv, a, b, self.A_log, self.dt_bias, rec0, meta.valid,
-                                                     self.hk, self.dk, keep=meta.flags.verify)
+            o, final, after = fused_gated_delta_rule(conv, a, b, self.A_log, self.dt_bias, state.rec, meta.slots,
+                                                     meta.fresh, meta.valid, self.hk, self.dk, keep=meta.flags.verify)
         else:
+            rec0 = torch.where(meta.fresh[:, None, None, None], torch.zeros((), device=x.device),
+                               state.rec[meta.slots])
             q, k, v, g, beta = delta_rule_inputs(conv, a, b, self.A_log, self.dt_bias, self.hk, self.dk, self.dv)
             if chunked:
                 (o, final), after = chunked_delta_rule(q.to(x.dtype), k.to(x.dtype), v, g, beta, rec0, meta.valid), None

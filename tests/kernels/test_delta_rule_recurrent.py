@@ -20,8 +20,9 @@ pytestmark = [pytest.mark.gpu,
 @pytest.mark.parametrize("keep", [False, True])
 @pytest.mark.parametrize("hk,hv,dk,dv", [(1, 1, 8, 8), (1, 3, 16, 32), (2, 4, 128, 128)])
 def test_fused_recurrence_equals_reference(rows, lengths, keep, hk, hv, dk, dv):
-    """From the conv output, a and b (padding lines zero, as the layer builds them) to outputs and
-    states: the kernel's in-register preparation and recurrence against the PyTorch functions."""
+    """From the conv output, a and b (padding lines zero, as the layer builds them) and the states in
+    their slots (a fresh request from zeros) to outputs and states: the kernel's in-register
+    preparation and recurrence against the PyTorch functions."""
     from pipespec.kernels.delta_rule_recurrent import fused_gated_delta_rule
     g = torch.Generator(device=DEVICE).manual_seed(rows + hv)
     b = len(lengths)
@@ -31,11 +32,16 @@ def test_fused_recurrence_equals_reference(rows, lengths, keep, hk, hv, dk, dv):
     beta_in = torch.randn(b, rows, hv, device=DEVICE, generator=g)
     a_log = torch.randn(hv, device=DEVICE, generator=g) * 0.5
     dt_bias = torch.randn(hv, device=DEVICE, generator=g) * 0.5
-    state = torch.randn(b, hv, dk, dv, device=DEVICE, generator=g) * 0.1
+    pool = torch.randn(b + 3, hv, dk, dv, device=DEVICE, generator=g) * 0.1     # a layer's state slots
+    slots = torch.randperm(b + 3, device=DEVICE, generator=g)[:b]
+    fresh = torch.arange(b, device=DEVICE) == 1                     # request 1 starts here: zero state
+    state = torch.where(fresh[:, None, None, None], 0.0, pool[slots])
     q, k, v, decay, beta = delta_rule_inputs(conv, a, beta_in, a_log, dt_bias, hk, dk, dv)
     want, want_final, want_after = gated_delta_rule(q, k, v, decay, beta, state, valid, keep=keep)
-    got, got_final, got_after = fused_gated_delta_rule(conv, a, beta_in, a_log, dt_bias, state, valid, hk, dk,
-                                                       keep=keep)
+    before = pool.clone()
+    got, got_final, got_after = fused_gated_delta_rule(conv, a, beta_in, a_log, dt_bias, pool, slots, fresh, valid,
+                                                       hk, dk, keep=keep)
+    assert torch.equal(pool, before)                                # read in place, never written
     torch.testing.assert_close(got[valid], want[valid], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got_final, want_final, atol=1e-5, rtol=1e-5)
     if keep:
