@@ -47,26 +47,34 @@ class OneHostAllReduce:
         if tp_rank == 0:     # one name per engine: a process may build several engines in turn
             store.set("name", f"pipespec-tp{stage}-{uuid.uuid4().hex[:12]}")
         name = store.get("name").decode()
+        # Every rank issues the same NCCL collectives in the same order whatever fails where (a rank
+        # that skipped the probe's sum would meet its peer's probe with its vote: mismatched sums):
+        # a vote that the set-up worked everywhere, then the probe, then a vote on its result.
         made, why = None, ""
         try:
             made = cls._register(store, nccl_group, name, tp_rank, tp_size)
             made._map(store, tp_rank, tp_size, dtype, max_bytes)
+        except Exception as e:   # noqa: BLE001 - a capability probe: any failure means "use NCCL"
+            why = f"{type(e).__name__}: {e}"
+        if not _everywhere(nccl_group, not why, device):
+            why = why or "another rank could not set it up"
+        else:
             # small integers: every order of summing them gives the same, exactly
             probe = (torch.arange(1000, device=device) % 8 + tp_rank).to(dtype)
             want = probe.clone()
             nccl_group.allreduce([want]).wait()
-            if not torch.equal(made.all_reduce(probe.clone()), want):
-                why = "its probe sum differed from NCCL's"
-        except Exception as e:   # noqa: BLE001 - a capability probe: any failure means "use NCCL"
-            why = f"{type(e).__name__}: {e}"
-        ok = torch.tensor([made is not None and not why], dtype=torch.int32, device=device)
-        nccl_group.allreduce([ok], _min_op()).wait()
-        if not bool(ok.item()):
+            try:
+                if not torch.equal(made.all_reduce(probe.clone()), want):
+                    why = "its probe sum differed from NCCL's"
+            except Exception as e:   # noqa: BLE001 - as above
+                why = f"{type(e).__name__}: {e}"
+            if not _everywhere(nccl_group, not why, device):
+                why = why or "another rank's probe sum differed from NCCL's"
+        if why:
             if made is not None:
                 made.close()
-            if tp_rank == 0 or why:
-                logger.info("TP stage %d: the one-host all-reduce is off%s; NCCL's all-reduce serves every sum",
-                            stage, f" ({why})" if why else " (another rank could not set it up)")
+            logger.info("TP stage %d: the one-host all-reduce is off (%s); NCCL's all-reduce serves every sum",
+                        stage, why)
             return None
         if tp_rank == 0:
             logger.info("TP stage %d: one-host all-reduce (symmetric memory, one-shot) for sums up to %d KiB, "
@@ -102,6 +110,13 @@ class OneHostAllReduce:
         if self._group is not None:
             _unregister_process_group(self.group_name)
             self._group = self.buffer = None
+
+
+def _everywhere(nccl_group, ok: bool, device: torch.device) -> bool:
+    """Whether `ok` holds on every rank of the group (a MIN over it)."""
+    vote = torch.tensor([int(ok)], dtype=torch.int32, device=device)
+    nccl_group.allreduce([vote], _min_op()).wait()
+    return bool(vote.item())
 
 
 def _min_op():
