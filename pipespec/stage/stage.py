@@ -156,8 +156,15 @@ class Stage:
 
     def close(self) -> None:
         """Free the CUDA graphs, then the TP group whose collectives they captured (in that order:
-        `TensorParallel.close`). The stage takes no more steps."""
+        `TensorParallel.close`). The stage takes no more steps. A TP stage on CUDA first waits,
+        bounded, for its last GPU work: a replayed collective stuck on a dead peer is aborted
+        (`finish_within`), so neither the graphs' release nor the group's shutdown waits for ever."""
         if self.graphs is not None:
+            if self.tp.size > 1 and self.device.type == "cuda":
+                try:
+                    finish_within(self.config.parallel.stage_timeout, self.tp, "the stage's last GPU work")
+                except TimeoutError:
+                    pass              # the communicator is aborted: what was stuck on it has ended
             self.graphs.release()
         self.graphs = None
         self.tp.close()
