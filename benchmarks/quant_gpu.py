@@ -4,9 +4,8 @@
    `x @ W.T` against `int4_matmul` (group 128) and `fp8_block_matmul` (128 x 128 blocks): the
    microseconds of one call replayed from a CUDA graph that cycles through copies of the weight
    totalling 512 MB of bf16 (so L2 does not serve them; decode replays graphs too), and the weight
-   bytes read per second. With `--sweep`, the
-   batch-1 row of every projection also tries other launch shapes (`Tiles`, split-K included) and reports
-   the best, to choose the defaults from.
+   bytes read per second. With `--sweep`, the batch-1 row of every projection also tries other
+   launch shapes (`Tiles`, split-K included) and reports the best, to choose the defaults from.
 2. Engines: the Llama-3-8B shape with random weights (`--load-format dummy`), bf16 against
    `--quantization fp8` and `--quantization awq` (int4), CUDA graphs on, random 32-token prompts,
    greedy, 64 new tokens; tokens/s by batch, medians of interleaved repeats; the peer is the bf16

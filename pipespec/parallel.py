@@ -65,7 +65,7 @@ class TensorParallel:
         if self._fast is not None:
             self._fast.close()
             self._fast = None
-        shutdown = getattr(group, "shutdown", None) if _is_nccl(group) else None
+        shutdown = getattr(group, "shutdown", None) if is_nccl(group) else None
         if shutdown is not None:
             if torch.cuda.is_initialized():
                 torch.cuda.synchronize()      # nothing of ours still running on the communicator
@@ -121,5 +121,6 @@ class TensorParallel:
         return torch.cat(outs, dim=-1)
 
 
-def _is_nccl(group) -> bool:
-    return group is not None and type(group).__name__ == "ProcessGroupNCCL"
+def is_nccl(group) -> bool:
+    """Whether a process group (or backend) is NCCL's: its collectives run on the GPU."""
+    return type(group).__name__ == "ProcessGroupNCCL"

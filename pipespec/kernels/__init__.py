@@ -5,6 +5,7 @@ no backward, so they serve inference only (training keeps the differentiable PyT
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 
@@ -29,3 +30,16 @@ def fused_routing_supported(num_experts: int, n_group: int = 1) -> bool:
     """Whether `moe_routing.route` takes this router: a power-of-two expert count (every released
     MoE this engine loads) that its groups divide."""
     return num_experts & (num_experts - 1) == 0 and num_experts % n_group == 0 and num_experts >= n_group
+
+
+@functools.cache
+def _sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """SMs of `device`, read once per device (the kernels size their grids by it at every call of an
+    eager step); 132, an H200's, for the interpreter on CPU."""
+    if device.type != "cuda":
+        return 132
+    return _sms(device.index if device.index is not None else torch.cuda.current_device())

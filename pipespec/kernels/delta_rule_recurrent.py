@@ -10,8 +10,7 @@ eight more over the whole float32 state [B, Hv, Dk, Dv]; at decode each is micro
 inside the step's graph. Here a program holds one (request, value head, Dv slice) of the state in
 registers for all the rows and reads the conv output, a and b directly: the state is read once, in
 place from the request's slot, written once, plus once per row when verify rows keep a candidate
-state after each row. Padding
-rows get g = beta = 0, which leave the state exactly as it was.
+state after each row. Padding rows get g = beta = 0, which leave the state exactly as it was.
 """
 from __future__ import annotations
 
@@ -28,8 +27,8 @@ def _softplus(x):
 
 @triton.jit
 def _recurrent_kernel(conv_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, valid_ptr, pool_ptr, slot_ptr, fresh_ptr,
-                      o_ptr, final_ptr, after_ptr, length, q_scale, C: tl.constexpr, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr,
-                      DV: tl.constexpr, BV: tl.constexpr, KEEP: tl.constexpr):
+                      o_ptr, final_ptr, after_ptr, length, q_scale, C: tl.constexpr, HK: tl.constexpr,
+                      HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, KEEP: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     kh = h // (HV // HK)                                             # the key head serving value head h
@@ -88,6 +87,7 @@ def fused_gated_delta_rule(conv, a, b, A_log, dt_bias, pool, slots, fresh, valid
     after = torch.empty(bsz, length, hv, dk, dv, dtype=torch.float32, device=conv.device) if keep else final
     bv = min(dv, 32)
     _recurrent_kernel[(bsz, hv, dv // bv)](conv, a, b, A_log, dt_bias, valid, pool, slots.contiguous(),
-                                           fresh.contiguous(), o, final, after, length, dk ** -0.5, C=channels, HK=key_heads, HV=hv, DK=dk, DV=dv, BV=bv,
-                                           KEEP=keep, num_warps=4)
+                                           fresh.contiguous(), o, final, after, length, dk ** -0.5,
+                                           C=channels, HK=key_heads, HV=hv, DK=dk, DV=dv, BV=bv, KEEP=keep,
+                                           num_warps=4)
     return o, final, (after if keep else None)

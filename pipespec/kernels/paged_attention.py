@@ -18,11 +18,11 @@ range from the device's sequence lengths, and a split with nothing to read contr
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
+
+from pipespec.kernels import sm_count
 
 
 @triton.jit
@@ -123,19 +123,6 @@ MAX_SPLITS = 32
 SPLIT_MIN_KV = 1024        # below this many keys a request's one program reads them fast enough
 
 
-@functools.cache
-def _sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _sm_count(device: torch.device) -> int:
-    """Read once per device (every layer's attention call of an eager step asks); 132, an H200's, for
-    the interpreter on CPU."""
-    if device.type != "cuda":
-        return 132
-    return _sms(device.index if device.index is not None else torch.cuda.current_device())
-
-
 def num_kv_splits(programs: int, max_kv: int, sms: int) -> int:
     """Splits of each program's keys: enough programs for about two per SM, each split reading at
     least 256 keys; 1 (no split) when the grid already fills the GPU or contexts are short."""
@@ -147,7 +134,7 @@ def num_kv_splits(programs: int, max_kv: int, sms: int) -> int:
 def kv_splits_for(batch: int, kv_heads: int, rows_per_request: int, max_kv: int, device: torch.device) -> int:
     """The splits `paged_attention` uses by default for these host shapes."""
     tiles = triton.cdiv(rows_per_request, _block_m(rows_per_request))
-    return num_kv_splits(batch * kv_heads * tiles, max_kv, _sm_count(device))
+    return num_kv_splits(batch * kv_heads * tiles, max_kv, sm_count(device))
 
 
 def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

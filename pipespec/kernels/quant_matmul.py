@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pipespec.kernels.paged_attention import _sm_count
+from pipespec.kernels import sm_count
 
 
 @triton.jit
@@ -138,7 +138,7 @@ def _launch(kernel, x: torch.Tensor, out_features: int, in_features: int, block_
     block_m = _block_m(m)
     grid_mn = triton.cdiv(m, block_m), triton.cdiv(out_features, block_n)
     k_tiles = triton.cdiv(in_features, block_k)
-    split = tiles.split_k or split_k_for(grid_mn[0] * grid_mn[1], k_tiles, _sm_count(x.device))
+    split = tiles.split_k or split_k_for(grid_mn[0] * grid_mn[1], k_tiles, sm_count(x.device))
     split = max(1, min(split, k_tiles))
     k_per_split = triton.cdiv(k_tiles, split) * block_k
     split = triton.cdiv(in_features, k_per_split)          # no empty splits

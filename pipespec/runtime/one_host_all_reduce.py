@@ -53,7 +53,7 @@ class OneHostAllReduce:
         made, why = None, ""
         try:
             made = cls._register(store, nccl_group, name, tp_rank, tp_size)
-            made._map(store, tp_rank, tp_size, dtype, max_bytes)
+            made._map(store, tp_rank, tp_size, device, dtype, max_bytes)
         except Exception as e:   # noqa: BLE001 - a capability probe: any failure means "use NCCL"
             why = f"{type(e).__name__}: {e}"
         if not _everywhere(nccl_group, not why, device):
@@ -95,13 +95,13 @@ class OneHostAllReduce:
         _register_process_group(name, group)
         return cls(None, name, group)          # registered: close() unregisters it, whatever follows
 
-    def _map(self, store, rank: int, size: int, dtype: torch.dtype, max_bytes: int) -> None:
+    def _map(self, store, rank: int, size: int, device: torch.device, dtype: torch.dtype, max_bytes: int) -> None:
         """Allocate this rank's buffer and map every peer's (collective)."""
         from torch.distributed import _symmetric_memory as symm
 
         symm._SymmetricMemory.set_group_info(self.group_name, rank, size, store)
         self.buffer = symm.empty(max_bytes // torch.tensor([], dtype=dtype).element_size(), dtype=dtype,
-                                 device=torch.device("cuda", torch.cuda.current_device()))
+                                 device=device)
         symm.rendezvous(self.buffer, self.group_name)
 
     def close(self) -> None:

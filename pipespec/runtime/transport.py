@@ -22,6 +22,7 @@ from dataclasses import fields
 
 import torch
 
+from pipespec.parallel import is_nccl
 from pipespec.plan import StepPlan
 from pipespec.runtime import symmetry
 from pipespec.runtime.symmetry import CollectiveMismatch
@@ -187,7 +188,7 @@ class Link:
         self.groups = {"ctrl": ctrl_pg, "data": data_pg}
         self.data_device = data_device
         # gloo carries CPU tensors only: activations on a GPU go through host memory unless NCCL
-        self.data_on_host = data_device.type != "cpu" and not _is_nccl(data_pg)
+        self.data_on_host = data_device.type != "cpu" and not is_nccl(data_pg)
         self.recorder = symmetry.SymmetryRecorder(rank) if check else None
 
     @property
@@ -204,7 +205,7 @@ class Link:
             tensor = tensor.to("cpu")
         tensor = tensor.contiguous()
         works, keep = [], [tensor]
-        on_gpu = _is_nccl(pg)
+        on_gpu = is_nccl(pg)
         if self.recorder is not None:
             seq = self.recorder.record("send", group, dst, op, tensor.shape, tensor.dtype)
             desc = symmetry.encode(seq, op, tensor.shape, tensor.dtype)
@@ -222,7 +223,7 @@ class Link:
         if self.recorder is not None:
             seq = self.recorder.record("recv", group, src, op, shape, dtype)
             desc = torch.empty(symmetry.DESCRIPTOR_LEN, dtype=torch.int64, device=device)
-            _wait(pg.recv([desc], src, 0), timeout, f"{op} descriptor from rank {src}", _is_nccl(pg))
+            _wait(pg.recv([desc], src, 0), timeout, f"{op} descriptor from rank {src}", is_nccl(pg))
             got = symmetry.decode(desc.cpu())
             want = (seq, op, tuple(shape), dtype)
             if got != want:
@@ -231,7 +232,7 @@ class Link:
                     f"from rank {src}, but rank {src} sent {symmetry.describe(got[1], got[2], got[3])} "
                     f"(#{got[0]})")
         buf = torch.empty(tuple(shape), dtype=dtype, device=device)
-        _wait(pg.recv([buf], src, 0), timeout, f"{op} from rank {src}", _is_nccl(pg))
+        _wait(pg.recv([buf], src, 0), timeout, f"{op} from rank {src}", is_nccl(pg))
         if group == "data" and self.data_on_host:
             buf = buf.to(self.data_device)
         return buf
@@ -296,6 +297,3 @@ def _first_line(text: str) -> str:
     line = line.split("] ", 1)[-1] if line.startswith("[") else line
     return line.split(". This is typically", 1)[0]
 
-
-def _is_nccl(pg) -> bool:
-    return type(pg).__name__ == "ProcessGroupNCCL"

@@ -160,11 +160,10 @@ class Stage:
         bounded, for its last GPU work: a replayed collective stuck on a dead peer is aborted
         (`finish_within`), so neither the graphs' release nor the group's shutdown waits for ever."""
         if self.graphs is not None:
-            if self.tp.size > 1 and self.device.type == "cuda":
-                try:
-                    finish_within(self.config.parallel.stage_timeout, self.tp, "the stage's last GPU work")
-                except TimeoutError:
-                    pass              # the communicator is aborted: what was stuck on it has ended
+            try:
+                self._bounded_wait("the stage's last GPU work")
+            except TimeoutError:
+                pass                  # the communicator is aborted: what was stuck on it has ended
             self.graphs.release()
         self.graphs = None
         self.tp.close()
@@ -189,16 +188,15 @@ class Stage:
             fwd = self._forward(layout, inbound)
         if not self.is_last:
             out = torch.stack((fwd.hidden, fwd.residual))
-            self._bounded_wait(plan)
+            self._bounded_wait(f"step {plan.step_id}")
             return out
         return self._sample(plan, fwd).data
 
-    def _bounded_wait(self, plan: StepPlan) -> None:
-        """TP on CUDA: the step's collectives may be in a replayed graph, out of NCCL's watchdog's
-        sight; wait for them with a bound (`finish_within`)."""
+    def _bounded_wait(self, what: str) -> None:
+        """TP on CUDA: the collectives may be in a replayed graph, out of NCCL's watchdog's sight;
+        wait for `what` with a bound (`finish_within`: past it, the TP communicator is aborted)."""
         if self.tp.size > 1 and self.device.type == "cuda":
-            finish_within(self.config.parallel.stage_timeout, self.tp,
-                          f"step {plan.step_id} of TP rank {self.tp.rank}")
+            finish_within(self.config.parallel.stage_timeout, self.tp, f"{what} of TP rank {self.tp.rank}")
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan, inbound: torch.Tensor | None = None) -> Forward:
@@ -243,7 +241,7 @@ class Stage:
                 drafts = self.graphs.propose(last_rows, last_tokens)
             else:
                 drafts = self.drafter.propose(fwd.ctx, layout, fwd.hidden, last_rows, last_tokens, k)
-        self._bounded_wait(plan)      # before the result's copy to the host, a sync without a bound
+        self._bounded_wait(f"step {plan.step_id}")      # before the result's copy to the host, a sync without a bound
         return StepResult.from_verification(plan.step_id, plan.num_reqs, k, layout.sample_rows, tokens,
                                             num_sampled, drafts)
 

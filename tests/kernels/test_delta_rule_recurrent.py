@@ -1,6 +1,7 @@
 """The fused recurrent gated delta rule (decode and verify lines, its inputs prepared in the kernel)
 equals the PyTorch preparation and recurrence: outputs of real rows, each line's final state, and the
-candidate state after every row; padding rows leave the state as it was. GPU; on CPU under TRITON_INTERPRET=1 in float32."""
+candidate state after every row; padding rows leave the state as it was. GPU; on CPU under
+TRITON_INTERPRET=1 in float32."""
 import importlib.util
 import os
 

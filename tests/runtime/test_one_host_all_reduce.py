@@ -20,7 +20,7 @@ def _rank(rank: int, port: int, fail_rank, stage_of_failure: str, out) -> None:
     pg = launch.tp_group(store, 0, rank, 2, "gloo", torch.device("cpu"), 30)
 
     class StandIn(OneHostAllReduce):
-        def _map(self, store, rank, size, dtype, max_bytes):
+        def _map(self, store, rank, size, device, dtype, max_bytes):
             if rank == fail_rank and stage_of_failure == "set-up":
                 raise RuntimeError("no symmetric memory on this rank")
             self.buffer = torch.empty(8, dtype=dtype)
