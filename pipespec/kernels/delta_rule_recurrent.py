@@ -9,8 +9,8 @@ g from A_log, dt_bias and a, beta = sigmoid(b)) is a dozen small kernels and the
 eight more over the whole float32 state [B, Hv, Dk, Dv]; at decode each is microseconds of launch
 inside the step's graph. Here a program holds one (request, value head, Dv slice) of the state in
 registers for all the rows and reads the conv output, a and b directly: the state is read once, in
-place from the request's slot, written once, plus once per row when verify rows keep a candidate
-state after each row. Padding rows get g = beta = 0, which leave the state exactly as it was.
+place from the request's slot, written back there once (lines that commit at once: prefill chunks,
+plain decode), or once per row as candidates (verify lines, whose committed state stays as it was). Padding rows get g = beta = 0, which leave the state exactly as it was.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def _softplus(x):
 
 @triton.jit
 def _recurrent_kernel(conv_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, valid_ptr, pool_ptr, slot_ptr, fresh_ptr,
-                      o_ptr, final_ptr, after_ptr, length, q_scale, C: tl.constexpr, HK: tl.constexpr,
+                      commit_ptr, o_ptr, after_ptr, length, q_scale, C: tl.constexpr, HK: tl.constexpr,
                       HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, KEEP: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -35,7 +35,6 @@ def _recurrent_kernel(conv_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, valid_ptr, pool
     dk = tl.arange(0, DK)
     dv = tl.program_id(2) * BV + tl.arange(0, BV)
     head = (h * DK + dk[:, None]) * DV + dv[None, :]
-    state_off = b * HV * DK * DV + head
     # read in place from the request's slot of the layer's state pool; a request that starts here
     # (position 0) starts from zeros, whatever its slot holds
     pool_off = tl.load(slot_ptr + b) * HV * DK * DV + head
@@ -62,7 +61,8 @@ def _recurrent_kernel(conv_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, valid_ptr, pool
         tl.store(o_ptr + row * DV + dv, tl.sum(q[:, None] * s, axis=0))
         if KEEP:
             tl.store(after_ptr + (row * DK + dk[:, None]) * DV + dv[None, :], s)
-    tl.store(final_ptr + state_off, s)
+    if tl.load(commit_ptr + b) != 0:        # a plain line's final state goes straight back to its slot
+        tl.store(pool_ptr + pool_off, s)
 
 
 def supported(dk: int, dv: int) -> bool:
@@ -70,24 +70,24 @@ def supported(dk: int, dv: int) -> bool:
     return dk & (dk - 1) == 0 and dv & (dv - 1) == 0
 
 
-def fused_gated_delta_rule(conv, a, b, A_log, dt_bias, pool, slots, fresh, valid, key_heads: int, dk: int,
-                           keep: bool = False):
+def fused_gated_delta_rule(conv, a, b, A_log, dt_bias, pool, slots, fresh, valid, commit, key_heads: int,
+                           dk: int, keep: bool = False):
     """`delta_rule_inputs(conv, a, b, A_log, dt_bias, key_heads, dk, dv)` then `gated_delta_rule` on
     them, from the states `where(fresh, 0, pool[slots])`: conv [B, L, Hk Dk | Hk Dk | Hv Dv] (after the
     conv's SiLU); a, b [B, L, Hv]; pool float32 [slots, Hv, Dk, Dv] (a layer's recurrent states, read
-    in place); slots int64 [B]; fresh, valid bool [B], [B, L]. Returns (o float32 [B, L, Hv, Dv],
-    final states [B, Hv, Dk, Dv], states after each row [B, L, Hv, Dk, Dv] when `keep`, else None)."""
+    in place); slots int64 [B]; fresh, valid bool [B], [B, L]; commit bool [B]: the requests whose
+    final state is written back to their slot (the others' slots are only read). Returns (o float32
+    [B, L, Hv, Dv], states after each row [B, L, Hv, Dk, Dv] when `keep`, else None)."""
     bsz, length, channels = conv.shape
     hv, dv = pool.shape[1], pool.shape[3]
     if pool.dtype != torch.float32 or not pool.is_contiguous():
         raise ValueError("the recurrent state pool must be contiguous float32")
     conv, a, b, valid = conv.contiguous(), a.contiguous(), b.contiguous(), valid.contiguous()
     o = torch.empty(bsz, length, hv, dv, dtype=torch.float32, device=conv.device)
-    final = torch.empty(bsz, hv, dk, dv, dtype=torch.float32, device=conv.device)
-    after = torch.empty(bsz, length, hv, dk, dv, dtype=torch.float32, device=conv.device) if keep else final
+    after = torch.empty(bsz, length, hv, dk, dv, dtype=torch.float32, device=conv.device) if keep else o
     bv = min(dv, 32)
     _recurrent_kernel[(bsz, hv, dv // bv)](conv, a, b, A_log, dt_bias, valid, pool, slots.contiguous(),
-                                           fresh.contiguous(), o, final, after, length, dk ** -0.5,
+                                           fresh.contiguous(), commit.contiguous(), o, after, length, dk ** -0.5,
                                            C=channels, HK=key_heads, HV=hv, DK=dk, DV=dv, BV=bv, KEEP=keep,
                                            num_warps=4)
-    return o, final, (after if keep else None)
+    return o, (after if keep else None)

@@ -1,5 +1,6 @@
-"""Fused elementwise kernels for the decoder: residual add + RMSNorm, gated RMSNorm, RoPE,
-SiLU-and-multiply, KV write.
+"""Fused elementwise kernels for the decoder: residual add + RMSNorm (plain or zero-centred), gated
+RMSNorm, RoPE (in place, or on a slice of each head as MLA and partial rotary use), SiLU-and-multiply,
+KV write.
 
 Each replaces several PyTorch launches with one, which is what a small model's decode step is made
 of once CUDA graphs remove the launch overhead. Numerics follow the PyTorch path in `model.layers`:
@@ -14,7 +15,7 @@ import triton.language as tl
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, out_ptr, res_out_ptr, w_ptr, n_cols, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, ZERO_CENTRED: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -25,13 +26,18 @@ def _rms_norm_kernel(x_ptr, res_ptr, out_ptr, res_out_ptr, w_ptr, n_cols, eps,
         tl.store(res_out_ptr + row * n_cols + cols, x, mask=mask)
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
-    normed = (xf * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * n_cols + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+    if ZERO_CENTRED:        # y = norm(x) * (1 + w), all in float32 (`model/norms.py`)
+        y = xf * rstd * (1.0 + w)
+    else:                   # Llama: the norm is rounded to the model dtype before the weight
+        y = (xf * rstd).to(out_ptr.dtype.element_ty).to(tl.float32) * w
+    tl.store(out_ptr + row * n_cols + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
-    """RMSNorm of x (of x + residual when given, also returning that sum as the new residual)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             zero_centred: bool = False):
+    """RMSNorm of x (of x + residual when given, also returning that sum as the new residual);
+    `zero_centred`: the weight is an offset from one (`model/norms.py::ZeroCentredRMSNorm`)."""
     x = x.contiguous()
     n = x.shape[-1]
     out = torch.empty_like(x)
@@ -40,7 +46,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     if rows == 0:
         return out if residual is None else (out, res_out)
     _rms_norm_kernel[(rows,)](x, residual.contiguous() if residual is not None else x, out, res_out,
-                              weight, n, eps, HAS_RESIDUAL=residual is not None,
+                              weight, n, eps, HAS_RESIDUAL=residual is not None, ZERO_CENTRED=zero_centred,
                               BLOCK=triton.next_power_of_2(n))
     return out if residual is None else (out, res_out)
 
@@ -118,6 +124,43 @@ def rope_(x: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor, pos
         _rope_kernel[(t, heads)](x, cos_table, sin_table, positions, x.stride(0), x.stride(1), HEAD_DIM=d,
                                  num_warps=1)
     return x
+
+
+@triton.jit
+def _slice_rope_kernel(x_ptr, out_ptr, cos_ptr, sin_ptr, pos_ptr, stride_t, stride_h, heads,
+                       HALF: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    i = tl.arange(0, HALF)
+    ok = h[:, None] < heads
+    pos = tl.load(pos_ptr + t)
+    cos = tl.load(cos_ptr + pos * HALF + i)[None, :]
+    sin = tl.load(sin_ptr + pos * HALF + i)[None, :]
+    base = x_ptr + t * stride_t + h[:, None] * stride_h
+    if INTERLEAVED:          # pairs (2i, 2i + 1)
+        a = tl.load(base + 2 * i[None, :], mask=ok, other=0.0).to(tl.float32)
+        b = tl.load(base + 2 * i[None, :] + 1, mask=ok, other=0.0).to(tl.float32)
+    else:                    # pairs (i, i + D/2)
+        a = tl.load(base + i[None, :], mask=ok, other=0.0).to(tl.float32)
+        b = tl.load(base + HALF + i[None, :], mask=ok, other=0.0).to(tl.float32)
+    row = out_ptr + (t * heads + h[:, None]) * (2 * HALF)
+    tl.store(row + i[None, :], (a * cos - b * sin).to(out_ptr.dtype.element_ty), mask=ok)
+    tl.store(row + HALF + i[None, :], (b * cos + a * sin).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def slice_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+               interleaved: bool) -> torch.Tensor:
+    """`model/deepseek/rope.py::SliceRope.rotate` in one kernel: x [T, heads, D] (any row and head
+    strides, unit stride within a head), tables float32 [P, D/2]; returns a new contiguous
+    [T, heads, D] in x's dtype, the rotated pairs' first members then their second."""
+    t, heads, d = x.shape
+    out = torch.empty(t, heads, d, dtype=x.dtype, device=x.device)
+    if t:
+        block_h = min(16, triton.next_power_of_2(heads))
+        _slice_rope_kernel[(t, triton.cdiv(heads, block_h))](x, out, cos, sin, positions, x.stride(0), x.stride(1),
+                                                             heads, HALF=d // 2, INTERLEAVED=interleaved,
+                                                             BLOCK_H=block_h, num_warps=1)
+    return out
 
 
 @triton.jit

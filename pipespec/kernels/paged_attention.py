@@ -18,6 +18,8 @@ range from the device's sequence lengths, and a split with nothing to read contr
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -123,24 +125,41 @@ MAX_SPLITS = 32
 SPLIT_MIN_KV = 1024        # below this many keys a request's one program reads them fast enough
 
 
-def num_kv_splits(programs: int, max_kv: int, sms: int) -> int:
-    """Splits of each program's keys: enough programs for about two per SM, each split reading at
-    least 256 keys; 1 (no split) when the grid already fills the GPU or contexts are short."""
+@dataclass(frozen=True)
+class Launch:
+    """The kernel's launch shape: the defaults, or a benchmark's candidates (`attention_kernel.py
+    --sweep`). num_warps 0: 4 for tiles of <= 32 query rows, else 8. per_sm, max_splits: the split
+    rule's target programs per SM and its cap (`num_kv_splits`)."""
+    block_n: int = 64
+    num_stages: int = 2
+    num_warps: int = 0
+    per_sm: int = 2
+    max_splits: int = MAX_SPLITS
+
+
+DEFAULT_LAUNCH = Launch()
+
+
+def num_kv_splits(programs: int, max_kv: int, sms: int, per_sm: int = 2, max_splits: int = MAX_SPLITS) -> int:
+    """Splits of each program's keys: enough programs for about `per_sm` per SM, each split reading
+    at least 256 keys; 1 (no split) when the grid already fills the GPU or contexts are short."""
     if max_kv < SPLIT_MIN_KV or programs >= sms:
         return 1
-    return max(1, min(MAX_SPLITS, -(-2 * sms // programs), max_kv // 256))
+    return max(1, min(max_splits, -(-per_sm * sms // programs), max_kv // 256))
 
 
-def kv_splits_for(batch: int, kv_heads: int, rows_per_request: int, max_kv: int, device: torch.device) -> int:
+def kv_splits_for(batch: int, kv_heads: int, rows_per_request: int, max_kv: int, device: torch.device,
+                  launch: Launch = DEFAULT_LAUNCH) -> int:
     """The splits `paged_attention` uses by default for these host shapes."""
     tiles = triton.cdiv(rows_per_request, _block_m(rows_per_request))
-    return num_kv_splits(batch * kv_heads * tiles, max_kv, sm_count(device))
+    return num_kv_splits(batch * kv_heads * tiles, max_kv, sm_count(device), launch.per_sm, launch.max_splits)
 
 
 def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                     max_query_len: int, scale: float, page_size: int,
-                    out: torch.Tensor | None = None, num_splits: int | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, num_splits: int | None = None,
+                    launch: Launch = DEFAULT_LAUNCH) -> torch.Tensor:
     """q [T, H, D] (any row/head strides); caches [slots, KVH, D]; block_tables [B, W];
     query_start_loc [B + 1]; seq_lens [B] (KV length after this step, new rows included, already
     written). `max_query_len` is a host int bounding every request's query run (it sizes the grid, so
@@ -159,7 +178,7 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     block_m = _block_m(rows)
     tiles = triton.cdiv(rows, block_m)
     if num_splits is None:
-        num_splits = kv_splits_for(batch, kv_heads, rows, block_tables.shape[1] * page_size, q.device)
+        num_splits = kv_splits_for(batch, kv_heads, rows, block_tables.shape[1] * page_size, q.device, launch)
     split = num_splits > 1
     if split:
         part_m = torch.empty(t * heads * num_splits, dtype=torch.float32, device=q.device)
@@ -173,8 +192,9 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
         heads, scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), key_cache.stride(0), key_cache.stride(1),
         block_tables.stride(0), GROUP=group, HEAD_DIM=dim, PAGE=page_size, BLOCK_M=block_m,
-        BLOCK_N=64, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 stays exact
-        NUM_SPLITS=num_splits, num_warps=4 if block_m <= 32 else 8, num_stages=2)
+        BLOCK_N=launch.block_n, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 stays exact
+        NUM_SPLITS=num_splits, num_warps=launch.num_warps or (4 if block_m <= 32 else 8),
+        num_stages=launch.num_stages)
     if split:
         _combine_kernel[(t, heads)](part_m, part_l, part_acc, out, heads, out.stride(0), out.stride(1), HEAD_DIM=dim,
                                     NUM_SPLITS=num_splits, SPLITS=triton.next_power_of_2(num_splits), num_warps=4)

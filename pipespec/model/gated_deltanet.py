@@ -92,6 +92,19 @@ def gated_delta_rule(q, k, v, g, beta, state, valid, keep=None):
     return out, state, (torch.stack(after, 1) if keep else None)
 
 
+def causal_conv_lines(qkv: torch.Tensor, meta: LinearMeta, pool: torch.Tensor, weight: torch.Tensor):
+    """The depthwise causal conv and its SiLU over a step's lines: qkv [T, C] the step's rows, pool
+    [slots, w, C] the layer's conv states, weight [C, 1, w + 1]. Returns (silu(conv) [B, L, C], the
+    lines' inputs [B, w + L, C]: each request's past inputs (zeros when it starts here), then its
+    rows, padding zero). On a GPU one kernel does this (`kernels/causal_conv.py`)."""
+    lines = qkv[meta.rows] * meta.valid[..., None]                               # [B, L, C]
+    past = torch.where(meta.fresh[:, None, None], torch.zeros((), dtype=qkv.dtype, device=qkv.device),
+                       pool[meta.slots])
+    full = torch.cat([past, lines], dim=1)                                       # [B, w + L, C]
+    conv = (full.unfold(1, weight.shape[-1], 1) * weight[:, 0]).sum(-1)          # [B, L, C]
+    return F.silu(conv), full
+
+
 class GatedRMSNorm(nn.Module):
     """RMSNorm over each head's values (plain weight, not 1 + w), then times silu(z) in float32."""
 
@@ -175,21 +188,21 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, meta: LinearMeta, state: LinearState) -> torch.Tensor:
         meta.commit_candidates(state)
         qkv, z, b, a = self._split(self.in_proj(x))
-        lines = qkv[meta.rows] * meta.valid[..., None]                            # [B, L, C]
-        past = torch.where(meta.fresh[:, None, None], torch.zeros((), dtype=qkv.dtype, device=x.device),
-                           state.conv[meta.slots])
-        full = torch.cat([past, lines], dim=1)                                   # [B, w + L, C]
-        conv = (full.unfold(1, self.kernel, 1) * self.conv1d.weight[:, 0]).sum(-1)   # [B, L, C]
-        conv = F.silu(conv)
         a, b = a[meta.rows], b[meta.rows]
         chunked = use_chunked_kernel(x, meta)
         if not chunked and kernels.enabled(x) and _fused_recurrence_serves(self.dk, self.dv):
-            # one kernel: `delta_rule_inputs` and the recurrence (decode and verify lines), reading
-            # each request's state in place from its slot
+            # two kernels (decode and verify lines): the conv, then `delta_rule_inputs` and the
+            # recurrence, which reads each request's state in place from its slot and commits plain
+            # lines' in place
+            from pipespec.kernels.causal_conv import causal_conv
             from pipespec.kernels.delta_rule_recurrent import fused_gated_delta_rule
-            o, final, after = fused_gated_delta_rule(conv, a, b, self.A_log, self.dt_bias, state.rec, meta.slots,
-                                                     meta.fresh, meta.valid, self.hk, self.dk, keep=meta.flags.verify)
+            conv, full = causal_conv(qkv, meta.rows, meta.valid, state.conv, meta.slots, meta.fresh,
+                                     self.conv1d.weight)
+            o, after = fused_gated_delta_rule(conv, a, b, self.A_log, self.dt_bias, state.rec, meta.slots, meta.fresh,
+                                              meta.valid, meta.settles, self.hk, self.dk, keep=meta.flags.verify)
+            final = None                                                           # already in the slots
         else:
+            conv, full = causal_conv_lines(qkv, meta, state.conv, self.conv1d.weight)
             rec0 = torch.where(meta.fresh[:, None, None, None], torch.zeros((), device=x.device),
                                state.rec[meta.slots])
             q, k, v, g, beta = delta_rule_inputs(conv, a, b, self.A_log, self.dt_bias, self.hk, self.dk, self.dv)

@@ -97,6 +97,7 @@ class LinearMeta:
     fresh: torch.Tensor       # bool [B] the request starts here (position 0): zero state
     commit: torch.Tensor      # int64 [B] candidate to commit before running (-1: none)
     candidates: torch.Tensor  # bool [B] the request verifies drafts: keep a candidate per row
+    settles: torch.Tensor     # bool [B] its line commits its final state at once (~candidates)
     flags: LinearFlags
     states: list[LinearState]  # per local linear-attention layer
 
@@ -110,7 +111,8 @@ class LinearMeta:
                                        output_size=positions.shape[0])
         offset = torch.arange(positions.shape[0], device=positions.device) - starts[line]
         fresh = positions[starts] == 0
-        return cls(rows, valid, lengths, line, offset, slots, fresh, commit, num_drafts > 0, flags, states)
+        verifies = num_drafts > 0
+        return cls(rows, valid, lengths, line, offset, slots, fresh, commit, verifies, ~verifies, flags, states)
 
     def _pick(self, verifying: bool):
         """Index of the requests that verify (or not): every request when the flags say all do."""
@@ -130,13 +132,15 @@ class LinearMeta:
 
     def store(self, state: LinearState, inputs: torch.Tensor, final: torch.Tensor, after: torch.Tensor | None) -> None:
         """inputs [B, w + L, C]: the conv's past inputs then each line's; final: the recurrent state
-        after each line; after [B, L, ...]: after each row (verifying lines)."""
+        after each line (None: the kernel already wrote plain lines' into their slots); after
+        [B, L, ...]: after each row (verifying lines)."""
         w = inputs.shape[1] - self.flags.width
         if self.flags.plain:                    # prefill chunks, plain decode: commit at once
             p = self._pick(verifying=False)
             idx = self.lengths[p][:, None] + torch.arange(w, device=inputs.device)[None, :]
             state.conv[self.slots[p]] = inputs[p].gather(1, idx[..., None].expand(-1, -1, inputs.shape[-1]))
-            state.rec[self.slots[p]] = final[p]
+            if final is not None:
+                state.rec[self.slots[p]] = final[p]
         if self.flags.verify:                   # verify lines: the state after each row, kept aside
             c = self._pick(verifying=True)
             n = min(after.shape[1], state.cand_rec.shape[1])

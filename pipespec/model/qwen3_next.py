@@ -69,7 +69,10 @@ class GatedAttention(nn.Module):
         qg, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, gate = qg.view(t, self.num_heads, 2 * d).split([d, d], dim=-1)
         qk = torch.cat((self.q_norm(q), self.k_norm(k.view(t, self.num_kv_heads, d))), dim=1)
-        qk = torch.cat((apply_rope(qk[..., :self.rot].contiguous(), rope), qk[..., self.rot:]), dim=-1)
+        part = qk[..., :self.rot]               # partial rotary: the leading dims of each head
+        rotated = apply_rope(part, rope)
+        if rotated is not part:                 # the kernel rotates in place; PyTorch returns a copy
+            part.copy_(rotated)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         out = ctx.backend.forward(q.contiguous(), k.contiguous(), v.view(t, self.num_kv_heads, d), cache, ctx,
                                   d ** -0.5)

@@ -1,6 +1,7 @@
 """The fused recurrent gated delta rule (decode and verify lines, its inputs prepared in the kernel)
-equals the PyTorch preparation and recurrence: outputs of real rows, each line's final state, and the
-candidate state after every row; padding rows leave the state as it was. GPU; on CPU under
+equals the PyTorch preparation and recurrence: outputs of real rows, each committing line's final
+state written to its slot (the others' slots untouched), and the candidate state after every row;
+padding rows leave the state as it was. GPU; on CPU under
 TRITON_INTERPRET=1 in float32."""
 import importlib.util
 import os
@@ -40,11 +41,15 @@ def test_fused_recurrence_equals_reference(rows, lengths, keep, hk, hv, dk, dv):
     q, k, v, decay, beta = delta_rule_inputs(conv, a, beta_in, a_log, dt_bias, hk, dk, dv)
     want, want_final, want_after = gated_delta_rule(q, k, v, decay, beta, state, valid, keep=keep)
     before = pool.clone()
-    got, got_final, got_after = fused_gated_delta_rule(conv, a, beta_in, a_log, dt_bias, pool, slots, fresh, valid,
-                                                       hk, dk, keep=keep)
-    assert torch.equal(pool, before)                                # read in place, never written
+    commit = torch.arange(b, device=DEVICE) != 2                   # request 2 verifies: its slot is only read
+    got, got_after = fused_gated_delta_rule(conv, a, beta_in, a_log, dt_bias, pool, slots, fresh, valid, commit,
+                                            hk, dk, keep=keep)
     torch.testing.assert_close(got[valid], want[valid], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(got_final, want_final, atol=1e-5, rtol=1e-5)
+    # committing lines' final states are in their slots; every other slot is as it was
+    torch.testing.assert_close(pool[slots[commit]], want_final[commit], atol=1e-5, rtol=1e-5)
+    untouched = torch.ones(b + 3, dtype=torch.bool, device=DEVICE)
+    untouched[slots[commit]] = False
+    assert torch.equal(pool[untouched], before[untouched])
     if keep:
         torch.testing.assert_close(got_after, want_after, atol=1e-5, rtol=1e-5)
     else:

@@ -4,6 +4,7 @@ accepted rows alone, so committing the one the plan names continues as if nothin
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -44,9 +45,10 @@ def _run(layer, states, x, pos0, slot=0, commit=-1, drafts=0):
 
 
 @pytest.mark.parametrize("accepted", [0, 1, 2, 3])
-def test_committing_a_candidate_continues_as_if_only_the_accepted_rows_ran(accepted):
+@pytest.mark.parametrize("value_dim", [6, 8])     # 8: where Triton runs (GPU, interpreter), the fused kernels
+def test_committing_a_candidate_continues_as_if_only_the_accepted_rows_ran(accepted, value_dim):
     torch.manual_seed(1)
-    layer = GatedDeltaNet(16, CFG, 1e-6)
+    layer = GatedDeltaNet(16, dataclasses.replace(CFG, linear_value_head_dim=value_dim), 1e-6)
     with torch.no_grad():
         for p in layer.parameters():
             p.normal_(0, 0.3)

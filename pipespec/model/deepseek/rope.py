@@ -12,6 +12,7 @@ import math
 import torch
 from torch import nn
 
+from pipespec import kernels
 from pipespec.model.deepseek.config import YaRN, yarn_mscale
 
 
@@ -63,8 +64,13 @@ class SliceRope(nn.Module):
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor, interleaved: bool | None = None) -> torch.Tensor:
         """`interleaved` overrides the table's layout (DeepSeek-V3.2's indexer rotates half)."""
+        interleaved = self.interleaved if interleaved is None else interleaved
+        half = x.shape[-1] // 2
+        if kernels.enabled(x) and x.stride(-1) == 1 and half & (half - 1) == 0:
+            from pipespec.kernels.fused_ops import slice_rope     # one kernel for the dozen ops below
+            return slice_rope(x, self.cos, self.sin, positions, interleaved)
         cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
-        if self.interleaved if interleaved is None else interleaved:
+        if interleaved:
             a, b = x[..., 0::2], x[..., 1::2]
         else:
             a, b = x.chunk(2, dim=-1)
