@@ -121,26 +121,34 @@ def _block_m(rows_per_request: int) -> int:
     return 16 if rows_per_request <= 16 else 32 if rows_per_request <= 32 else 64
 
 
-MAX_SPLITS = 32
+MAX_SPLITS = 128
 SPLIT_MIN_KV = 1024        # below this many keys a request's one program reads them fast enough
 
 
 @dataclass(frozen=True)
 class Launch:
     """The kernel's launch shape: the defaults, or a benchmark's candidates (`attention_kernel.py
-    --sweep`). num_warps 0: 4 for tiles of <= 32 query rows, else 8. per_sm, max_splits: the split
-    rule's target programs per SM and its cap (`num_kv_splits`)."""
-    block_n: int = 64
-    num_stages: int = 2
+    --sweep`). 0 picks by the query tile: for tiles of <= 32 rows (decode, verify) 128 keys a step,
+    3 stages, 4 warps, as measured best on an H200 (RESULTS.md); for prefill tiles 64 keys, 2 stages,
+    8 warps (their K and V tiles would not fit three stages in shared memory at 128 keys). per_sm,
+    max_splits: the split rule's target programs per SM and its cap (`num_kv_splits`)."""
+    block_n: int = 0
+    num_stages: int = 0
     num_warps: int = 0
-    per_sm: int = 2
+    per_sm: int = 4
     max_splits: int = MAX_SPLITS
+
+    def resolved(self, block_m: int) -> tuple[int, int, int]:
+        """(block_n, num_stages, num_warps) for a query tile of `block_m` rows."""
+        small = block_m <= 32
+        return (self.block_n or (128 if small else 64), self.num_stages or (3 if small else 2),
+                self.num_warps or (4 if small else 8))
 
 
 DEFAULT_LAUNCH = Launch()
 
 
-def num_kv_splits(programs: int, max_kv: int, sms: int, per_sm: int = 2, max_splits: int = MAX_SPLITS) -> int:
+def num_kv_splits(programs: int, max_kv: int, sms: int, per_sm: int = 4, max_splits: int = MAX_SPLITS) -> int:
     """Splits of each program's keys: enough programs for about `per_sm` per SM, each split reading
     at least 256 keys; 1 (no split) when the grid already fills the GPU or contexts are short."""
     if max_kv < SPLIT_MIN_KV or programs >= sms:
@@ -187,14 +195,14 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     else:
         part_m = part_l = part_acc = out           # unused
     grid = (batch, kv_heads, tiles * num_splits)
+    block_n, num_stages, num_warps = launch.resolved(block_m)
     _paged_attention_kernel[grid](
         q, key_cache, value_cache, out, block_tables, query_start_loc, seq_lens, part_m, part_l, part_acc,
         heads, scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), key_cache.stride(0), key_cache.stride(1),
         block_tables.stride(0), GROUP=group, HEAD_DIM=dim, PAGE=page_size, BLOCK_M=block_m,
-        BLOCK_N=launch.block_n, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 stays exact
-        NUM_SPLITS=num_splits, num_warps=launch.num_warps or (4 if block_m <= 32 else 8),
-        num_stages=launch.num_stages)
+        BLOCK_N=block_n, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 stays exact
+        NUM_SPLITS=num_splits, num_warps=num_warps, num_stages=num_stages)
     if split:
         _combine_kernel[(t, heads)](part_m, part_l, part_acc, out, heads, out.stride(0), out.stride(1), HEAD_DIM=dim,
                                     NUM_SPLITS=num_splits, SPLITS=triton.next_power_of_2(num_splits), num_warps=4)

@@ -20,6 +20,8 @@ CFG = HybridConfig(layer_types=("linear_attention",), linear_num_key_heads=2, li
 
 def test_recurrence_equals_transformers_chunked_rule():
     from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+    # its PyTorch rule itself: where fla-core is installed transformers dispatches to fla's GPU kernel
+    torch_chunk_gated_delta_rule = getattr(torch_chunk_gated_delta_rule, "__wrapped__", torch_chunk_gated_delta_rule)
     g = torch.Generator().manual_seed(0)
     b, L, hk, hv, dk, dv = 2, 37, 2, 4, 8, 6
     q, k = (torch.randn(b, L, hk, dk, generator=g) for _ in range(2))
