@@ -12,11 +12,28 @@ With tensor parallelism a rank holds experts [first, first + E_local) only (`fir
 routed to other ranks' experts ride along in its last expert's group (so the groups still cover
 every row, as a grouped GEMM may require, with no data-dependent shape) and their outputs are masked
 to zero here (their own rank adds them; the caller all-reduces).
+
+A few pairs (decode) take `kernels/moe_experts.py` instead on the GPU: GEMVs with no sort, see
+`FEW_PAIRS` below.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from pipespec import kernels
+
+# At most this many (token, slot) pairs run as per-pair GEMVs (kernels/moe_experts.py). They read an
+# expert once per pair that picks it, the grouped GEMMs once per expert picked, so the GEMVs pay
+# about pairs / distinct experts (1 at one token: its top-k differ; 32 random pairs over 64 experts:
+# 1.2; over 32 experts, top-8: 1.4) and win on rate: ~3.6 TB/s of pairs' bytes from HBM (repeats
+# mostly hit L2: pairs of one expert read a tile together) against 0.8 to 2.6 for the grouped GEMMs
+# at a few rows per expert, plus their sort and scatter. On an H200 (bf16, CUDA graphs) the GEMVs
+# were 3.9x faster at one token (GLM-4.7-Flash shape), 2x at 32 pairs, and 1.26x with 32 experts
+# top-8 at 32 pairs, which lost at 64 (pairs / distinct 2.2). Routing that repeats experts more
+# than random (similar tokens) moves the break-even down, hence 32, not the 64 that won at 64
+# experts. A test on host shapes: a captured graph keeps its path.
+FEW_PAIRS = 32
 
 
 def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
@@ -27,6 +44,9 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ga
     rows); down [E, H, I]. Returns [T, H] in x's dtype. `first`: the global id of gate_up's first
     expert when this rank holds only some (pairs routed elsewhere contribute nothing)."""
     t, k = ids.shape
+    if kernels.enabled(x) and t * k <= FEW_PAIRS and gate_up.is_contiguous() and down.is_contiguous():
+        from pipespec.kernels.moe_experts import few_pair_experts
+        return few_pair_experts(x, ids, weights, gate_up, down, first)
     e = gate_up.shape[0]
     flat = ids.reshape(-1)
     mine = None

@@ -1,0 +1,99 @@
+"""The few-pair routed-expert kernels against a plain per-pair loop and against `routed_experts`'s
+grouped-GEMM path: odd sizes, experts repeated across tokens, pairs of other ranks' experts, and a
+different weight per slot. On a GPU; on CPU under the Triton interpreter (TRITON_INTERPRET=1)."""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRET),
+                                 reason="needs a CUDA device (or TRITON_INTERPRET=1 with triton)")]
+
+
+def _loop(x, ids, weights, gate_up, down, first=0):
+    """Per pair, in float64: what each (token, slot) adds; other ranks' experts add nothing."""
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(ids.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j]) - first
+            if 0 <= e < gate_up.shape[0]:
+                gate, up = (gate_up[e].double().cpu() @ x[t].double().cpu()).chunk(2)
+                out[t] += float(weights[t, j]) * (down[e].double().cpu() @ (F.silu(gate) * up))
+    return out
+
+
+def _case(t, e, k, h, i, seed, repeat=True):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, h, generator=gen)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
+    if repeat and t > 1:
+        ids[1, 0] = ids[0, 1]                       # one expert serves two tokens (other slots)
+    weights = torch.rand(t, k, generator=gen) + torch.arange(k) * 0.5   # a distinct weight per slot
+    gate_up = torch.randn(e, 2 * i, h, generator=gen) / h ** 0.5
+    down = torch.randn(e, h, i, generator=gen) / i ** 0.5
+    return [a.to(DEVICE) for a in (x, ids, weights, gate_up, down)]
+
+
+def _close(got, want):
+    torch.testing.assert_close(got.double().cpu(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("t,k", [(1, 2), (1, 4), (3, 2), (3, 4)])
+@pytest.mark.parametrize("h,i", [(48, 40), (96, 72)])
+def test_equals_per_pair_loop(t, k, h, i):
+    from pipespec.kernels.moe_experts import few_pair_experts
+    args = _case(t, 8, k, h, i, seed=t * 10 + k + h)
+    _close(few_pair_experts(*args), _loop(*args))
+
+
+@pytest.mark.parametrize("t,k", [(1, 4), (3, 4), (3, 2)])
+def test_other_ranks_experts_add_zero(t, k):
+    """This rank holds global experts [4, 10): pairs routed below or above add nothing."""
+    from pipespec.kernels.moe_experts import few_pair_experts
+    x, ids, weights, gate_up, down = _case(t, 16, k, 96, 72, seed=7 + t)
+    ids[0, 0], ids[0, 1] = 2, 13                    # certainly another rank's (below, above)
+    local_up, local_down = gate_up[4:10].contiguous(), down[4:10].contiguous()
+    got = few_pair_experts(x, ids, weights, local_up, local_down, first=4)
+    _close(got, _loop(x, ids, weights, local_up, local_down, first=4))
+    elsewhere = torch.where((ids >= 4) & (ids < 10), ids + 6, ids)    # none of this rank's
+    assert torch.equal(few_pair_experts(x, elsewhere, weights, local_up, local_down, first=4),
+                       torch.zeros_like(x))
+
+
+def test_slot_weights_and_gate_up_halves_matter():
+    """The data tells a wrong slot weighting or swapped gate/up halves apart from the right answer."""
+    from pipespec.kernels.moe_experts import few_pair_experts
+    x, ids, weights, gate_up, down = _case(3, 8, 4, 48, 40, seed=3)
+    got = few_pair_experts(x, ids, weights, gate_up, down).double().cpu()
+    i = gate_up.shape[1] // 2
+    swapped = torch.cat([gate_up[:, i:], gate_up[:, :i]], 1)
+    for wrong in (_loop(x, ids, weights.flip(1), gate_up, down), _loop(x, ids, weights, swapped, down)):
+        assert (got - wrong).abs().max() > 0.05 * wrong.abs().max()
+    _close(got, _loop(x, ids, weights, gate_up, down))
+
+
+@pytest.mark.parametrize("pairs_over", [False, True])
+def test_routed_experts_takes_the_kernel_for_few_pairs(monkeypatch, pairs_over):
+    """Inference mode with kernels on: few pairs run the kernels, more run the grouped GEMMs; both
+    equal the PyTorch path outside inference mode, with `first` and pairs of other ranks."""
+    import pipespec.kernels.moe_experts as moe_experts
+    from pipespec.model import routed_experts as module
+    x, ids, weights, gate_up, down = _case(3, 12, 4, 96, 72, seed=11)
+    ids[2, 3] = 1                                   # another rank's: this one holds [2, 12)
+    args = (x, ids, weights, gate_up[2:].contiguous(), down[2:].contiguous(), 2)
+    calls = []
+    kernel = moe_experts.few_pair_experts
+    monkeypatch.setattr(moe_experts, "few_pair_experts", lambda *a: calls.append(1) or kernel(*a))
+    monkeypatch.setattr(module, "FEW_PAIRS", 11 if pairs_over else 12)
+    want = module.routed_experts(*args)             # no inference mode: the grouped-GEMM path
+    with torch.inference_mode():
+        got = module.routed_experts(*args)
+    assert len(calls) == (0 if pairs_over else 1)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
