@@ -186,31 +186,32 @@ class GatedDeltaNet(nn.Module):
         return qkv, z.reshape(t, self.hv, self.dv), b.reshape(t, self.hv), a.reshape(t, self.hv)
 
     def forward(self, x: torch.Tensor, meta: LinearMeta, state: LinearState) -> torch.Tensor:
-        meta.commit_candidates(state)
         qkv, z, b, a = self._split(self.in_proj(x))
-        a, b = a[meta.rows], b[meta.rows]
         chunked = use_chunked_kernel(x, meta)
         if not chunked and kernels.enabled(x) and _fused_recurrence_serves(self.dk, self.dv):
             # two kernels (decode and verify lines): the conv, then `delta_rule_inputs` and the
-            # recurrence, which reads each request's state in place from its slot and commits plain
-            # lines' in place
+            # recurrence, both reading and writing the states in place as the plan says
+            # (`commit_candidates` and `store` are in them)
             from pipespec.kernels.causal_conv import causal_conv
             from pipespec.kernels.delta_rule_recurrent import fused_gated_delta_rule
-            conv, full = causal_conv(qkv, meta.rows, meta.valid, state.conv, meta.slots, meta.fresh,
-                                     self.conv1d.weight)
-            o, after = fused_gated_delta_rule(conv, a, b, self.A_log, self.dt_bias, state.rec, meta.slots, meta.fresh,
-                                              meta.valid, meta.settles, self.hk, self.dk, keep=meta.flags.verify)
-            final = None                                                           # already in the slots
+            m = meta
+            conv = causal_conv(qkv, m.rows, m.valid, m.lengths, state.conv, state.cand_conv, m.slots, m.fresh,
+                               m.commit, m.settles, self.conv1d.weight)
+            flat = fused_gated_delta_rule(conv, a, b, self.A_log, self.dt_bias, state.rec, state.cand_rec, m.slots,
+                                          m.fresh, m.commit, m.settles, m.rows, m.valid, self.hk, self.dk,
+                                          keep=m.flags.verify)
         else:
+            meta.commit_candidates(state)
             conv, full = causal_conv_lines(qkv, meta, state.conv, self.conv1d.weight)
             rec0 = torch.where(meta.fresh[:, None, None, None], torch.zeros((), device=x.device),
                                state.rec[meta.slots])
-            q, k, v, g, beta = delta_rule_inputs(conv, a, b, self.A_log, self.dt_bias, self.hk, self.dk, self.dv)
+            q, k, v, g, beta = delta_rule_inputs(conv, a[meta.rows], b[meta.rows], self.A_log, self.dt_bias, self.hk,
+                                                 self.dk, self.dv)
             if chunked:
                 (o, final), after = chunked_delta_rule(q.to(x.dtype), k.to(x.dtype), v, g, beta, rec0, meta.valid), None
             else:
                 o, final, after = gated_delta_rule(q, k, v, g, beta, rec0, meta.valid, keep=meta.flags.verify)
-        meta.store(state, full, final, after)
-        flat = o[meta.line, meta.offset].to(x.dtype)                              # [T, Hv, Dv]
+            meta.store(state, full, final, after)
+            flat = o[meta.line, meta.offset].to(x.dtype)                          # [T, Hv, Dv]
         out = self.norm(flat, z).reshape(x.shape[0], self.value_size)
         return self.out_proj(out)

@@ -9,6 +9,13 @@ rolled back by position. So for a request that verifies drafts the committed sta
 was and the state after each row is kept as a candidate; the next plan names the candidate to commit
 (`state_commit`: the accepted count), and every stage commits it before running the request again.
 
+On a GPU the layer's kernels keep the states in place instead of calling `commit_candidates` and
+`store` (`kernels/causal_conv.py`, `kernels/delta_rule_recurrent.py`): a request's committed state
+is read from the candidate its plan commits, else from its slot, and only lines that commit at once
+write the slot. That is the same state because a verify step is always followed, on the request's
+next run, by a plan that commits one of its candidates (`Scheduler` sets `state_commit` after every
+verify step; a preempted request restarts from zeros).
+
 Nothing here reads a device tensor back to the host: what the code must branch on (the widest line,
 whether any request verifies, runs plainly or commits) comes from the host plan as `LinearFlags`, so
 a steady step, where every request verifies, runs inside a CUDA graph.
@@ -132,15 +139,13 @@ class LinearMeta:
 
     def store(self, state: LinearState, inputs: torch.Tensor, final: torch.Tensor, after: torch.Tensor | None) -> None:
         """inputs [B, w + L, C]: the conv's past inputs then each line's; final: the recurrent state
-        after each line (None: the kernel already wrote plain lines' into their slots); after
-        [B, L, ...]: after each row (verifying lines)."""
+        after each line; after [B, L, ...]: after each row (verifying lines)."""
         w = inputs.shape[1] - self.flags.width
         if self.flags.plain:                    # prefill chunks, plain decode: commit at once
             p = self._pick(verifying=False)
             idx = self.lengths[p][:, None] + torch.arange(w, device=inputs.device)[None, :]
             state.conv[self.slots[p]] = inputs[p].gather(1, idx[..., None].expand(-1, -1, inputs.shape[-1]))
-            if final is not None:
-                state.rec[self.slots[p]] = final[p]
+            state.rec[self.slots[p]] = final[p]
         if self.flags.verify:                   # verify lines: the state after each row, kept aside
             c = self._pick(verifying=True)
             n = min(after.shape[1], state.cand_rec.shape[1])

@@ -1,7 +1,8 @@
 """The fused recurrent gated delta rule (decode and verify lines, its inputs prepared in the kernel)
-equals the PyTorch preparation and recurrence: outputs of real rows, each committing line's final
-state written to its slot (the others' slots untouched), and the candidate state after every row;
-padding rows leave the state as it was. GPU; on CPU under
+equals the PyTorch preparation and recurrence: outputs of real rows, the state each line starts from
+(zeros, the committed candidate or the slot's), each settling line's final state written to its slot
+and each verifying line's state after every row to its candidates; padding rows leave the state as
+it was. GPU; on CPU under
 TRITON_INTERPRET=1 in float32."""
 import importlib.util
 import os
@@ -23,34 +24,39 @@ pytestmark = [pytest.mark.gpu,
 @pytest.mark.parametrize("hk,hv,dk,dv", [(1, 1, 8, 8), (1, 3, 16, 32), (2, 4, 128, 128)])
 def test_fused_recurrence_equals_reference(rows, lengths, keep, hk, hv, dk, dv):
     """From the conv output, a and b (padding lines zero, as the layer builds them) and the states in
-    their slots (a fresh request from zeros) to outputs and states: the kernel's in-register
+    their pools to outputs and states: request 0 starts from the candidate its plan commits, request
+    1 from zeros (it starts here), request 2 from its candidate 0, which (with `keep`) it verifies
+    over, so its candidates are overwritten by the ones this step keeps. The kernel's in-register
     preparation and recurrence against the PyTorch functions."""
     from pipespec.kernels.delta_rule_recurrent import fused_gated_delta_rule
     g = torch.Generator(device=DEVICE).manual_seed(rows + hv)
-    b = len(lengths)
+    b, cand_rows = len(lengths), 3
     valid = torch.arange(rows, device=DEVICE)[None, :] < torch.tensor(lengths, device=DEVICE)[:, None]
+    starts = torch.tensor([0] + lengths[:-1], device=DEVICE).cumsum(0)
+    flat_rows = torch.where(valid, starts[:, None] + torch.arange(rows, device=DEVICE), 0)   # as LinearMeta
     conv = torch.randn(b, rows, 2 * hk * dk + hv * dv, device=DEVICE, generator=g) * valid[..., None]
-    a = torch.randn(b, rows, hv, device=DEVICE, generator=g) * 3     # softplus on both sides of 0
-    beta_in = torch.randn(b, rows, hv, device=DEVICE, generator=g)
+    # the step's a and b rows, as column slices of one projection
+    ab = torch.randn(sum(lengths), 2 * hv + 5, device=DEVICE, generator=g)
+    a, beta_in = ab[:, :hv] * 3, ab[:, hv + 5:]                     # a: softplus on both sides of 0
     a_log = torch.randn(hv, device=DEVICE, generator=g) * 0.5
     dt_bias = torch.randn(hv, device=DEVICE, generator=g) * 0.5
-    pool = torch.randn(b + 3, hv, dk, dv, device=DEVICE, generator=g) * 0.1     # a layer's state slots
+    rec = torch.randn(b + 3, hv, dk, dv, device=DEVICE, generator=g) * 0.1     # a layer's state slots
+    cand = torch.randn(b + 3, cand_rows, hv, dk, dv, device=DEVICE, generator=g) * 0.1
     slots = torch.randperm(b + 3, device=DEVICE, generator=g)[:b]
-    fresh = torch.arange(b, device=DEVICE) == 1                     # request 1 starts here: zero state
-    state = torch.where(fresh[:, None, None, None], 0.0, pool[slots])
-    q, k, v, decay, beta = delta_rule_inputs(conv, a, beta_in, a_log, dt_bias, hk, dk, dv)
-    want, want_final, want_after = gated_delta_rule(q, k, v, decay, beta, state, valid, keep=keep)
-    before = pool.clone()
-    commit = torch.arange(b, device=DEVICE) != 2                   # request 2 verifies: its slot is only read
-    got, got_after = fused_gated_delta_rule(conv, a, beta_in, a_log, dt_bias, pool, slots, fresh, valid, commit,
-                                            hk, dk, keep=keep)
-    torch.testing.assert_close(got[valid], want[valid], atol=1e-5, rtol=1e-5)
-    # committing lines' final states are in their slots; every other slot is as it was
-    torch.testing.assert_close(pool[slots[commit]], want_final[commit], atol=1e-5, rtol=1e-5)
-    untouched = torch.ones(b + 3, dtype=torch.bool, device=DEVICE)
-    untouched[slots[commit]] = False
-    assert torch.equal(pool[untouched], before[untouched])
-    if keep:
-        torch.testing.assert_close(got_after, want_after, atol=1e-5, rtol=1e-5)
-    else:
-        assert got_after is None
+    fresh = torch.arange(b, device=DEVICE) == 1
+    commit = torch.tensor([1, -1, 0], device=DEVICE)
+    settles = torch.tensor([True, True, not keep], device=DEVICE)
+    start = torch.where((commit >= 0)[:, None, None, None], cand[slots, commit.clamp(min=0)], rec[slots])
+    state = torch.where(fresh[:, None, None, None], 0.0, start)
+    q, k, v, decay, beta = delta_rule_inputs(conv, a[flat_rows], beta_in[flat_rows], a_log, dt_bias, hk, dk, dv)
+    want, want_final, want_after = gated_delta_rule(q, k, v, decay, beta, state, valid, keep=True)
+    want_rec, want_cand = rec.clone(), cand.clone()
+    want_rec[slots[settles]] = want_final[settles]
+    n = min(rows, cand_rows)
+    want_cand[slots[~settles], :n] = want_after[~settles, :n]
+    got = fused_gated_delta_rule(conv, a, beta_in, a_log, dt_bias, rec, cand, slots, fresh, commit, settles,
+                                 flat_rows, valid, hk, dk, keep=keep)
+    torch.testing.assert_close(got, want[valid], atol=1e-5, rtol=1e-5)            # the step's rows, in order
+    # settling lines' final states are in their slots, verifying lines' candidates in theirs, nothing else moved
+    torch.testing.assert_close(rec, want_rec, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cand, want_cand, atol=1e-5, rtol=1e-5)
