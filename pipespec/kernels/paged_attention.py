@@ -150,8 +150,8 @@ DEFAULT_LAUNCH = Launch()
 
 def num_kv_splits(programs: int, max_kv: int, sms: int, per_sm: int = 4, max_splits: int = MAX_SPLITS) -> int:
     """Splits of each program's keys: enough programs for about `per_sm` per SM, each split reading
-    at least 256 keys; 1 (no split) when the grid already fills the GPU or contexts are short."""
-    if max_kv < SPLIT_MIN_KV or programs >= sms:
+    at least 256 keys; 1 (no split) when the grid already has that many or contexts are short."""
+    if max_kv < SPLIT_MIN_KV or programs >= per_sm * sms:
         return 1
     return max(1, min(max_splits, -(-per_sm * sms // programs), max_kv // 256))
 

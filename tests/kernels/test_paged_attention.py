@@ -97,7 +97,8 @@ def test_split_kv_matches_reference(mix, num_splits, dtype):
 def test_split_count_follows_the_host_shapes():
     from pipespec.kernels.paged_attention import MAX_SPLITS, num_kv_splits
     assert num_kv_splits(programs=8, max_kv=512, sms=132) == 1            # short contexts: one program
-    assert num_kv_splits(programs=256, max_kv=32768, sms=132) == 1        # the grid fills the GPU
+    assert num_kv_splits(programs=528, max_kv=32768, sms=132) == 1        # the grid fills the GPU
+    assert num_kv_splits(programs=192, max_kv=4096, sms=132) == 3         # batch 64, 3 KV heads
     assert num_kv_splits(programs=8, max_kv=4096, sms=132) == 16          # >= 256 keys a split
     assert num_kv_splits(programs=8, max_kv=32768, sms=132) == 66         # four programs an SM
     assert num_kv_splits(programs=1, max_kv=65536, sms=132) == MAX_SPLITS
