@@ -5,7 +5,8 @@
    microseconds of one call replayed from a CUDA graph that cycles through copies of the weight
    totalling 512 MB of bf16 (so L2 does not serve them; decode replays graphs too), and the weight
    bytes read per second. With `--sweep`, the batch-1 row of every projection also tries other
-   launch shapes (`Tiles`, split-K included) and reports the best, to choose the defaults from.
+   launch shapes of the decode kernels (`Gemv`, split-K included) and reports the best, to choose
+   the defaults from.
 2. Engines: the Llama-3-8B shape with random weights (`--load-format dummy`), bf16 against
    `--quantization fp8` and `--quantization awq` (int4), CUDA graphs on, random 32-token prompts,
    greedy, 64 new tokens; tokens/s by batch, medians of interleaved repeats; the peer is the bf16
@@ -30,7 +31,7 @@ from pp_spec_gpu import timed  # noqa: E402
 from pp_two_gpu import llama8b_folder, prompts_of  # noqa: E402
 
 from pipespec import LLM, SamplingParams  # noqa: E402
-from pipespec.kernels.quant_matmul import Tiles, fp8_block_matmul, int4_matmul  # noqa: E402
+from pipespec.kernels.quant_matmul import Gemv, Tiles, fp8_block_matmul, int4_matmul  # noqa: E402
 from pipespec.model.quant.packed import Fp8Weight, Int4Weight  # noqa: E402
 from pipespec.stage.cuda_graphs import graph_ms  # noqa: E402
 
@@ -45,21 +46,32 @@ def _us(calls) -> float:
     return graph_ms(calls) * 1000
 
 
-# launch shapes tried at batch 1: output tile, K tile (0: the largest <= 64 dividing the group or
-# scale block), warps and stages, split-K (0: `split_k_for`)
-SWEEP = [Tiles(block_n=n, block_k=bk, num_warps=w, num_stages=st, split_k=sk)
-         for n in (32, 64, 128) for bk in (0, 128) for w, st in ((4, 3), (8, 4)) for sk in (0, 1)]
+# decode-kernel shapes tried at batch 1, each one Triton compile: (block_n, block_k, num_warps, split_k;
+# 0: `gemv_split_k`). int4: columns a program (a warp per >= 128), K a step; the defaults first, then
+# more columns a lane or warps, longer or shorter steps, and fixed splits to check the heuristic.
+# fp8: rows a program (inside a scale block), bytes of a row a step.
+SWEEP = {
+    "int4": [Tiles(int4_gemv=Gemv(n, k, w, split)) for n, k, w, split in (
+        (256, 32, 1, 0), (256, 64, 1, 0), (256, 16, 1, 0), (128, 64, 1, 0), (128, 32, 1, 0), (512, 32, 1, 0),
+        (512, 32, 2, 0), (512, 64, 4, 0), (1024, 32, 4, 0), (256, 32, 1, 8), (256, 32, 1, 16), (256, 32, 1, 32),
+        (256, 32, 1, 128), (128, 64, 1, 64))],
+    "fp8": [Tiles(fp8_gemv=Gemv(n, k, w, split)) for n, k, w, split in (
+        (16, 512, 4, 0), (8, 512, 4, 0), (32, 512, 4, 0), (16, 256, 4, 0), (32, 256, 4, 0), (16, 1024, 4, 0),
+        (8, 1024, 4, 0), (16, 512, 8, 0), (32, 512, 8, 0), (64, 128, 4, 0), (8, 512, 2, 0), (32, 1024, 8, 0),
+        (16, 512, 4, 1), (16, 512, 4, 2), (16, 512, 4, 6), (8, 512, 4, 4))],
+}
 
 
-def _name(t: Tiles) -> str:
-    return f"n{t.block_n}_k{t.block_k or 'auto'}_w{t.num_warps}_s{t.num_stages}_split{t.split_k or 'auto'}"
+def _name(t: Tiles, kind: str) -> str:
+    g = getattr(t, f"{kind}_gemv")
+    return f"n{g.block_n}_k{g.block_k}_w{g.num_warps}_split{g.split_k or 'auto'}"
 
 
 def sweep(name, x, q4s, f8s, report):
     for kind, run in (("int4", lambda w, t: int4_matmul(x, w.qweight, w.zeros, w.scales, w.group, tiles=t)),
                       ("fp8", lambda w, t: fp8_block_matmul(x, w.weight, w.scale_inv, w.block, t))):
         weights = q4s if kind == "int4" else f8s
-        times = {_name(t): round(_us([lambda w=w, t=t: run(w, t) for w in weights]), 1) for t in SWEEP}
+        times = {_name(t, kind): round(_us([lambda w=w, t=t: run(w, t) for w in weights]), 1) for t in SWEEP[kind]}
         best = min(times, key=times.get)
         row = {"part": "sweep", "kernel": kind, "proj": name, "m": x.shape[0], "best": best,
                "best_us": times[best], "us": times}

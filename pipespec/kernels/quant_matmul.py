@@ -4,6 +4,11 @@ the `Int4Weight` layout) and block-scaled FP8 e4m3. y = x @ W.T for x [M, K] in 
 Decode is bound by reading the weights: 4 bits a weight instead of 16 is what buys the speed, so each
 tile of packed weights is read once, unpacked in registers and multiplied at the activations'
 precision (weight-only quantization, W4A16 / W8A16). The activations are never quantized.
+
+Two paths: up to `Gemv.max_m` rows (decode) the GEMV kernels multiply on CUDA cores, every row
+against each weight tile as it is loaded; more rows take the tl.dot kernels, whose tiles are at
+least 16 rows (mostly padding at batch 1). Both split K over programs when the output alone gives
+too few, summing float32 partials in split order.
 """
 from __future__ import annotations
 
@@ -17,13 +22,26 @@ from pipespec.kernels import sm_count
 
 
 @triton.jit
-def _store(y_ptr, acc, rm, rn, M, N, stride_ym, SPLIT_K: tl.constexpr):
-    """The tile's sum, or with split-K this split's float32 partial (plane program_id(2) of [S, M, N])."""
+def _store(y_ptr, acc, rm, rn, M, N, stride_ym, split, SPLIT_K: tl.constexpr):
+    """The tile's sum, or with split-K this split's float32 partial (plane `split` of [S, M, N])."""
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     if SPLIT_K == 1:
         tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
     else:
-        tl.store(y_ptr + tl.program_id(2) * M * N + rm[:, None] * N + rn[None, :], acc, mask=mask)
+        tl.store(y_ptr + split * M * N + rm[:, None] * N + rn[None, :], acc, mask=mask)
+
+
+@triton.jit
+def _sum_splits(p_ptr, y_ptr, size, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    """y (contiguous) = the float32 partials [SPLIT_K, size] summed in split order (deterministic,
+    unlike atomics) and cast, in one launch. The splits are unrolled so that their loads are all in
+    flight at once."""
+    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = r < size
+    acc = tl.load(p_ptr + r, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):
+        acc += tl.load(p_ptr + s * size + r, mask=mask, other=0.0)
+    tl.store(y_ptr + r, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -55,7 +73,7 @@ def _int4_kernel(x_ptr, q_ptr, z_ptr, s_ptr, y_ptr, M, stride_xm, stride_ym, k_p
             acc += tl.dot(x, w, input_precision="ieee")
         else:
             acc += tl.dot(x, w)
-    _store(y_ptr, acc, rm, rn, M, N, stride_ym, SPLIT_K)
+    _store(y_ptr, acc, rm, rn, M, N, stride_ym, tl.program_id(2), SPLIT_K)
 
 
 @triton.jit
@@ -81,7 +99,102 @@ def _fp8_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, stride_xm, stride_ym, scale_cols,
         else:
             part = tl.dot(x, w.to(x.dtype))
         acc += part * s
-    _store(y_ptr, acc, rm, rn, M, N, stride_ym, SPLIT_K)
+    _store(y_ptr, acc, rm, rn, M, N, stride_ym, tl.program_id(2), SPLIT_K)
+
+
+@triton.jit
+def _int4_step_loads(q_ptr, z_ptr, s_ptr, k0, k_end, rw, rn, N: tl.constexpr, GROUP: tl.constexpr,
+                     BLOCK_N: tl.constexpr):
+    """Packed words [1, KW, BN] of the step at k0 and its group's zeros and scales [1, 1, BN]; zeros
+    (no memory read) from k_end on."""
+    if N % BLOCK_N == 0:
+        mask = k0 < k_end
+    else:
+        mask = (k0 < k_end) & (rn < N)
+    words = tl.load(q_ptr + (k0 // 8 + rw) * N + rn, mask=mask, other=0)
+    g = k0 // GROUP
+    return words, tl.load(z_ptr + g * N + rn, mask=mask, other=0.0), tl.load(s_ptr + g * N + rn, mask=mask, other=0.0)
+
+
+@triton.jit
+def _int4_gemv_kernel(x_ptr, q_ptr, z_ptr, s_ptr, y_ptr, M, stride_xm, stride_ym, k_per_split,
+                      N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    """Decode on CUDA cores: all M (<= BLOCK_M) rows against BLOCK_N output columns, BLOCK_K rows of
+    K (inside one group) a step. A lane loads 4 words of each word row (16 bytes, coalesced along N;
+    `int4_matmul` gives each warp >= 128 columns), so it holds whole columns of the step and sums
+    over K alone, with no shuffles. Every tensor is [rows, words, columns] or a broadcast of it, so
+    all take the words' layout (Triton moves nothing through shared memory). Within a group,
+    sum (q - z) * s * x = s * (sum q x - z * sum x): per weight and row one AND, one exact FMA that
+    makes q a float, and the FMA with x; zeros and scales once a step."""
+    rm = tl.arange(0, BLOCK_M)[:, None, None]
+    rw = tl.arange(0, BLOCK_K // 8)[None, :, None]
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[None, None, :]
+    x_row = x_ptr + tl.minimum(rm, M - 1) * stride_xm       # rows past M repeat the last: no mask
+    acc = tl.zeros((BLOCK_M, 1, BLOCK_N), dtype=tl.float32)
+    k_start = tl.program_id(1) * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)             # BLOCK_K divides K
+    # Words, zeros and scales are loaded a step ahead. Loaded in their own step, ptxas spreads them
+    # through the step's arithmetic (a few 16-byte loads in flight a lane, seen in the SASS); loads
+    # whose values wait for the next iteration go out together.
+    words, z, s = _int4_step_loads(q_ptr, z_ptr, s_ptr, k_start, k_end, rw, rn, N, GROUP, BLOCK_N)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        next_words, next_z, next_s = _int4_step_loads(q_ptr, z_ptr, s_ptr, k0 + BLOCK_K, k_end, rw, rn, N, GROUP,
+                                                      BLOCK_N)
+        # Nibble j sits at bit lo = 4 * (j % 4) of half j // 4. Masked in place under the exponent of
+        # 2**23 it reads as the float 2**23 + q * 2**lo: int to float with no conversion instruction.
+        # The exponent E is ORed in once a word: (w | E) & (m | E) == (w & m) | E (the sign bits the
+        # arithmetic shift brings in are masked off).
+        halves = (words | 0x4B000000, (words >> 16) | 0x4B000000)
+        qx = tl.zeros((BLOCK_M, BLOCK_K // 8, BLOCK_N), dtype=tl.float32)     # summed over words per step
+        xs = tl.zeros((BLOCK_M, BLOCK_K // 8, 1), dtype=tl.float32)
+        for j in tl.static_range(8):
+            x = tl.load(x_row + k0 + 8 * rw + j).to(tl.float32)                         # [BM, KW, 1]
+            q = (halves[j // 4] & ((0xF << (4 * (j % 4))) | 0x4B000000)).to(tl.float32, bitcast=True)
+            q = q * 2.0 ** -(4 * (j % 4)) - 2.0 ** (23 - 4 * (j % 4))                  # exact: q
+            qx += q * x
+            xs += x
+        acc += s * (tl.sum(qx, axis=1, keep_dims=True) - z * tl.sum(xs, axis=1, keep_dims=True))
+        words, z, s = next_words, next_z, next_s
+    _store(y_ptr, tl.sum(acc, axis=1), tl.arange(0, BLOCK_M), tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N),
+           M, N, stride_ym, tl.program_id(1), SPLIT_K)
+
+
+@triton.jit
+def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, stride_xm, stride_ym, scale_cols, k_per_split,
+                     N: tl.constexpr, K: tl.constexpr, BLOCK_OUT: tl.constexpr, BLOCK_IN: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
+                     SPLIT_K: tl.constexpr):
+    """Decode on CUDA cores: all M (<= BLOCK_M) rows against BLOCK_N weight rows (inside one scale
+    row), a chunk of BLOCK_K a step. A lane loads VEC consecutive bytes of a row (coalesced along K)
+    and sums their products itself; that sum is scaled by its scale block (VEC divides the block) and
+    kept apart per lane, [rows, N rows, K / VEC], so lanes are summed once, at the end."""
+    rm = tl.arange(0, BLOCK_M)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    rc = tl.arange(0, BLOCK_K // VEC)
+    x_row = x_ptr + tl.minimum(rm, M - 1)[:, None] * stride_xm      # rows past M repeat the last: no mask
+    s_row = s_ptr + (tl.program_id(0) * BLOCK_N // BLOCK_OUT) * scale_cols
+    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // VEC), dtype=tl.float32)
+    k_start = tl.program_id(1) * k_per_split
+    for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
+        k = k0 + rk
+        # x before w: Triton's layout pass then keeps the weight tile's layout (VEC bytes a lane) and
+        # moves x, the small operand, through shared memory; in the other order it moves the weights.
+        if K % BLOCK_K == 0:
+            x = tl.load(x_row + k[None, :])
+        else:
+            x = tl.load(x_row + k[None, :], mask=k[None, :] < K, other=0.0)
+        if (K % BLOCK_K == 0) and (N % BLOCK_N == 0):
+            w = tl.load(w_ptr + rn[:, None] * K + k[None, :])
+        else:
+            w = tl.load(w_ptr + rn[:, None] * K + k[None, :], mask=(rn[:, None] < N) & (k[None, :] < K), other=0.0)
+        w = tl.reshape(w.to(tl.float32), (1, BLOCK_N, BLOCK_K // VEC, VEC))
+        x = tl.reshape(x.to(tl.float32), (BLOCK_M, 1, BLOCK_K // VEC, VEC))
+        kc = k0 + rc * VEC
+        s = tl.load(s_row + kc // BLOCK_IN, mask=kc < K, other=0.0)
+        acc += tl.sum(x * w, axis=3) * s[None, None, :]
+    _store(y_ptr, tl.sum(acc, axis=2), rm, rn, M, N, stride_ym, tl.program_id(1), SPLIT_K)
 
 
 def _tile(size: int, what: str) -> int:
@@ -95,15 +208,42 @@ def _tile(size: int, what: str) -> int:
 
 
 @dataclass(frozen=True)
+class Gemv:
+    """Launch shape of a decode kernel (`_int4_gemv_kernel`, `_fp8_gemv_kernel`), used up to `max_m`
+    rows (more go to the tl.dot kernels). block_n: output features a program (int4: columns, each
+    warp >= 128 of them; fp8: rows, inside one scale block); block_k: K a loop step at one row (int4:
+    inside one group, and shrunk as rows add registers); split_k: 0 lets `gemv_split_k` pick.
+
+    max_m = 8: besides unpacking (~3.4 issue slots an int4 weight, ~2.5 an fp8 one in the sm_90 SASS)
+    these kernels spend about one FMA per weight and row on CUDA cores, where an H200 streaming ~4
+    TB/s has ~4 slots an int4 weight and ~8 an fp8 one. At 8 rows (~17 and ~12 slots, counted) int4
+    is estimated near bf16's speed and fp8 above it, still well above the tl.dot kernels measured
+    at batch 1 (their BLOCK_M = 16 tiles cost the same at 1 row as at 16); by 16 rows CUDA-core FMAs
+    should lose to tensor cores."""
+    block_n: int
+    block_k: int
+    num_warps: int
+    split_k: int = 0
+    max_m: int = 8
+
+
+@dataclass(frozen=True)
 class Tiles:
     """Launch shape of one product: the defaults, or a benchmark's candidates (`quant_gpu.py`).
     0 for block_n / block_k: the largest power of two <= 64 dividing the group or scale block.
-    split_k: programs sharing one output tile's K range (0: `split_k_for` picks)."""
+    split_k: programs sharing one output tile's K range (0: `split_k_for` picks).
+    int4_gemv / fp8_gemv: the decode kernels' shapes (M <= max_m), chosen from the sm_90 SASS at
+    M = 1. int4: one warp of 256 columns (8 a lane: each x value it loads serves 8 weights), 32 rows
+    of K a step: 4 KB a step, ~4.5 instructions a weight, 168 registers with the prefetched step.
+    fp8: 16 rows by 512 bytes (16 bytes a lane, a warp per 4 rows): 8 KB a step, ~3.4 instructions
+    a weight, 56 registers; wider steps gain little and narrower ones lose (~3.8 at 256)."""
     block_n: int = 64
     block_k: int = 0
     num_warps: int = 4
     num_stages: int = 2
     split_k: int = 0
+    int4_gemv: Gemv = Gemv(block_n=256, block_k=32, num_warps=1)
+    fp8_gemv: Gemv = Gemv(block_n=16, block_k=512, num_warps=4)
 
     def k_tile(self, size: int, what: str) -> int:
         if self.block_k:
@@ -130,25 +270,59 @@ def split_k_for(programs: int, k_tiles: int, sms: int) -> int:
     return max(1, min(MAX_SPLIT_K, -(-2 * sms // programs), k_tiles // 4))
 
 
-def _launch(kernel, x: torch.Tensor, out_features: int, in_features: int, block_n: int, block_k: int,
-            tiles: Tiles, weights: tuple, scalars: tuple = (), **constexprs) -> torch.Tensor:
-    """Run `kernel` on x [M, K] over (M tiles, N tiles, K splits); with splits > 1 each writes a
-    float32 partial and one sum (in split order: deterministic, unlike atomics) gives y."""
+def gemv_split_k(programs: int, k_steps: int, sms: int, step_bytes: int, weight_bytes: int, out_features: int) -> int:
+    """An H200 streams ~4 TB/s with ~30 KB of loads in flight per SM; a decode program has about one
+    step's weights in flight (int4: the next step's, prefetched; fp8: its own, all issued at the
+    step's start). Split K until the programs hold that much, while each row's float32 partials (4
+    bytes an output and split, read back by `_sum_splits`) stay under 1/8 of the weight's bytes
+    (more rows cost more partials, and more FMAs: the ratio to the kernel's time holds)."""
+    want = -(-32768 * sms // step_bytes)
+    if programs >= want:
+        return 1
+    return max(1, min(-(-want // programs), k_steps, weight_bytes // (32 * out_features)))
+
+
+def _run(kernel, grid: tuple, x: torch.Tensor, out_features: int, in_features: int, block_k: int, split: int,
+         args: tuple, **meta) -> torch.Tensor:
+    """`kernel` on x [M, K] over grid + (K splits,): the split of program id len(grid) takes whole
+    block_k steps; with splits > 1 each writes a float32 partial and `_sum_splits` gives y."""
     m = x.shape[0]
-    block_m = _block_m(m)
-    grid_mn = triton.cdiv(m, block_m), triton.cdiv(out_features, block_n)
+    y = torch.empty(m, out_features, device=x.device, dtype=x.dtype)
+    if m == 0:
+        return y
     k_tiles = triton.cdiv(in_features, block_k)
-    split = tiles.split_k or split_k_for(grid_mn[0] * grid_mn[1], k_tiles, sm_count(x.device))
     split = max(1, min(split, k_tiles))
     k_per_split = triton.cdiv(k_tiles, split) * block_k
     split = triton.cdiv(in_features, k_per_split)          # no empty splits
-    y = torch.empty(m, out_features, device=x.device, dtype=x.dtype)
     dest = y if split == 1 else torch.empty(split, m, out_features, device=x.device, dtype=torch.float32)
-    kernel[(*grid_mn, split)](x, *weights, dest, m, x.stride(0), y.stride(0), *scalars, k_per_split,
-                              N=out_features, K=in_features, IEEE=x.dtype == torch.float32, BLOCK_M=block_m,
-                              BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=tiles.num_warps,
-                              num_stages=tiles.num_stages, **constexprs)
-    return y if split == 1 else dest.sum(0).to(x.dtype)
+    weights, scalars = args
+    kernel[(*grid, split)](x, *weights, dest, m, x.stride(0), y.stride(0), *scalars, k_per_split,
+                           N=out_features, K=in_features, BLOCK_K=block_k, SPLIT_K=split, **meta)
+    if split > 1:       # 128 outputs a one-warp program: a 4,096-wide row is read by 32 SMs
+        _sum_splits[(triton.cdiv(y.numel(), 128),)](dest, y, y.numel(), SPLIT_K=split, BLOCK=128, num_warps=1)
+    return y
+
+
+def _launch(kernel, x: torch.Tensor, out_features: int, in_features: int, block_n: int, block_k: int,
+            tiles: Tiles, args: tuple, **constexprs) -> torch.Tensor:
+    """A tl.dot kernel over (M tiles, N tiles, K splits)."""
+    block_m = _block_m(x.shape[0])
+    grid = triton.cdiv(x.shape[0], block_m), triton.cdiv(out_features, block_n)
+    split = tiles.split_k or split_k_for(grid[0] * grid[1], triton.cdiv(in_features, block_k), sm_count(x.device))
+    return _run(kernel, grid, x, out_features, in_features, block_k, split, args, IEEE=x.dtype == torch.float32,
+                BLOCK_M=block_m, BLOCK_N=block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+                **constexprs)
+
+
+def _launch_gemv(kernel, x: torch.Tensor, out_features: int, in_features: int, block_n: int, block_k: int,
+                 num_warps: int, gemv: Gemv, bits: int, args: tuple, **constexprs) -> torch.Tensor:
+    """A decode kernel over (N tiles, K splits), all M rows in each program; `bits` a weight."""
+    grid = (triton.cdiv(out_features, block_n),)
+    split = gemv.split_k or gemv_split_k(grid[0], triton.cdiv(in_features, block_k), sm_count(x.device),
+                                         block_n * block_k * bits // 8, out_features * in_features * bits // 8,
+                                         out_features)
+    return _run(kernel, grid, x, out_features, in_features, block_k, split, args,
+                BLOCK_M=triton.next_power_of_2(x.shape[0]), BLOCK_N=block_n, num_warps=num_warps, **constexprs)
 
 
 def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group: int,
@@ -160,8 +334,24 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, sca
     x = x.reshape(-1, in_features)
     if perm is not None:
         x = x.index_select(1, perm)                        # act-order: rows in group order
-    y = _launch(_int4_kernel, x.contiguous(), out_features, in_features, tiles.block_n,
-                tiles.k_tile(group, "int4 group size"), tiles, (qweight, zeros, scales), GROUP=group)
+    x = x.contiguous()
+    args = (qweight, zeros, scales), ()
+    g = tiles.int4_gemv
+    if x.shape[0] <= g.max_m:
+        if group % 8 or in_features % group:
+            raise ValueError(f"int4 group size {group}: not a multiple of 8 or not dividing K = {in_features}")
+        rows = triton.next_power_of_2(x.shape[0])
+        # Each warp >= 128 columns (else its lanes split K and the layouts clash), and <= 64 // rows
+        # columns a lane (its sums, 2 * rows * columns registers). A step: inside one group (its
+        # zeros and scales apply to the step's sums), block_k / rows rows (registers), and x's
+        # [rows, words] slice under one value a thread (else Triton moves it through shared memory).
+        warps = max(1, min(g.block_n // 128, max(g.num_warps, g.block_n * rows // 2048)))
+        block_k = max(8, min(g.block_k // rows, group & -group, 128 * warps // rows))
+        y = _launch_gemv(_int4_gemv_kernel, x, out_features, in_features, g.block_n, block_k, warps, g, 4, args,
+                         GROUP=group)
+    else:
+        y = _launch(_int4_kernel, x, out_features, in_features, tiles.block_n, tiles.k_tile(group, "int4 group size"),
+                    tiles, args, GROUP=group)
     return y.view(*lead, out_features)
 
 
@@ -172,8 +362,14 @@ def fp8_block_matmul(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Ten
     bo, bi = block
     lead = x.shape[:-1]
     x = x.reshape(-1, in_features).contiguous()
-    block_n = tiles.block_n if tiles.block_n and bo % tiles.block_n == 0 else _tile(bo, "fp8 scale block rows")
-    y = _launch(_fp8_kernel, x, out_features, in_features, block_n, tiles.k_tile(bi, "fp8 scale block columns"),
-                tiles, (weight, scale_inv.float().contiguous()), (scale_inv.shape[1],),
-                BLOCK_OUT=bo, BLOCK_IN=bi)
+    args = (weight, scale_inv.float().contiguous()), (scale_inv.shape[1],)
+    g = tiles.fp8_gemv
+    if x.shape[0] <= g.max_m:
+        vec = min(16, bi & -bi)                            # a lane's bytes share one scale
+        y = _launch_gemv(_fp8_gemv_kernel, x, out_features, in_features, min(g.block_n, bo & -bo),
+                         max(g.block_k, vec), g.num_warps, g, 8, args, BLOCK_OUT=bo, BLOCK_IN=bi, VEC=vec)
+    else:
+        block_n = tiles.block_n if tiles.block_n and bo % tiles.block_n == 0 else _tile(bo, "fp8 scale block rows")
+        y = _launch(_fp8_kernel, x, out_features, in_features, block_n, tiles.k_tile(bi, "fp8 scale block columns"),
+                    tiles, args, BLOCK_OUT=bo, BLOCK_IN=bi)
     return y.view(*lead, out_features)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -78,14 +79,16 @@ def test_tensor_parallel_shards_multiply_like_their_slice_of_the_weight():
 
 @pytest.mark.parametrize("split_k", [2, 3, 5])
 def test_split_k_sums_the_same_product(split_k):
-    """Decode's split of K over programs (uneven splits included) changes only the summation order."""
-    from pipespec.kernels.quant_matmul import Tiles, fp8_block_matmul, int4_matmul
+    """The tl.dot kernels' split of K over programs (uneven splits included) changes only the
+    summation order."""
+    from pipespec.kernels.quant_matmul import DEFAULT_TILES, Tiles, fp8_block_matmul, int4_matmul
     w = torch.randn(64, 512, generator=torch.Generator().manual_seed(6))
     t, ref = writers.awq(w, group=64)
     int4 = Int4Weight.from_awq(t["qweight"], t["qzeros"], t["scales"].float(), 64).to(torch.device(DEVICE))
     t8, ref8 = writers.fp8(w, (32, 64))
     x = _x(2, 512, torch.float32, seed=7)
-    tiles = Tiles(block_n=32, split_k=split_k)
+    tiles = Tiles(block_n=32, split_k=split_k, int4_gemv=replace(DEFAULT_TILES.int4_gemv, max_m=0),
+                  fp8_gemv=replace(DEFAULT_TILES.fp8_gemv, max_m=0))          # 2 rows, yet not the decode path
     got = int4_matmul(x, int4.qweight, int4.zeros, int4.scales, 64, tiles=tiles)
     assert _rel(got, x @ ref.to(DEVICE).t()) < 1e-5
     got = fp8_block_matmul(x, t8["weight"].to(DEVICE), t8["weight_scale_inv"].to(DEVICE), (32, 64), tiles)
@@ -97,3 +100,88 @@ def test_split_k_fills_the_gpu_only_when_the_grid_does_not():
     assert split_k_for(64, 64, 132) == 5            # a 4,096-wide projection at batch 1: 320 programs
     assert split_k_for(448, 64, 132) == 1           # gate_up: 448 tiles already fill 132 SMs
     assert split_k_for(8, 8, 132) == 2              # short K: each split keeps >= 4 tiles
+
+
+def test_decode_split_k_fills_the_gpu_while_partials_stay_small():
+    from pipespec.kernels.quant_matmul import gemv_split_k
+    int4_o, fp8_o = 4096 * 4096 // 2, 4096 * 4096
+    assert gemv_split_k(16, 128, 132, 4096, int4_o, 4096) == 64      # int4 o_proj at batch 1: partials cap it
+    assert gemv_split_k(16, 32, 132, 4096, int4_o, 4096) == 32       # no more splits than K steps
+    assert gemv_split_k(16, 128, 132, 16384, int4_o, 4096) == 17     # bigger steps: fewer programs needed
+    assert gemv_split_k(256, 8, 132, 8192, fp8_o, 4096) == 3         # fp8 o_proj: ~30 KB in flight an SM
+    assert gemv_split_k(1792, 8, 132, 8192, 28672 * 4096, 28672) == 1  # fp8 gate_up fills the GPU alone
+
+
+# Decode kernels (M <= max_m rows, no tl.dot): the default shapes (max_m 8; int4's splits K itself,
+# its one 160-column tile being too few programs) and others (max_m 4) with split-K forced above 1;
+# at 1 row, a middle count, max_m and max_m + 1 (the tl.dot path); partial N tiles and, for FP8,
+# partial K steps and scale blocks narrower than a step.
+INT4_GEMV = [None, dict(block_n=128, block_k=64, num_warps=1, split_k=3),
+             dict(block_n=512, block_k=128, num_warps=4, split_k=2)]
+FP8_GEMV = [None, dict(block_n=32, block_k=128, num_warps=4, split_k=2),
+            dict(block_n=8, block_k=64, num_warps=2, split_k=3)]
+
+
+def _shape_id(shape):
+    return "default" if shape is None else "n{block_n}_k{block_k}_w{num_warps}_split{split_k}".format(**shape)
+
+
+def _tiles(kind, shape, max_m=None):
+    from pipespec.kernels.quant_matmul import DEFAULT_TILES
+    field = f"{kind}_gemv"
+    gemv = getattr(DEFAULT_TILES, field)
+    gemv = replace(gemv, **(shape or {}), **({} if max_m is None else {"max_m": max_m}))
+    return replace(DEFAULT_TILES, **{field: gemv}), gemv.max_m
+
+
+@pytest.fixture
+def gemv_calls(monkeypatch):
+    """The row counts that reached the decode kernels' launcher (which path served a call)."""
+    from pipespec.kernels import quant_matmul
+    calls, launch = [], quant_matmul._launch_gemv
+    monkeypatch.setattr(quant_matmul, "_launch_gemv", lambda kernel, x, *a, **k: calls.append(x.shape[0]) or
+                        launch(kernel, x, *a, **k))
+    return calls
+
+
+def _int4(layout):
+    w = torch.randn(160, 512, generator=torch.Generator().manual_seed(8))
+    if layout == "awq":
+        t, ref = writers.awq(w, group=64)
+        return Int4Weight.from_awq(t["qweight"], t["qzeros"], t["scales"].float(), 64), ref
+    t, ref = writers.gptq(w, group=32, act_order=layout == "gptq_act_order", seed=9)
+    return Int4Weight.from_gptq(t["qweight"], t["qzeros"], t["scales"].float(), t["g_idx"]), ref
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", INT4_GEMV, ids=_shape_id)
+@pytest.mark.parametrize("m", ["one", "middle", "max", "past_max"])
+@pytest.mark.parametrize("layout", ["awq", "gptq", "gptq_act_order"])
+def test_int4_decode_kernel_equals_the_dequantized_product(layout, m, shape, dtype, gemv_calls):
+    from pipespec.kernels.quant_matmul import int4_matmul
+    tiles, max_m = _tiles("int4", shape, max_m=4 if shape else None)
+    rows = {"one": 1, "middle": max_m // 2 + 1, "max": max_m, "past_max": max_m + 1}[m]
+    packed, ref = _int4(layout)
+    packed = packed.to(torch.device(DEVICE))
+    x = _x(rows, 512, dtype, seed=10)
+    got = int4_matmul(x, packed.qweight, packed.zeros, packed.scales, packed.group, packed.perm, tiles)
+    assert gemv_calls == ([] if rows > max_m else [rows])
+    assert got.shape == (rows, 160) and got.dtype == dtype
+    assert _rel(got, x.float() @ ref.to(DEVICE).t()) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", FP8_GEMV, ids=_shape_id)
+@pytest.mark.parametrize("m", ["one", "middle", "max", "past_max"])
+@pytest.mark.parametrize("block", [(128, 128), (32, 64)])
+def test_fp8_decode_kernel_equals_the_dequantized_product(block, m, shape, dtype, gemv_calls):
+    from pipespec.kernels.quant_matmul import fp8_block_matmul
+    tiles, max_m = _tiles("fp8", shape, max_m=4 if shape else None)
+    rows = {"one": 1, "middle": max_m // 2 + 1, "max": max_m, "past_max": max_m + 1}[m]
+    w = torch.randn(200, 320, generator=torch.Generator().manual_seed(11))    # partial blocks on both sides
+    t, ref = writers.fp8(w, block)
+    x = _x(rows, 320, dtype, seed=12)
+    got = fp8_block_matmul(x, t["weight"].to(DEVICE), t["weight_scale_inv"].to(DEVICE), block, tiles)
+    assert gemv_calls == ([] if rows > max_m else [rows])
+    assert got.shape == (rows, 200) and got.dtype == dtype
+    assert _rel(got, x.float() @ ref.to(DEVICE).t()) < TOL[dtype]
