@@ -37,13 +37,14 @@ def test_causal_conv_equals_the_pytorch_steps(lengths, drafts, channels, kernel)
     x = torch.randn(int(qsl[-1]), channels + 9, device=DEVICE, generator=g)[:, 3:3 + channels]
     weight = torch.randn(channels, 1, kernel, device=DEVICE, generator=g)
     w = kernel - 1
-    state = LinearState(torch.randn(b + 2, w, channels, device=DEVICE, generator=g), torch.zeros(b + 2, 1, 1, 1),
+    state = LinearState(torch.randn(b + 2, w, channels, device=DEVICE, generator=g),
+                        torch.zeros(b + 2, 1, 1, 1, device=DEVICE),         # recurrent states: not this kernel's
                         torch.randn(b + 2, rows, w, channels, device=DEVICE, generator=g),
-                        torch.zeros(b + 2, rows, 1, 1, 1))
+                        torch.zeros(b + 2, rows, 1, 1, 1, device=DEVICE))
     want_state = copy.deepcopy(state)
     meta.commit_candidates(want_state)
     want, full = causal_conv_lines(x, meta, want_state.conv, weight)
-    meta.store(want_state, full, torch.zeros(b, 1, 1, 1), torch.zeros(b, width, 1, 1, 1))
+    meta.store(want_state, full, torch.zeros(b, 1, 1, 1, device=DEVICE), torch.zeros(b, width, 1, 1, 1, device=DEVICE))
     got = causal_conv(x, meta.rows, meta.valid, meta.lengths, state.conv, state.cand_conv, slots, meta.fresh,
                       meta.commit, meta.settles, weight)
     assert meta.fresh.tolist() == [True] + [False] * (b - 1)

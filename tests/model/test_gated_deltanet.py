@@ -29,7 +29,9 @@ def test_recurrence_equals_transformers_chunked_rule():
     decay = -torch.rand(b, L, hv, generator=g)
     beta = torch.rand(b, L, hv, generator=g)
     state = torch.randn(b, hv, dk, dv, generator=g) * 0.1
-    ref, ref_state = torch_chunk_gated_delta_rule(q, k, v, g=decay, beta=beta, initial_state=state.clone(),
+    # q and k spread over the value heads first (transformers' later versions do it inside)
+    qv, kv = (x.repeat_interleave(hv // hk, dim=2) for x in (q, k))
+    ref, ref_state = torch_chunk_gated_delta_rule(qv, kv, v, g=decay, beta=beta, initial_state=state.clone(),
                                                   output_final_state=True, use_qk_l2norm_in_kernel=True)
     qn = (l2_normalize(q) * dk ** -0.5).repeat_interleave(hv // hk, dim=2)
     kn = l2_normalize(k).repeat_interleave(hv // hk, dim=2)
