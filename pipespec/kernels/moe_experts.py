@@ -10,6 +10,8 @@ order: deterministic, and no [T*k, H] buffer). Every shape comes from the host, 
 in a CUDA graph. A pair routed to another rank's expert (id - first outside [0, E)) masks off its
 weight loads: it reads nothing and adds zero.
 
+FP8 experts (block-scaled e4m3, `model/quant/experts.py`) are dequantized as the tiles are read.
+
 Rounding follows the grouped-GEMM path at x's dtype: gate and up are rounded, silu(gate) is, and
 so is their product (the down GEMM's input), and each slot's down output before it is weighed.
 """
@@ -21,16 +23,26 @@ import triton.language as tl
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, ids_ptr, gu_ptr, h_ptr, first, E, stride_x,
-                    K: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _weights(ptr, s_ptr, rows, k, mask, H: tl.constexpr, FP8: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr):
+    """A tile of stacked expert rows [rows, k] (row length H) in float32: as stored, or FP8 e4m3
+    times its block scale (row // BO, k // BI)."""
+    w = tl.load(ptr + rows * H + k, mask=mask, other=0.0).to(tl.float32)
+    if FP8:
+        w *= tl.load(s_ptr + (rows // BO) * ((H + BI - 1) // BI) + k // BI, mask=mask, other=0.0)
+    return w
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, ids_ptr, gu_ptr, gs_ptr, h_ptr, first, E, stride_x,
+                    K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, FP8: tl.constexpr, BO: tl.constexpr,
+                    BI: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     p = tl.program_id(0)                    # pairs vary fastest: pairs sharing an expert read its
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)    # tile at once, mostly from L2
     rk = tl.arange(0, BLOCK_K)
     e = (tl.load(ids_ptr + p) - first).to(tl.int64)    # offsets past 2**31 in a large stack
     mine = (e >= 0) & (e < E)
     e = tl.where(mine, e, 0)
-    gate = gu_ptr + e * (2 * I * H) + rn[:, None] * H
+    gate = e * (2 * I) + rn[:, None]                         # stacked rows: gate, then up
     row_ok = mine & (rn[:, None] < I)
     acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)   # reduced once, after the loop
     acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -38,8 +50,8 @@ def _gate_up_kernel(x_ptr, ids_ptr, gu_ptr, h_ptr, first, E, stride_x,
         k = k0 + rk
         xk = tl.load(x_ptr + (p // K) * stride_x + k, mask=k < H, other=0.0).to(tl.float32)
         ok = row_ok & (k[None, :] < H)
-        g = tl.load(gate + k[None, :], mask=ok, other=0.0).to(tl.float32)
-        u = tl.load(gate + I * H + k[None, :], mask=ok, other=0.0).to(tl.float32)
+        g = _weights(gu_ptr, gs_ptr, gate, k[None, :], ok, H, FP8, BO, BI)
+        u = _weights(gu_ptr, gs_ptr, gate + I, k[None, :], ok, H, FP8, BO, BI)
         acc_g += g * xk[None, :]
         acc_u += u * xk[None, :]
     dt = h_ptr.dtype.element_ty
@@ -50,9 +62,9 @@ def _gate_up_kernel(x_ptr, ids_ptr, gu_ptr, h_ptr, first, E, stride_x,
 
 
 @triton.jit
-def _down_kernel(h_ptr, ids_ptr, w_ptr, down_ptr, y_ptr, first, E,
-                 K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_S: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _down_kernel(h_ptr, ids_ptr, w_ptr, down_ptr, ds_ptr, y_ptr, first, E,
+                 K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, FP8: tl.constexpr, BO: tl.constexpr,
+                 BI: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     t = tl.program_id(0)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rs = tl.arange(0, BLOCK_S)              # the token's k slots, one tile: their loads overlap
@@ -61,31 +73,42 @@ def _down_kernel(h_ptr, ids_ptr, w_ptr, down_ptr, y_ptr, first, E,
     e = (tl.load(ids_ptr + pair, mask=rs < K, other=0) - first).to(tl.int64)
     mine = (rs < K) & (e >= 0) & (e < E)
     e = tl.where(mine, e, 0)
-    rows = down_ptr + e[:, None, None] * (H * I) + rn[None, :, None] * I
+    rows = e[:, None, None] * H + rn[None, :, None]          # stacked rows of length I
     row_ok = mine[:, None, None] & (rn[None, :, None] < H)
     acc = tl.zeros((BLOCK_S, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         k = k0 + rk
         h = tl.load(h_ptr + pair[:, None] * I + k[None, :], mask=(rs[:, None] < K) & (k[None, :] < I),
                     other=0.0).to(tl.float32)
-        d = tl.load(rows + k[None, None, :], mask=row_ok & (k[None, None, :] < I), other=0.0)
-        acc += d.to(tl.float32) * h[:, None, :]
+        d = _weights(down_ptr, ds_ptr, rows, k[None, None, :], row_ok & (k[None, None, :] < I), I, FP8, BO, BI)
+        acc += d * h[:, None, :]
     dt = y_ptr.dtype.element_ty
     y = tl.sum(acc, 2).to(dt).to(tl.float32)                   # each slot's output, rounded
     w = tl.load(w_ptr + pair, mask=rs < K, other=0.0).to(tl.float32)
     tl.store(y_ptr + t * H + rn, tl.sum(y * w[:, None], 0).to(dt), mask=rn < H)
 
 
-def few_pair_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                     down: torch.Tensor, first: int | None = None) -> torch.Tensor:
-    """`routed_experts` (same arguments, same result) for few pairs: see the module docstring."""
+def few_pair_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up, down,
+                     first: int | None = None) -> torch.Tensor:
+    """`routed_experts` (same arguments, same result) for few pairs: see the module docstring.
+    gate_up, down: dense stacks [E, 2I, H], [E, H, I], or FP8 ones (`model/quant/experts.py::
+    Fp8Stack`: e4m3 `weight` [E * 2I, H], [E * H, I] with block scales `scale_inv`), which the
+    kernels dequantize as they read them."""
     t, k = ids.shape
-    e, h_dim, i_dim = down.shape
+    fp8 = hasattr(gate_up, "scale_inv")
+    if fp8:
+        gu, gs, dn, ds = gate_up.weight, gate_up.scale_inv, down.weight, down.scale_inv
+        (bo, bi), h_dim, i_dim = gate_up.block, x.shape[-1], down.weight.shape[1]
+        e = dn.shape[0] // h_dim
+    else:
+        gu, dn = gate_up, down
+        gs, ds, bo, bi = gu, dn, 1, 1              # no scales: unused pointers
+        e, h_dim, i_dim = down.shape
     x = x.contiguous()
     out = torch.empty_like(x)
     if t == 0:
         return out
-    if not (gate_up.is_contiguous() and down.is_contiguous()):    # a copy would cost every expert
+    if not (gu.is_contiguous() and dn.is_contiguous()):    # a copy would cost every expert
         raise ValueError("few_pair_experts reads the expert stacks in place: they must be contiguous")
     ids, weights = ids.contiguous(), weights.contiguous()
     hid = torch.empty(t * k, i_dim, dtype=x.dtype, device=x.device)
@@ -94,10 +117,10 @@ def few_pair_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
     # (T = 1 to 4, top-4): thousands of small programs keep the most loads in flight. At one token
     # that is k * I / 4 programs for kernel 1 and H / 4 for kernel 2: many per SM.
     _gate_up_kernel[(t * k, triton.cdiv(i_dim, 4))](
-        x, ids, gate_up, hid, first, e, x.stride(0), K=k, H=h_dim, I=i_dim,
+        x, ids, gu, gs, hid, first, e, x.stride(0), K=k, H=h_dim, I=i_dim, FP8=fp8, BO=bo, BI=bi,
         BLOCK_N=4, BLOCK_K=min(1024, triton.next_power_of_2(h_dim)), num_warps=8)
     bs = triton.next_power_of_2(k)
     _down_kernel[(t, triton.cdiv(h_dim, 4))](
-        hid, ids, weights, down, out, first, e, K=k, H=h_dim, I=i_dim, BLOCK_S=bs,
+        hid, ids, weights, dn, ds, out, first, e, K=k, H=h_dim, I=i_dim, FP8=fp8, BO=bo, BI=bi, BLOCK_S=bs,
         BLOCK_N=4, BLOCK_K=min(max(64, 1024 // bs), triton.next_power_of_2(i_dim)), num_warps=8)
     return out

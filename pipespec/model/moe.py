@@ -15,12 +15,14 @@ from torch import nn
 from pipespec import kernels
 from pipespec.kernels import fused_routing_supported
 from pipespec.model.layers import GatedMLP
-from pipespec.model.routed_experts import routed_experts
+from pipespec.model.routed_experts import as_experts, routed_experts
 from pipespec.model.tp_layers import SINGLE, expert_range
 from pipespec.parallel import TensorParallel
 
 
 class Experts(nn.Module):
+    expert_stacks = ("gate_up_proj", "down_proj")          # FP8 checkpoints keep them so (quant/experts.py)
+
     def __init__(self, num: int, hidden: int, inter: int, tp: TensorParallel = SINGLE):
         super().__init__()
         self.first, num = expert_range(num, tp)           # this rank's experts
@@ -32,14 +34,14 @@ class Experts(nn.Module):
     def checkpoint_names(self, prefix: str) -> dict[str, list[str]]:
         """prefix: '...mlp.experts'."""
         experts = range(self.first, self.first + self.num)
-        return {f"{prefix}.gate_up_proj": [f"{prefix}.{e}.{p}.weight" for e in experts
-                                           for p in ("gate_proj", "up_proj")],
-                f"{prefix}.down_proj": [f"{prefix}.{e}.down_proj.weight" for e in experts]}
+        names = {f"{prefix}.gate_up_proj": [f"{prefix}.{e}.{p}.weight" for e in experts
+                                            for p in ("gate_proj", "up_proj")],
+                 f"{prefix}.down_proj": [f"{prefix}.{e}.down_proj.weight" for e in experts]}
+        return {k: v for k, v in names.items() if isinstance(getattr(self, k.rpartition(".")[2]), nn.Parameter)}
 
     def forward(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return routed_experts(x, index, weight, self.gate_up_proj.view(self.num, 2 * self.inter, self.hidden),
-                              self.down_proj.view(self.num, self.hidden, self.inter),
-                              self.first if self.split else None)
+        return routed_experts(x, index, weight, as_experts(self.gate_up_proj, self.num),
+                              as_experts(self.down_proj, self.num), self.first if self.split else None)
 
 
 class SparseMoE(nn.Module):

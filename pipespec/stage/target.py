@@ -9,6 +9,7 @@ import torch
 from pipespec import kernels
 from pipespec.config import EngineConfig
 from pipespec.model.attention import ForwardContext
+from pipespec.model.quant.experts import use_dummy_quantized_experts, use_quantized_experts
 from pipespec.model.quant.linear import use_dummy_quantized_linears, use_quantized_linears
 from pipespec.model.registry import build_target
 from pipespec.model.source import ModelSource
@@ -29,7 +30,8 @@ def load_target(source: ModelSource, config: EngineConfig, layer_range: tuple[in
                 raise ValueError(f"quantization={method!r} with dummy weights runs on the quantized kernels: it "
                                  "needs a CUDA device (with Triton) and tensor_parallel_size=1")
             count = use_dummy_quantized_linears(model, method, device)
-            logger.info("dummy %s weights: %d linear layers quantized", method, count)
+            experts = use_dummy_quantized_experts(model, device) if method == "fp8" else 0
+            logger.info("dummy %s weights: %d linear layers and %d expert stacks quantized", method, count, experts)
         # a tied head on a stage without the embedding draws the embedding's values, as it loads them
         tied = {"lm_head.weight": "model.embed_tokens.weight"} if source.arch.tie_word_embeddings else None
         init_dummy_weights(model, dtype, device, key=tied)
@@ -51,7 +53,9 @@ def load_target(source: ModelSource, config: EngineConfig, layer_range: tuple[in
 def _keep_quantized(model, weights, method: str, device: torch.device) -> None:
     """Quantized linear layers stay packed on the GPU, each rank its shard (`model/quant/linear.py`)."""
     count = use_quantized_linears(model, weights, device)
-    logger.info("%s checkpoint: %d linear layers kept quantized (weight-only %s kernels)", method, count, method)
+    experts = use_quantized_experts(model, weights, device)
+    logger.info("%s checkpoint: %d linear layers and %d routed-expert stacks kept quantized (weight-only %s "
+                "kernels)", method, count, experts, method)
 
 
 def run_target(model: torch.nn.Module, ctx: ForwardContext, input_ids: torch.Tensor,

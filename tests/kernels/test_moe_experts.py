@@ -67,6 +67,26 @@ def test_other_ranks_experts_add_zero(t, k):
                        torch.zeros_like(x))
 
 
+@pytest.mark.parametrize("t,k,block", [(1, 4, (8, 8)), (3, 2, (8, 16)), (2, 4, (16, 8))])
+def test_fp8_stacks_equal_their_dequantized_weights(t, k, block):
+    """FP8 expert stacks (e4m3 with block scales, as DeepSeek's FP8 release stores experts) give what
+    the dense stacks of their dequantized weights give, `first` included: the kernels scale each
+    element by its own block (blocks narrower and wider than the tile rows)."""
+    from pipespec.kernels.moe_experts import few_pair_experts
+    from pipespec.model.quant.experts import Fp8Stack
+    from pipespec.model.quant.packed import Fp8Weight
+    from tests.model.quant import writers
+    e, h, i = 6, 48, 32
+    x, ids, weights, gate_up, down = _case(t, e + 2, k, h, i, seed=11 * t + k)
+    stacks, dense = [], []
+    for w in (gate_up[2:].reshape(-1, h), down[2:].reshape(-1, i)):       # this rank: experts 2..7
+        parts, ref = writers.fp8(w.cpu(), block)
+        stacks.append(Fp8Stack(Fp8Weight(parts["weight"].to(DEVICE), parts["weight_scale_inv"].to(DEVICE), block), e))
+        dense.append(ref.to(DEVICE))
+    got = few_pair_experts(x, ids, weights, stacks[0], stacks[1], first=2)
+    _close(got, _loop(x, ids, weights, dense[0].view(e, 2 * i, h), dense[1].view(e, h, i), first=2))
+
+
 def test_slot_weights_and_gate_up_halves_matter():
     """The data tells a wrong slot weighting or swapped gate/up halves apart from the right answer."""
     from pipespec.kernels.moe_experts import few_pair_experts

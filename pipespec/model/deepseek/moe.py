@@ -18,7 +18,7 @@ from pipespec import kernels
 from pipespec.kernels import fused_routing_supported
 from pipespec.model.deepseek.config import MoEConfig
 from pipespec.model.layers import GatedMLP
-from pipespec.model.routed_experts import routed_experts
+from pipespec.model.routed_experts import as_experts, routed_experts
 from pipespec.model.tp_layers import SINGLE, expert_range
 from pipespec.parallel import TensorParallel
 
@@ -55,6 +55,8 @@ class Router(nn.Module):
 
 
 class MoE(nn.Module):
+    expert_stacks = ("experts_gate_up", "experts_down")    # FP8 checkpoints keep them so (quant/experts.py)
+
     def __init__(self, hidden: int, cfg: MoEConfig, tp: TensorParallel = SINGLE):
         super().__init__()
         self.cfg, self.tp = cfg, tp
@@ -69,15 +71,15 @@ class MoE(nn.Module):
     def checkpoint_names(self, prefix: str) -> dict[str, list[str]]:
         """Names of this module's stacked parameters (prefix: `model.layers.{l}.mlp.`)."""
         experts = range(self.first, self.first + self.local)
-        return {prefix + "experts_gate_up": [f"{prefix}experts.{e}.{p}.weight" for e in experts
-                                             for p in ("gate_proj", "up_proj")],
-                prefix + "experts_down": [f"{prefix}experts.{e}.down_proj.weight" for e in experts]}
+        names = {prefix + "experts_gate_up": [f"{prefix}experts.{e}.{p}.weight" for e in experts
+                                              for p in ("gate_proj", "up_proj")],
+                 prefix + "experts_down": [f"{prefix}experts.{e}.down_proj.weight" for e in experts]}
+        return {k: v for k, v in names.items() if isinstance(getattr(self, k.removeprefix(prefix)), nn.Parameter)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        i, h = self.cfg.intermediate_size, x.shape[-1]
         weights, ids = self.gate(x)
-        out = routed_experts(x, ids, weights, self.experts_gate_up.view(self.local, 2 * i, h),
-                             self.experts_down.view(self.local, h, i), self.first if self.tp.size > 1 else None)
+        out = routed_experts(x, ids, weights, as_experts(self.experts_gate_up, self.local),
+                             as_experts(self.experts_down, self.local), self.first if self.tp.size > 1 else None)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return self.tp.all_reduce(out)

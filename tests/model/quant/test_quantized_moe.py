@@ -2,17 +2,31 @@
 writer as DeepSeek's FP8 release is laid out: every projection of the target and of the MTP layer,
 routed and shared experts included, in float8 e4m3 with 16 x 16 block scales; `eh_proj`, the router,
 norms, embedding and LM head in full precision. The engine must produce exactly what it produces on
-the dequantized reference checkpoint (the same numbers), with and without MTP, at PP 1 and 2."""
+the dequantized reference checkpoint (the same numbers), with and without MTP, at PP 1 and 2.
+
+Where the kernels serve (a GPU, or CPU under TRITON_INTERPRET=1) the routed experts stay FP8
+(`model/quant/experts.py`) when each expert's rows are whole scale blocks (a checkpoint with 32-row
+experts here; the other's 24-row experts load dense): the swap is checked on CPU, the engine on the
+kernels."""
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from pipespec import LLM, SamplingParams
+from pipespec.model.quant.experts import Fp8Stack, use_quantized_experts
+from pipespec.model.registry import build_target
+from pipespec.model.routed_experts import routed_experts
+from pipespec.model.source import resolve_model
 from tests.model.deepseek import tiny
 from tests.model.quant import writers
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
 
 BLOCK = (16, 16)
 KW = dict(dtype="float32", device="cpu", max_model_len=128, block_size=16, num_kv_blocks=64, max_num_seqs=8,
@@ -24,12 +38,10 @@ def _quantized(name: str) -> bool:
     return name.endswith("_proj.weight") and ".layers." in name and not name.endswith("eh_proj.weight")
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory, tokenizer):
+def _write(root, tokenizer, **overrides):
     """(fp8 folder, dequantized reference folder) of the same DeepSeek-V3 + MTP checkpoint."""
-    root = tmp_path_factory.mktemp("deepseek-fp8")
-    ref = tiny.write_with_mtp(root / "reference", "lora_yarn", seed=31, tokenizer=tokenizer)
-    fp8 = tiny.write_with_mtp(root / "fp8", "lora_yarn", seed=31, tokenizer=tokenizer)
+    ref = tiny.write_with_mtp(root / "reference", "lora_yarn", seed=31, tokenizer=tokenizer, **overrides)
+    fp8 = tiny.write_with_mtp(root / "fp8", "lora_yarn", seed=31, tokenizer=tokenizer, **overrides)
     tensors = load_file(str(ref / "model.safetensors"))
     quantized, dequantized = {}, dict(tensors)
     for name, w in tensors.items():
@@ -47,6 +59,17 @@ def checkpoints(tmp_path_factory, tokenizer):
                                   "weight_block_size": list(BLOCK)}
     (fp8 / "config.json").write_text(json.dumps(cfg))
     return str(fp8), str(ref)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, tokenizer):
+    return _write(tmp_path_factory.mktemp("deepseek-fp8"), tokenizer)
+
+
+@pytest.fixture(scope="module")
+def experts_fp8(tmp_path_factory, tokenizer):
+    """Experts of 32 rows: whole 16-row scale blocks, as real ones (2,048 rows, 128-row blocks) are."""
+    return _write(tmp_path_factory.mktemp("deepseek-fp8-experts"), tokenizer, moe_intermediate_size=32)
 
 
 def _greedy(folder: str, **kw) -> list[list[int]]:
@@ -74,3 +97,61 @@ def test_a_float8_tensor_without_its_scales_is_refused(checkpoints, tmp_path):
     with pytest.raises(Exception, match=r"model\.layers\.1\.mlp\.experts\.5\.up_proj\.weight is torch\.float8_e4m3fn, "
                                         r"not a plain float weight"):
         _greedy(str(folder))
+
+
+def test_fp8_experts_stay_fp8_and_multiply_like_their_dequantized_stacks(experts_fp8):
+    """Each MoE layer's two expert stacks become `Fp8Stack`s (never asked of the dense loader); on CPU
+    (no kernels) they multiply by dequantizing each picked expert, equal to the dense stacks of the
+    dequantized reference, other ranks' experts adding nothing."""
+    fp8, ref = experts_fp8
+    source = resolve_model(fp8)
+    model = build_target(source.arch, (0, source.arch.num_layers), 64)
+    assert use_quantized_experts(model, source.weights(), torch.device("cpu")) == 2 * 2    # 2 MoE layers
+    names = model.checkpoint_names()
+    dense = build_target(source.arch, (0, source.arch.num_layers), 64)
+    from pipespec.model.weights import load_weights
+    load_weights(dense, resolve_model(ref).weights(), torch.float32, "cpu")
+    gen = torch.Generator().manual_seed(0)
+    for i in (1, 2):
+        moe, want = model.model.layers[str(i)].mlp, dense.model.layers[str(i)].mlp
+        assert isinstance(moe.experts_gate_up, Fp8Stack) and isinstance(moe.experts_down, Fp8Stack)
+        assert not any(n.startswith(f"model.layers.{i}.mlp.experts_") for n in names)
+        x = torch.randn(5, 64, generator=gen)
+        ids = torch.randint(0, 8, (5, 3), generator=gen)
+        w = torch.rand(5, 3, generator=gen)
+        up, down = want.experts_gate_up.view(8, -1, 64), want.experts_down.view(8, 64, -1)
+        torch.testing.assert_close(routed_experts(x, ids, w, moe.experts_gate_up, moe.experts_down),
+                                   routed_experts(x, ids, w, up, down), rtol=1e-5, atol=1e-5)
+        # a rank whose experts start at global id 8: pairs of experts below add nothing
+        torch.testing.assert_close(routed_experts(x, ids + 4, w, moe.experts_gate_up, moe.experts_down, first=8),
+                                   routed_experts(x, ids + 4, w, up, down, first=8), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRET), reason="needs a CUDA device (or TRITON_INTERPRET=1)")
+def test_engine_on_fp8_experts_equals_its_dequantized_reference(experts_fp8):
+    fp8, ref = experts_fp8
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    kw = dict(KW, device=device, enforce_eager=True)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    with LLM(model=ref, **kw) as llm:
+        want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    with LLM(model=fp8, **kw) as llm:
+        model = llm.engine.executor.stage.model
+        assert sum(isinstance(m, Fp8Stack) for m in model.modules()) == 4
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)] == want
+
+
+def test_dummy_fp8_experts_draw_weights_like_the_dense_dummy(experts_fp8):
+    """`--load-format dummy --quantization fp8` (benchmarks at real shapes): random FP8 stacks of the
+    dense stacks' shapes, weights about N(0, 0.02) once dequantized."""
+    from pipespec.model.quant.experts import use_dummy_quantized_experts
+    source = resolve_model(experts_fp8[0])
+    model = build_target(source.arch, (0, source.arch.num_layers), 64)
+    shapes = {i: model.model.layers[str(i)].mlp.experts_down.shape for i in (1, 2)}
+    assert use_dummy_quantized_experts(model, torch.device("cpu")) == 4
+    for i in (1, 2):
+        down = model.model.layers[str(i)].mlp.experts_down
+        assert isinstance(down, Fp8Stack) and tuple(down.weight.shape) == tuple(shapes[i])
+        assert down.weight.dtype == torch.float8_e4m3fn
+        assert 0.015 < down.expert(3).std().item() < 0.025
