@@ -299,7 +299,9 @@ class PipelineExecutor(Executor):
         raise StageError(self._failed) from err
 
     def _diagnose(self, wait: float = 1.0) -> str:
-        """Errors posted by workers and workers that died, waiting briefly for the evidence."""
+        """Errors posted by workers and workers that died, waiting briefly for the evidence. A posted
+        error alone does not end the wait: a worker killed outright posts nothing, and its neighbours'
+        "connection lost" may be posted before its exit is seen, which would name the wrong stage."""
         deadline = time.monotonic() + wait
         while True:
             posted = {}
@@ -310,7 +312,7 @@ class PipelineExecutor(Executor):
                 except Exception:
                     pass
             dead = self._dead_workers()
-            if posted or dead or time.monotonic() > deadline:
+            if dead or time.monotonic() > deadline:
                 break
             time.sleep(_POLL)
         name = self.settings.rank_name

@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from pipespec import LLM, SamplingParams
 from pipespec.model.quant.experts import Fp8Stack, use_quantized_experts
+from pipespec.model.quant.linear import QuantLinear
 from pipespec.model.registry import build_target
 from pipespec.model.routed_experts import routed_experts
 from pipespec.model.source import resolve_model
@@ -35,7 +36,8 @@ PROMPTS = [{"prompt_token_ids": ids} for ids in ([5, 77, 300, 41, 9], [12], list
 
 
 def _quantized(name: str) -> bool:
-    return name.endswith("_proj.weight") and ".layers." in name and not name.endswith("eh_proj.weight")
+    return (name.endswith(("_proj.weight", "_proj_with_mqa.weight")) and ".layers." in name
+            and not name.endswith("eh_proj.weight"))
 
 
 def _write(root, tokenizer, **overrides):
@@ -139,6 +141,8 @@ def test_engine_on_fp8_experts_equals_its_dequantized_reference(experts_fp8):
     with LLM(model=fp8, **kw) as llm:
         model = llm.engine.executor.stage.model
         assert sum(isinstance(m, Fp8Stack) for m in model.modules()) == 4
+        attn = model.model.layers["0"].self_attn            # MLA's latent projections stay FP8 too
+        assert all(isinstance(getattr(attn, p), QuantLinear) for p in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa"))
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)] == want
 
 
