@@ -9,7 +9,7 @@ Shapes (from the published configs where this machine could read them; see SHAPE
   deepseek_v3_slice DeepSeek-V3's real hidden size, heads and experts, 3 layers (per-layer figures)
 
 Usage (GPU machine): python benchmarks/family_gpu.py --model qwen3_5_2b [--batch 1 64] [--k 0 2]
-       [--new-tokens 64] [--repeats 3] [--skip-hf] [--pp 2] [--profile] [--json out.json]
+       [--new-tokens 64] [--repeats 3] [--skip-hf] [--pp 2] [--profile] [--quantization fp8] [--json out.json]
 The roofline counts the bytes one batch-1 step must read: every weight but the routed experts, and
 top_k / num_experts of those (the experts one token uses). Transformers runs after pipespec is shut
 down when both would not fit (its tokens/s is then from a separate phase of the same run).
@@ -102,11 +102,23 @@ def active_bytes(model) -> tuple[int, int]:
     share = (moe.top_k / moe.num_experts if moe is not None else
              hybrid.num_experts_per_tok / hybrid.num_experts if hybrid is not None and hybrid.num_experts else 1.0)
     total = active = 0
-    for name, p in model.named_parameters():
+    for name, p in weights_of(model):
         n = p.numel() * p.element_size()
         total += n
         active += int(n * share) if name.endswith(_ROUTED) else n
     return total, active
+
+
+def weights_of(model):
+    """(name, tensor) of every weight: the parameters and the quantized layers' packed buffers
+    (`--quantization`: QuantLinear's, and FP8 expert stacks' named as the stack they replace)."""
+    from pipespec.model.quant.experts import Fp8Stack
+    from pipespec.model.quant.linear import QuantLinear
+    yield from model.named_parameters()
+    for mname, m in model.named_modules():
+        if isinstance(m, (QuantLinear, Fp8Stack)):
+            for bname, b in m.named_buffers(recurse=False):
+                yield (mname if isinstance(m, Fp8Stack) else f"{mname}.{bname}"), b
 
 
 def run(args) -> dict:
@@ -118,7 +130,7 @@ def run(args) -> dict:
               "torch": torch.__version__, "new_tokens": args.new_tokens, "repeats": args.repeats, "rows": []}
     bandwidth = copy_bandwidth()
     common = dict(model=folder, load_format="dummy", gpu_memory_utilization=args.util, max_model_len=2048,
-                  max_num_seqs=max(args.batch))
+                  max_num_seqs=max(args.batch), quantization=args.quantization)
     speeds: dict[tuple, list[float]] = {}
     steps: dict[tuple, list[float]] = {}
     for k in args.k:
@@ -184,6 +196,8 @@ def main():
     ap.add_argument("--util", type=float, default=0.85)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--quantization", choices=["fp8", "awq", "gptq"], default=None,
+                    help="random weights in that format (projections; FP8 also the routed experts)")
     ap.add_argument("--profile", action="store_true", help="also profile batch-1 decode kernel by kernel")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
