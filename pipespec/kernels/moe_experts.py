@@ -10,7 +10,9 @@ order: deterministic, and no [T*k, H] buffer). Every shape comes from the host, 
 in a CUDA graph. A pair routed to another rank's expert (id - first outside [0, E)) masks off its
 weight loads: it reads nothing and adds zero.
 
-FP8 experts (block-scaled e4m3, `model/quant/experts.py`) are dequantized as the tiles are read.
+FP8 experts (block-scaled e4m3, `model/quant/experts.py`) are dequantized as the tiles are read;
+int4 experts (AWQ / GPTQ, whose layout runs along the outputs) have kernels of their own that read
+64 output columns a program and unpack the nibbles in registers.
 
 Rounding follows the grouped-GEMM path at x's dtype: gate and up are rounded, silu(gate) is, and
 so is their product (the down GEMM's input), and each slot's down output before it is weighed.
@@ -86,6 +88,96 @@ def _down_kernel(h_ptr, ids_ptr, w_ptr, down_ptr, ds_ptr, y_ptr, first, E,
     y = tl.sum(acc, 2).to(dt).to(tl.float32)                   # each slot's output, rounded
     w = tl.load(w_ptr + pair, mask=rs < K, other=0.0).to(tl.float32)
     tl.store(y_ptr + t * H + rn, tl.sum(y * w[:, None], 0).to(dt), mask=rn < H)
+
+
+@triton.jit
+def _int4_tile(q_ptr, z_ptr, s_ptr, e, k0, rw, cols, col_ok, K: tl.constexpr, N: tl.constexpr, GROUP: tl.constexpr,
+               BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Rows k0 .. k0 + BLOCK_K (inside one group) of expert e's int4 weight at `cols`, in float32
+    [BLOCK_K, cols]: the `Int4Weight` layout (word w's nibble j is row 8w + j), stacked per expert."""
+    words = tl.load(q_ptr + (e * (K // 8) + k0 // 8 + rw[:, None]) * N + cols[None, :], mask=col_ok[None, :], other=0)
+    q = (words[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF
+    q = tl.reshape(q, (BLOCK_K, BLOCK_N)).to(tl.float32)
+    g = e * (K // GROUP) + k0 // GROUP
+    z = tl.load(z_ptr + g * N + cols, mask=col_ok, other=0.0)
+    s = tl.load(s_ptr + g * N + cols, mask=col_ok, other=0.0)
+    return (q - z[None, :]) * s[None, :]
+
+
+@triton.jit
+def _int4_gate_up_kernel(x_ptr, ids_ptr, q_ptr, z_ptr, s_ptr, h_ptr, first, E, stride_x,
+                         K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, GROUP: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """int4 experts (N = 2I columns: gate, then up): as `_gate_up_kernel`, columns contiguous."""
+    p = tl.program_id(0)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rw = tl.arange(0, BLOCK_K // 8)
+    e = (tl.load(ids_ptr + p) - first).to(tl.int64)
+    mine = (e >= 0) & (e < E)
+    e = tl.where(mine, e, 0)
+    ok = mine & (rn < I)
+    acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        xk = tl.load(x_ptr + (p // K) * stride_x + k0 + tl.arange(0, BLOCK_K)).to(tl.float32)
+        acc_g += tl.sum(_int4_tile(q_ptr, z_ptr, s_ptr, e, k0, rw, rn, ok, H, 2 * I, GROUP, BLOCK_K, BLOCK_N) * xk[:, None], 0)
+        acc_u += tl.sum(_int4_tile(q_ptr, z_ptr, s_ptr, e, k0, rw, I + rn, ok, H, 2 * I, GROUP, BLOCK_K, BLOCK_N) * xk[:, None],
+                        0)
+    dt = h_ptr.dtype.element_ty
+    g = acc_g.to(dt).to(tl.float32)
+    u = acc_u.to(dt).to(tl.float32)
+    silu = (g * tl.sigmoid(g)).to(dt).to(tl.float32)
+    tl.store(h_ptr + p * I + rn, (silu * u).to(dt), mask=rn < I)
+
+
+@triton.jit
+def _int4_down_kernel(h_ptr, ids_ptr, w_ptr, q_ptr, z_ptr, s_ptr, y_ptr, first, E,
+                      K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, GROUP: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """int4 experts' down products of a token's K slots, each rounded, weighed and summed in slot order."""
+    t = tl.program_id(0)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rw = tl.arange(0, BLOCK_K // 8)
+    dt = y_ptr.dtype.element_ty
+    out = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for j in tl.static_range(K):
+        pair = t * K + j
+        e = (tl.load(ids_ptr + pair) - first).to(tl.int64)
+        mine = (e >= 0) & (e < E)
+        e = tl.where(mine, e, 0)
+        ok = mine & (rn < H)
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            hk = tl.load(h_ptr + pair * I + k0 + tl.arange(0, BLOCK_K)).to(tl.float32)
+            acc += tl.sum(_int4_tile(q_ptr, z_ptr, s_ptr, e, k0, rw, rn, ok, I, H, GROUP, BLOCK_K, BLOCK_N) * hk[:, None], 0)
+        out += acc.to(dt).to(tl.float32) * tl.load(w_ptr + pair).to(tl.float32)
+    tl.store(y_ptr + t * H + rn, out.to(dt), mask=rn < H)
+
+
+def few_pair_int4_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up, down,
+                          first: int | None = None) -> torch.Tensor:
+    """`few_pair_experts` for int4 stacks (`model/quant/experts.py::Int4Stack`: qweight [E, K / 8, N],
+    zeros and scales [E, K / group, N], N the outputs: 2I for gate and up, H for down)."""
+    t, k = ids.shape
+    e, h_dim, i_dim = gate_up.qweight.shape[0], x.shape[-1], down.qweight.shape[1] * 8
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    if t == 0:
+        return out
+    group = gate_up.group
+    if down.group != group or h_dim % group or i_dim % group or group % 8:
+        raise ValueError(f"int4 experts need one group size dividing H = {h_dim} and I = {i_dim}")
+    ids, weights = ids.contiguous(), weights.contiguous()
+    hid = torch.empty(t * k, i_dim, dtype=x.dtype, device=x.device)
+    block_k = min(64, group & -group)                # a step inside one group
+    # columns contiguous: a program reads 64 outputs' words a step (256 bytes a word row)
+    _int4_gate_up_kernel[(t * k, triton.cdiv(i_dim, 64))](
+        x, ids, gate_up.qweight, gate_up.zeros, gate_up.scales, hid, first or 0, e, x.stride(0), K=k, H=h_dim,
+        I=i_dim, GROUP=group, BLOCK_N=64, BLOCK_K=block_k, num_warps=4)
+    _int4_down_kernel[(t, triton.cdiv(h_dim, 64))](
+        hid, ids, weights, down.qweight, down.zeros, down.scales, out, first or 0, e, K=k, H=h_dim, I=i_dim,
+        GROUP=group, BLOCK_N=64, BLOCK_K=block_k, num_warps=4)
+    return out
 
 
 def few_pair_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up, down,

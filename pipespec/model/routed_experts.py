@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from pipespec import kernels
-from pipespec.model.quant.experts import Fp8Stack, fp8_routed_experts
+from pipespec.model.quant.experts import STACKS, quantized_routed_experts
 
 # At most this many (token, slot) pairs run as per-pair GEMVs (kernels/moe_experts.py). They read an
 # expert once per pair that picks it, the grouped GEMMs once per expert picked, so the GEMVs pay
@@ -37,9 +37,10 @@ from pipespec.model.quant.experts import Fp8Stack, fp8_routed_experts
 FEW_PAIRS = 32
 
 
-def as_experts(stack: torch.Tensor | Fp8Stack, experts: int) -> torch.Tensor | Fp8Stack:
-    """A module's stacked expert parameter [E * rows, cols] as [E, rows, cols]; an `Fp8Stack` as it is."""
-    return stack if isinstance(stack, Fp8Stack) else stack.view(experts, -1, stack.shape[-1])
+def as_experts(stack, experts: int):
+    """A module's stacked expert parameter [E * rows, cols] as [E, rows, cols]; a quantized stack
+    (`model/quant/experts.py`) as it is."""
+    return stack if isinstance(stack, STACKS) else stack.view(experts, -1, stack.shape[-1])
 
 
 def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
@@ -47,12 +48,12 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ga
     """sum over slots j of weights[t, j] * expert_{ids[t, j]}(x[t]).
 
     x [T, H]; ids [T, k] int64; weights [T, k]; gate_up [E, 2I, H] (per expert: gate rows, then up
-    rows); down [E, H, I] (or both `Fp8Stack`s, `as_experts`). Returns [T, H] in x's dtype. `first`:
+    rows); down [E, H, I] (or both quantized stacks, `as_experts`). Returns [T, H] in x's dtype. `first`:
     the global id of gate_up's first expert when this rank holds only some (pairs routed elsewhere
     contribute nothing)."""
     t, k = ids.shape
-    if isinstance(gate_up, Fp8Stack):                     # experts kept FP8 (model/quant/experts.py)
-        return fp8_routed_experts(x, ids, weights, gate_up, down, first)
+    if isinstance(gate_up, STACKS):                       # experts kept quantized (model/quant/experts.py)
+        return quantized_routed_experts(x, ids, weights, gate_up, down, first)
     if kernels.enabled(x) and t * k <= FEW_PAIRS and gate_up.is_contiguous() and down.is_contiguous():
         from pipespec.kernels.moe_experts import few_pair_experts
         return few_pair_experts(x, ids, weights, gate_up, down, first)

@@ -87,6 +87,35 @@ def test_fp8_stacks_equal_their_dequantized_weights(t, k, block):
     _close(got, _loop(x, ids, weights, dense[0].view(e, 2 * i, h), dense[1].view(e, h, i), first=2))
 
 
+@pytest.mark.parametrize("t,k,layout", [(1, 4, "awq"), (3, 2, "gptq"), (2, 4, "awq")])
+def test_int4_stacks_equal_their_dequantized_weights(t, k, layout):
+    """int4 expert stacks (AWQ or GPTQ, repacked per expert, gate and up side by side) give what the
+    dense stacks of their dequantized weights give, `first` included."""
+    from pipespec.kernels.moe_experts import few_pair_int4_experts
+    from pipespec.model.quant.experts import Int4Stack
+    from pipespec.model.quant.packed import Int4Weight, concat
+    from tests.model.quant import writers
+    e, h, i, group = 6, 64, 32, 16
+    x, ids, weights, gate_up, down = _case(t, e + 2, k, h, i, seed=13 * t + k)
+
+    def packed(w):                    # one checkpoint matrix [out, in] -> (Int4Weight, dequantized)
+        if layout == "awq":
+            parts, ref = writers.awq(w.cpu(), group)
+            return Int4Weight.from_awq(parts["qweight"], parts["qzeros"], parts["scales"].float(), group), ref
+        parts, ref = writers.gptq(w.cpu(), group, act_order=False)
+        return Int4Weight.from_gptq(parts["qweight"], parts["qzeros"], parts["scales"].float(), parts["g_idx"]), ref
+
+    ups, downs, dense_up, dense_down = [], [], [], []
+    for j in range(2, e + 2):                                        # this rank: experts 2..7
+        (g, g_ref), (u, u_ref), (d, d_ref) = packed(gate_up[j, :i]), packed(gate_up[j, i:]), packed(down[j])
+        ups.append(concat([g, u]).to(torch.device(DEVICE)))
+        downs.append(d.to(torch.device(DEVICE)))
+        dense_up.append(torch.cat([g_ref, u_ref]))
+        dense_down.append(d_ref)
+    got = few_pair_int4_experts(x, ids, weights, Int4Stack(ups), Int4Stack(downs), first=2)
+    _close(got, _loop(x, ids, weights, torch.stack(dense_up), torch.stack(dense_down), first=2))
+
+
 def test_slot_weights_and_gate_up_halves_matter():
     """The data tells a wrong slot weighting or swapped gate/up halves apart from the right answer."""
     from pipespec.kernels.moe_experts import few_pair_experts

@@ -4,10 +4,10 @@ routed and shared experts included, in float8 e4m3 with 16 x 16 block scales; `e
 norms, embedding and LM head in full precision. The engine must produce exactly what it produces on
 the dequantized reference checkpoint (the same numbers), with and without MTP, at PP 1 and 2.
 
-Where the kernels serve (a GPU, or CPU under TRITON_INTERPRET=1) the routed experts stay FP8
-(`model/quant/experts.py`) when each expert's rows are whole scale blocks (a checkpoint with 32-row
-experts here; the other's 24-row experts load dense): the swap is checked on CPU, the engine on the
-kernels."""
+Where the kernels serve (a GPU, or CPU under TRITON_INTERPRET=1) the routed experts stay quantized
+(`model/quant/experts.py`), FP8 when each expert's rows are whole scale blocks (a checkpoint with
+32-row experts here; the other's 24-row experts load dense), and AWQ int4 likewise: the swap is
+checked on CPU, the engine on the kernels."""
 from __future__ import annotations
 
 import importlib.util
@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pipespec import LLM, SamplingParams
-from pipespec.model.quant.experts import Fp8Stack, use_quantized_experts
+from pipespec.model.quant.experts import Fp8Stack, Int4Stack, use_quantized_experts
 from pipespec.model.quant.linear import QuantLinear
 from pipespec.model.registry import build_target
 from pipespec.model.routed_experts import routed_experts
@@ -40,27 +40,36 @@ def _quantized(name: str) -> bool:
             and not name.endswith("eh_proj.weight"))
 
 
-def _write(root, tokenizer, **overrides):
-    """(fp8 folder, dequantized reference folder) of the same DeepSeek-V3 + MTP checkpoint."""
+# AWQ: groups of 16 input rows, layers whose input is not a whole number of groups kept in full
+# precision (the tiny q LoRA of 24)
+METHODS = {"fp8": ({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                    "weight_block_size": list(BLOCK)}, lambda w: writers.fp8(w, BLOCK), "weight_scale_inv"),
+           "awq": ({"quant_method": "awq", "bits": 4, "group_size": 16, "zero_point": True, "version": "gemm"},
+                   lambda w: writers.awq(w, 16) if w.shape[1] % 16 == 0 else None, "qweight")}
+
+
+def _write(root, tokenizer, method="fp8", **overrides):
+    """(quantized folder, dequantized reference folder) of the same DeepSeek-V3 + MTP checkpoint."""
+    qcfg, quantize, marker = METHODS[method]
     ref = tiny.write_with_mtp(root / "reference", "lora_yarn", seed=31, tokenizer=tokenizer, **overrides)
-    fp8 = tiny.write_with_mtp(root / "fp8", "lora_yarn", seed=31, tokenizer=tokenizer, **overrides)
+    folder = tiny.write_with_mtp(root / method, "lora_yarn", seed=31, tokenizer=tokenizer, **overrides)
     tensors = load_file(str(ref / "model.safetensors"))
     quantized, dequantized = {}, dict(tensors)
     for name, w in tensors.items():
-        if _quantized(name):
-            parts, dequantized[name] = writers.fp8(w, BLOCK)
-            prefix = name.removesuffix(".weight")
-            quantized.update({f"{prefix}.{k}": v for k, v in parts.items()})
-        else:
+        done = quantize(w) if _quantized(name) else None
+        if done is None:
             quantized[name] = w
-    assert sum(n.endswith("weight_scale_inv") for n in quantized) > 50       # experts of both layers
+            continue
+        parts, dequantized[name] = done
+        prefix = name.removesuffix(".weight")
+        quantized.update({f"{prefix}.{k}": v for k, v in parts.items()})
+    assert sum(n.endswith(marker) for n in quantized) > 50       # experts of both layers
     save_file(dequantized, str(ref / "model.safetensors"))
-    save_file(quantized, str(fp8 / "model.safetensors"))
-    cfg = json.loads((fp8 / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                  "weight_block_size": list(BLOCK)}
-    (fp8 / "config.json").write_text(json.dumps(cfg))
-    return str(fp8), str(ref)
+    save_file(quantized, str(folder / "model.safetensors"))
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = qcfg
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return str(folder), str(ref)
 
 
 @pytest.fixture(scope="module")
@@ -68,10 +77,12 @@ def checkpoints(tmp_path_factory, tokenizer):
     return _write(tmp_path_factory.mktemp("deepseek-fp8"), tokenizer)
 
 
-@pytest.fixture(scope="module")
-def experts_fp8(tmp_path_factory, tokenizer):
-    """Experts of 32 rows: whole 16-row scale blocks, as real ones (2,048 rows, 128-row blocks) are."""
-    return _write(tmp_path_factory.mktemp("deepseek-fp8-experts"), tokenizer, moe_intermediate_size=32)
+@pytest.fixture(scope="module", params=list(METHODS))
+def experts_quantized(request, tmp_path_factory, tokenizer):
+    """(method, folder, reference) with experts of 32 rows: whole 16-row FP8 scale blocks, as real
+    ones (2,048 rows, 128-row blocks) are, and whole AWQ groups."""
+    folder = tmp_path_factory.mktemp(f"deepseek-{request.param}-experts")
+    return (request.param, *_write(folder, tokenizer, request.param, moe_intermediate_size=32))
 
 
 def _greedy(folder: str, **kw) -> list[list[int]]:
@@ -101,12 +112,12 @@ def test_a_float8_tensor_without_its_scales_is_refused(checkpoints, tmp_path):
         _greedy(str(folder))
 
 
-def test_fp8_experts_stay_fp8_and_multiply_like_their_dequantized_stacks(experts_fp8):
-    """Each MoE layer's two expert stacks become `Fp8Stack`s (never asked of the dense loader); on CPU
-    (no kernels) they multiply by dequantizing each picked expert, equal to the dense stacks of the
-    dequantized reference, other ranks' experts adding nothing."""
-    fp8, ref = experts_fp8
-    source = resolve_model(fp8)
+def test_quantized_experts_stay_quantized_and_multiply_like_their_dequantized_stacks(experts_quantized):
+    """Each MoE layer's two expert stacks become `Fp8Stack`s or `Int4Stack`s (never asked of the
+    dense loader); on CPU (no kernels) they multiply by dequantizing each picked expert, equal to the
+    dense stacks of the dequantized reference, other ranks' experts adding nothing."""
+    method, folder, ref = experts_quantized
+    source = resolve_model(folder)
     model = build_target(source.arch, (0, source.arch.num_layers), 64)
     assert use_quantized_experts(model, source.weights(), torch.device("cpu")) == 2 * 2    # 2 MoE layers
     names = model.checkpoint_names()
@@ -114,9 +125,10 @@ def test_fp8_experts_stay_fp8_and_multiply_like_their_dequantized_stacks(experts
     from pipespec.model.weights import load_weights
     load_weights(dense, resolve_model(ref).weights(), torch.float32, "cpu")
     gen = torch.Generator().manual_seed(0)
+    kind = Fp8Stack if method == "fp8" else Int4Stack
     for i in (1, 2):
         moe, want = model.model.layers[str(i)].mlp, dense.model.layers[str(i)].mlp
-        assert isinstance(moe.experts_gate_up, Fp8Stack) and isinstance(moe.experts_down, Fp8Stack)
+        assert isinstance(moe.experts_gate_up, kind) and isinstance(moe.experts_down, kind)
         assert not any(n.startswith(f"model.layers.{i}.mlp.experts_") for n in names)
         x = torch.randn(5, 64, generator=gen)
         ids = torch.randint(0, 8, (5, 3), generator=gen)
@@ -131,26 +143,26 @@ def test_fp8_experts_stay_fp8_and_multiply_like_their_dequantized_stacks(experts
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRET), reason="needs a CUDA device (or TRITON_INTERPRET=1)")
-def test_engine_on_fp8_experts_equals_its_dequantized_reference(experts_fp8):
-    fp8, ref = experts_fp8
+def test_engine_on_quantized_experts_equals_its_dequantized_reference(experts_quantized):
+    method, folder, ref = experts_quantized
     device = "cuda" if torch.cuda.is_available() else "cpu"
     kw = dict(KW, device=device, enforce_eager=True)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     with LLM(model=ref, **kw) as llm:
         want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-    with LLM(model=fp8, **kw) as llm:
+    with LLM(model=folder, **kw) as llm:
         model = llm.engine.executor.stage.model
-        assert sum(isinstance(m, Fp8Stack) for m in model.modules()) == 4
-        attn = model.model.layers["0"].self_attn            # MLA's latent projections stay FP8 too
-        assert all(isinstance(getattr(attn, p), QuantLinear) for p in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa"))
+        assert sum(isinstance(m, (Fp8Stack, Int4Stack)) for m in model.modules()) == 4
+        attn = model.model.layers["0"].self_attn            # MLA's latent projections stay quantized too
+        assert all(isinstance(getattr(attn, p), QuantLinear) for p in ("q_a_proj", "kv_a_proj_with_mqa"))
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)] == want
 
 
-def test_dummy_fp8_experts_draw_weights_like_the_dense_dummy(experts_fp8):
+def test_dummy_fp8_experts_draw_weights_like_the_dense_dummy(experts_quantized):
     """`--load-format dummy --quantization fp8` (benchmarks at real shapes): random FP8 stacks of the
     dense stacks' shapes, weights about N(0, 0.02) once dequantized."""
     from pipespec.model.quant.experts import use_dummy_quantized_experts
-    source = resolve_model(experts_fp8[0])
+    source = resolve_model(experts_quantized[1])
     model = build_target(source.arch, (0, source.arch.num_layers), 64)
     shapes = {i: model.model.layers[str(i)].mlp.experts_down.shape for i in (1, 2)}
     assert use_dummy_quantized_experts(model, torch.device("cpu")) == 4
@@ -159,3 +171,13 @@ def test_dummy_fp8_experts_draw_weights_like_the_dense_dummy(experts_fp8):
         assert isinstance(down, Fp8Stack) and tuple(down.weight.shape) == tuple(shapes[i])
         assert down.weight.dtype == torch.float8_e4m3fn
         assert 0.015 < down.expert(3).std().item() < 0.025
+
+
+def test_experts_that_are_not_whole_scale_blocks_stay_dense_both_stacks(checkpoints):
+    """24-row experts with 16-row FP8 blocks: gate/up cannot be stacked, so neither stack is (the
+    down stack alone would meet a dense gate/up in one product)."""
+    source = resolve_model(checkpoints[0])
+    model = build_target(source.arch, (0, source.arch.num_layers), 64)
+    assert use_quantized_experts(model, source.weights(), torch.device("cpu")) == 0
+    moe = model.model.layers["1"].mlp
+    assert isinstance(moe.experts_gate_up, torch.nn.Parameter) and isinstance(moe.experts_down, torch.nn.Parameter)
