@@ -9,8 +9,9 @@ import torch
 from pipespec import kernels
 from pipespec.config import EngineConfig
 from pipespec.model.attention import ForwardContext
-from pipespec.model.quant.experts import use_dummy_quantized_experts, use_quantized_experts
-from pipespec.model.quant.linear import use_dummy_quantized_linears, use_quantized_linears
+from pipespec.model.quant.experts import use_dummy_quantized_experts
+from pipespec.model.quant.keep import keep_quantized
+from pipespec.model.quant.linear import use_dummy_quantized_linears
 from pipespec.model.registry import build_target
 from pipespec.model.source import ModelSource
 from pipespec.model.tp_layers import SINGLE
@@ -43,19 +44,10 @@ def load_target(source: ModelSource, config: EngineConfig, layer_range: tuple[in
                              + "; pipespec does not quantize a checkpoint at load")
         shard = f" (TP rank {tp.rank} of {tp.size})" if tp.size > 1 else ""
         weights = source.weights()
-        if source.quant is not None and kernels.serve_device(device):
-            _keep_quantized(model, weights, source.quant.method, device)
+        keep_quantized(model, weights, device, "target")
         load_weights(model, weights, dtype, device,
                      desc=f"Loading layers {layer_range[0]}-{layer_range[1] - 1}{shard}")
     return model.eval()
-
-
-def _keep_quantized(model, weights, method: str, device: torch.device) -> None:
-    """Quantized linear layers stay packed on the GPU, each rank its shard (`model/quant/linear.py`)."""
-    count = use_quantized_linears(model, weights, device)
-    experts = use_quantized_experts(model, weights, device)
-    logger.info("%s checkpoint: %d linear layers and %d routed-expert stacks kept quantized (weight-only %s "
-                "kernels)", method, count, experts, method)
 
 
 def run_target(model: torch.nn.Module, ctx: ForwardContext, input_ids: torch.Tensor,

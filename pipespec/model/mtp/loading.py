@@ -59,6 +59,7 @@ def load_mtp_layers(source, arch: ArchConfig, dtype: torch.dtype, device, max_po
     `indices`: which layers (default: all the checkpoint holds, or the first `declared` of them when
     the config names fewer).
     """
+    from pipespec.model.quant.keep import keep_quantized
     from pipespec.model.weights import load_weights
 
     names = source.names()
@@ -79,6 +80,7 @@ def load_mtp_layers(source, arch: ArchConfig, dtype: torch.dtype, device, max_po
         family = NativeDeepSeekMTP
     layers = family.build(arch, indices, names, max_position, tp=tp)
     for layer in layers:
+        keep_quantized(layer, source, device, f"MTP layer {layer.layer_index}")
         load_weights(layer, source, dtype, device, desc=f"Loading {family.family} MTP layer {layer.layer_index}")
     return layers
 

@@ -156,6 +156,12 @@ def test_engine_on_quantized_experts_equals_its_dequantized_reference(experts_qu
         attn = model.model.layers["0"].self_attn            # MLA's latent projections stay quantized too
         assert all(isinstance(getattr(attn, p), QuantLinear) for p in ("q_a_proj", "kv_a_proj_with_mqa"))
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)] == want
+    spec = {"method": "mtp", "num_speculative_tokens": 2}      # the checkpoint's MTP layer: quantized alike
+    with LLM(model=folder, speculative_config=spec, **kw) as llm:
+        drafter = llm.engine.executor.stage.drafter
+        assert sum(isinstance(m, (Fp8Stack, Int4Stack)) for m in drafter.modules()) == 2
+        assert any(isinstance(m, QuantLinear) for m in drafter.modules())
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)] == want
 
 
 def test_dummy_fp8_experts_draw_weights_like_the_dense_dummy(experts_quantized):
