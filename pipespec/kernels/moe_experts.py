@@ -12,7 +12,7 @@ weight loads: it reads nothing and adds zero.
 
 FP8 experts (block-scaled e4m3, `model/quant/experts.py`) are dequantized as the tiles are read;
 int4 experts (AWQ / GPTQ, whose layout runs along the outputs) have kernels of their own that read
-64 output columns a program and unpack the nibbles in registers.
+32 output columns a program and unpack the nibbles in registers.
 
 Rounding follows the grouped-GEMM path at x's dtype: gate and up are rounded, silu(gate) is, and
 so is their product (the down GEMM's input), and each slot's down output before it is weighed.
@@ -132,26 +132,24 @@ def _int4_gate_up_kernel(x_ptr, ids_ptr, q_ptr, z_ptr, s_ptr, h_ptr, first, E, s
 
 @triton.jit
 def _int4_down_kernel(h_ptr, ids_ptr, w_ptr, q_ptr, z_ptr, s_ptr, y_ptr, first, E,
-                      K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, GROUP: tl.constexpr,
+                      H: tl.constexpr, I: tl.constexpr, GROUP: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """int4 experts' down products of a token's K slots, each rounded, weighed and summed in slot order."""
-    t = tl.program_id(0)
+    """int4 experts' down product of one pair, rounded as the grouped path rounds it and weighed:
+    a float32 row per pair (the caller sums a token's slots in order), so a token's K slots run as
+    K programs, which keeps the GPU busy at one token."""
+    pair = tl.program_id(0)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rw = tl.arange(0, BLOCK_K // 8)
-    dt = y_ptr.dtype.element_ty
-    out = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for j in tl.static_range(K):
-        pair = t * K + j
-        e = (tl.load(ids_ptr + pair) - first).to(tl.int64)
-        mine = (e >= 0) & (e < E)
-        e = tl.where(mine, e, 0)
-        ok = mine & (rn < H)
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for k0 in range(0, I, BLOCK_K):
-            hk = tl.load(h_ptr + pair * I + k0 + tl.arange(0, BLOCK_K)).to(tl.float32)
-            acc += tl.sum(_int4_tile(q_ptr, z_ptr, s_ptr, e, k0, rw, rn, ok, I, H, GROUP, BLOCK_K, BLOCK_N) * hk[:, None], 0)
-        out += acc.to(dt).to(tl.float32) * tl.load(w_ptr + pair).to(tl.float32)
-    tl.store(y_ptr + t * H + rn, out.to(dt), mask=rn < H)
+    e = (tl.load(ids_ptr + pair) - first).to(tl.int64)
+    mine = (e >= 0) & (e < E)
+    e = tl.where(mine, e, 0)
+    ok = mine & (rn < H)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        hk = tl.load(h_ptr + pair * I + k0 + tl.arange(0, BLOCK_K)).to(tl.float32)
+        acc += tl.sum(_int4_tile(q_ptr, z_ptr, s_ptr, e, k0, rw, rn, ok, I, H, GROUP, BLOCK_K, BLOCK_N) * hk[:, None], 0)
+    y = acc.to(h_ptr.dtype.element_ty).to(tl.float32) * tl.load(w_ptr + pair).to(tl.float32)
+    tl.store(y_ptr + pair * H + rn, y, mask=rn < H)
 
 
 def few_pair_int4_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up, down,
@@ -170,14 +168,16 @@ def few_pair_int4_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Ten
     ids, weights = ids.contiguous(), weights.contiguous()
     hid = torch.empty(t * k, i_dim, dtype=x.dtype, device=x.device)
     block_k = min(64, group & -group)                # a step inside one group
-    # columns contiguous: a program reads 64 outputs' words a step (256 bytes a word row)
-    _int4_gate_up_kernel[(t * k, triton.cdiv(i_dim, 64))](
+    # 32 outputs a program: a word row is 128 bytes, and at one token the k * I / 32 and k * H / 32
+    # programs fill the GPU
+    _int4_gate_up_kernel[(t * k, triton.cdiv(i_dim, 32))](
         x, ids, gate_up.qweight, gate_up.zeros, gate_up.scales, hid, first or 0, e, x.stride(0), K=k, H=h_dim,
-        I=i_dim, GROUP=group, BLOCK_N=64, BLOCK_K=block_k, num_warps=4)
-    _int4_down_kernel[(t, triton.cdiv(h_dim, 64))](
-        hid, ids, weights, down.qweight, down.zeros, down.scales, out, first or 0, e, K=k, H=h_dim, I=i_dim,
-        GROUP=group, BLOCK_N=64, BLOCK_K=block_k, num_warps=4)
-    return out
+        I=i_dim, GROUP=group, BLOCK_N=32, BLOCK_K=block_k, num_warps=2)
+    per_pair = torch.empty(t * k, h_dim, dtype=torch.float32, device=x.device)
+    _int4_down_kernel[(t * k, triton.cdiv(h_dim, 32))](
+        hid, ids, weights, down.qweight, down.zeros, down.scales, per_pair, first or 0, e, H=h_dim, I=i_dim,
+        GROUP=group, BLOCK_N=32, BLOCK_K=block_k, num_warps=2)
+    return per_pair.view(t, k, h_dim).sum(1).to(x.dtype)    # the slots in order: deterministic
 
 
 def few_pair_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up, down,
