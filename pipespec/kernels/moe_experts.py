@@ -105,6 +105,15 @@ def _int4_tile(q_ptr, z_ptr, s_ptr, e, k0, rw, cols, col_ok, K: tl.constexpr, N:
 
 
 @triton.jit
+def _local_expert(ids_ptr, pair, first, E):
+    """(this rank's index of the pair's expert, clamped to 0 for another rank's; whether it is ours),
+    int64: offsets into a large stack pass 2**31."""
+    e = (tl.load(ids_ptr + pair) - first).to(tl.int64)
+    mine = (e >= 0) & (e < E)
+    return tl.where(mine, e, 0), mine
+
+
+@triton.jit
 def _int4_gate_up_kernel(x_ptr, ids_ptr, q_ptr, z_ptr, s_ptr, h_ptr, first, E, stride_x,
                          K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, GROUP: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -112,16 +121,14 @@ def _int4_gate_up_kernel(x_ptr, ids_ptr, q_ptr, z_ptr, s_ptr, h_ptr, first, E, s
     p = tl.program_id(0)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rw = tl.arange(0, BLOCK_K // 8)
-    e = (tl.load(ids_ptr + p) - first).to(tl.int64)
-    mine = (e >= 0) & (e < E)
-    e = tl.where(mine, e, 0)
+    e, mine = _local_expert(ids_ptr, p, first, E)
     ok = mine & (rn < I)
     acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
-        xk = tl.load(x_ptr + (p // K) * stride_x + k0 + tl.arange(0, BLOCK_K)).to(tl.float32)
-        acc_g += tl.sum(_int4_tile(q_ptr, z_ptr, s_ptr, e, k0, rw, rn, ok, H, 2 * I, GROUP, BLOCK_K, BLOCK_N) * xk[:, None], 0)
-        acc_u += tl.sum(_int4_tile(q_ptr, z_ptr, s_ptr, e, k0, rw, I + rn, ok, H, 2 * I, GROUP, BLOCK_K, BLOCK_N) * xk[:, None],
+        xk = tl.load(x_ptr + (p // K) * stride_x + k0 + tl.arange(0, BLOCK_K)).to(tl.float32)[:, None]
+        acc_g += tl.sum(_int4_tile(q_ptr, z_ptr, s_ptr, e, k0, rw, rn, ok, H, 2 * I, GROUP, BLOCK_K, BLOCK_N) * xk, 0)
+        acc_u += tl.sum(_int4_tile(q_ptr, z_ptr, s_ptr, e, k0, rw, I + rn, ok, H, 2 * I, GROUP, BLOCK_K, BLOCK_N) * xk,
                         0)
     dt = h_ptr.dtype.element_ty
     g = acc_g.to(dt).to(tl.float32)
@@ -140,14 +147,12 @@ def _int4_down_kernel(h_ptr, ids_ptr, w_ptr, q_ptr, z_ptr, s_ptr, y_ptr, first, 
     pair = tl.program_id(0)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rw = tl.arange(0, BLOCK_K // 8)
-    e = (tl.load(ids_ptr + pair) - first).to(tl.int64)
-    mine = (e >= 0) & (e < E)
-    e = tl.where(mine, e, 0)
+    e, mine = _local_expert(ids_ptr, pair, first, E)
     ok = mine & (rn < H)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
-        hk = tl.load(h_ptr + pair * I + k0 + tl.arange(0, BLOCK_K)).to(tl.float32)
-        acc += tl.sum(_int4_tile(q_ptr, z_ptr, s_ptr, e, k0, rw, rn, ok, I, H, GROUP, BLOCK_K, BLOCK_N) * hk[:, None], 0)
+        hk = tl.load(h_ptr + pair * I + k0 + tl.arange(0, BLOCK_K)).to(tl.float32)[:, None]
+        acc += tl.sum(_int4_tile(q_ptr, z_ptr, s_ptr, e, k0, rw, rn, ok, I, H, GROUP, BLOCK_K, BLOCK_N) * hk, 0)
     y = acc.to(h_ptr.dtype.element_ty).to(tl.float32) * tl.load(w_ptr + pair).to(tl.float32)
     tl.store(y_ptr + pair * H + rn, y, mask=rn < H)
 

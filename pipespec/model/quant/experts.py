@@ -103,8 +103,8 @@ def quantized_routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.
 
 def _moe_modules(model: nn.Module):
     """(name, module) of every module with routed-expert stacks still dense, listed before any is replaced."""
-    return [(name, m) for name, m in model.named_modules()
-            if getattr(m, "expert_stacks", ()) and all(isinstance(getattr(m, s), nn.Parameter) for s in m.expert_stacks)]
+    return [(name, m) for name, m in model.named_modules() if getattr(m, "expert_stacks", ())
+            and all(isinstance(getattr(m, s), nn.Parameter) for s in m.expert_stacks)]
 
 
 def _experts(module: nn.Module) -> int:
