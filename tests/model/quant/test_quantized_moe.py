@@ -164,6 +164,23 @@ def test_engine_on_quantized_experts_equals_its_dequantized_reference(experts_qu
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)] == want
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRET), reason="needs a CUDA device (or TRITON_INTERPRET=1)")
+def test_engine_on_quantized_experts_at_tp2_equals_its_dequantized_reference(experts_quantized):
+    """Each rank keeps its 4 of the 8 experts quantized (pairs routed to the other rank's add nothing
+    on this one; the all-reduce sums the two): greedy output equals the dequantized reference's."""
+    method, folder, ref = experts_quantized
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    kw = dict(KW, device=device, enforce_eager=True)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    with LLM(model=ref, **kw) as llm:
+        want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    with LLM(model=folder, tensor_parallel_size=2, **kw) as llm:
+        stacks = [m for m in llm.engine.executor.stage.model.modules() if isinstance(m, (Fp8Stack, Int4Stack))]
+        assert len(stacks) == 4 and all(m.experts == 4 for m in stacks)
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)] == want
+
+
 def test_dummy_fp8_experts_draw_weights_like_the_dense_dummy(experts_quantized):
     """`--load-format dummy --quantization fp8` (benchmarks at real shapes): random FP8 stacks of the
     dense stacks' shapes, weights about N(0, 0.02) once dequantized."""
