@@ -111,14 +111,14 @@ def active_bytes(model) -> tuple[int, int]:
 
 def weights_of(model):
     """(name, tensor) of every weight: the parameters and the quantized layers' packed buffers
-    (`--quantization`: QuantLinear's, and FP8 expert stacks' named as the stack they replace)."""
-    from pipespec.model.quant.experts import Fp8Stack
+    (`--quantization`: QuantLinear's, and quantized expert stacks' named as the stack they replace)."""
+    from pipespec.model.quant.experts import STACKS
     from pipespec.model.quant.linear import QuantLinear
     yield from model.named_parameters()
     for mname, m in model.named_modules():
-        if isinstance(m, (QuantLinear, Fp8Stack)):
+        if isinstance(m, (QuantLinear, *STACKS)):
             for bname, b in m.named_buffers(recurse=False):
-                yield (mname if isinstance(m, Fp8Stack) else f"{mname}.{bname}"), b
+                yield (mname if isinstance(m, STACKS) else f"{mname}.{bname}"), b
 
 
 def run(args) -> dict:

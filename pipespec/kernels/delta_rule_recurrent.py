@@ -55,8 +55,8 @@ def _recurrent_kernel(conv_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, rows_ptr, valid
     tl.debug_barrier()                      # read whole before this program overwrites candidates
     neg_a = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
     dt_bias = tl.load(dtb_ptr + h).to(tl.float32)
-    settles = tl.load(settle_ptr + b) != 0
-    verifies = tl.load(settle_ptr + b) == 0
+    settle = tl.load(settle_ptr + b)
+    settles, verifies = settle != 0, settle == 0
     for t in range(length):                 # a loop, not unrolled: prefill lines run it too
         line = b * length + t
         live = tl.load(valid_ptr + line) != 0

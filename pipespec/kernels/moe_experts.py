@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pipespec.kernels.quant_matmul import unpack_int4
+
 
 @triton.jit
 def _weights(ptr, s_ptr, rows, k, mask, H: tl.constexpr, FP8: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr):
@@ -35,15 +37,22 @@ def _weights(ptr, s_ptr, rows, k, mask, H: tl.constexpr, FP8: tl.constexpr, BO: 
 
 
 @triton.jit
+def _local_expert(ids_ptr, pair, first, E):
+    """(this rank's index of the pair's expert, clamped to 0 for another rank's; whether it is ours),
+    int64: offsets into a large stack pass 2**31."""
+    e = (tl.load(ids_ptr + pair) - first).to(tl.int64)
+    mine = (e >= 0) & (e < E)
+    return tl.where(mine, e, 0), mine
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, ids_ptr, gu_ptr, gs_ptr, h_ptr, first, E, stride_x,
                     K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, FP8: tl.constexpr, BO: tl.constexpr,
                     BI: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     p = tl.program_id(0)                    # pairs vary fastest: pairs sharing an expert read its
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)    # tile at once, mostly from L2
     rk = tl.arange(0, BLOCK_K)
-    e = (tl.load(ids_ptr + p) - first).to(tl.int64)    # offsets past 2**31 in a large stack
-    mine = (e >= 0) & (e < E)
-    e = tl.where(mine, e, 0)
+    e, mine = _local_expert(ids_ptr, p, first, E)
     gate = e * (2 * I) + rn[:, None]                         # stacked rows: gate, then up
     row_ok = mine & (rn[:, None] < I)
     acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)   # reduced once, after the loop
@@ -94,23 +103,13 @@ def _down_kernel(h_ptr, ids_ptr, w_ptr, down_ptr, ds_ptr, y_ptr, first, E,
 def _int4_tile(q_ptr, z_ptr, s_ptr, e, k0, rw, cols, col_ok, K: tl.constexpr, N: tl.constexpr, GROUP: tl.constexpr,
                BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     """Rows k0 .. k0 + BLOCK_K (inside one group) of expert e's int4 weight at `cols`, in float32
-    [BLOCK_K, cols]: the `Int4Weight` layout (word w's nibble j is row 8w + j), stacked per expert."""
+    [BLOCK_K, cols]: the `Int4Weight` layout, stacked per expert."""
     words = tl.load(q_ptr + (e * (K // 8) + k0 // 8 + rw[:, None]) * N + cols[None, :], mask=col_ok[None, :], other=0)
-    q = (words[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF
-    q = tl.reshape(q, (BLOCK_K, BLOCK_N)).to(tl.float32)
+    q = unpack_int4(words, BLOCK_K, BLOCK_N)
     g = e * (K // GROUP) + k0 // GROUP
     z = tl.load(z_ptr + g * N + cols, mask=col_ok, other=0.0)
     s = tl.load(s_ptr + g * N + cols, mask=col_ok, other=0.0)
     return (q - z[None, :]) * s[None, :]
-
-
-@triton.jit
-def _local_expert(ids_ptr, pair, first, E):
-    """(this rank's index of the pair's expert, clamped to 0 for another rank's; whether it is ours),
-    int64: offsets into a large stack pass 2**31."""
-    e = (tl.load(ids_ptr + pair) - first).to(tl.int64)
-    mine = (e >= 0) & (e < E)
-    return tl.where(mine, e, 0), mine
 
 
 @triton.jit

@@ -45,6 +45,14 @@ def _sum_splits(p_ptr, y_ptr, size, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def unpack_int4(words, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Packed words [BLOCK_K / 8, BLOCK_N] -> their 4-bit values [BLOCK_K, BLOCK_N] in float32: row
+    8w + j is nibble j of word w (`model/quant/packed.py`'s layout)."""
+    q = (words[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF
+    return tl.reshape(q, (BLOCK_K, BLOCK_N)).to(tl.float32)
+
+
+@triton.jit
 def _int4_kernel(x_ptr, q_ptr, z_ptr, s_ptr, y_ptr, M, stride_xm, stride_ym, k_per_split,
                  N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr, IEEE: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
@@ -53,7 +61,6 @@ def _int4_kernel(x_ptr, q_ptr, z_ptr, s_ptr, y_ptr, M, stride_xm, stride_ym, k_p
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     rw = tl.arange(0, BLOCK_K // 8)
-    shift = tl.arange(0, 8) * 4                             # row 8w + j is nibble j of word w
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_start = tl.program_id(2) * k_per_split                # k_per_split: whole BLOCK_K tiles
     for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):   # one group a tile
@@ -63,8 +70,7 @@ def _int4_kernel(x_ptr, q_ptr, z_ptr, s_ptr, y_ptr, M, stride_xm, stride_ym, k_p
         w_row = k0 // 8 + rw                                # each packed word is read once
         words = tl.load(q_ptr + w_row[:, None] * N + rn[None, :],
                         mask=(w_row[:, None] < K // 8) & (rn[None, :] < N), other=0)
-        q = (words[:, None, :] >> shift[None, :, None]) & 0xF
-        q = tl.reshape(q, (BLOCK_K, BLOCK_N)).to(tl.float32)
+        q = unpack_int4(words, BLOCK_K, BLOCK_N)
         g = k0 // GROUP
         z = tl.load(z_ptr + g * N + rn, mask=rn < N, other=0.0).to(tl.float32)
         s = tl.load(s_ptr + g * N + rn, mask=rn < N, other=0.0).to(tl.float32)

@@ -15,13 +15,13 @@ from torch import nn
 from pipespec import kernels
 from pipespec.kernels import fused_routing_supported
 from pipespec.model.layers import GatedMLP
-from pipespec.model.routed_experts import as_experts, routed_experts
+from pipespec.model.routed_experts import as_experts, dense_stacks, routed_experts
 from pipespec.model.tp_layers import SINGLE, expert_range
 from pipespec.parallel import TensorParallel
 
 
 class Experts(nn.Module):
-    expert_stacks = ("gate_up_proj", "down_proj")          # FP8 checkpoints keep them so (quant/experts.py)
+    expert_stacks = ("gate_up_proj", "down_proj")          # quantized checkpoints keep them packed (quant/experts.py)
 
     def __init__(self, num: int, hidden: int, inter: int, tp: TensorParallel = SINGLE):
         super().__init__()
@@ -37,7 +37,7 @@ class Experts(nn.Module):
         names = {f"{prefix}.gate_up_proj": [f"{prefix}.{e}.{p}.weight" for e in experts
                                             for p in ("gate_proj", "up_proj")],
                  f"{prefix}.down_proj": [f"{prefix}.{e}.down_proj.weight" for e in experts]}
-        return {k: v for k, v in names.items() if isinstance(getattr(self, k.rpartition(".")[2]), nn.Parameter)}
+        return dense_stacks(self, names)
 
     def forward(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return routed_experts(x, index, weight, as_experts(self.gate_up_proj, self.num),

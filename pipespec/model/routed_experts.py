@@ -43,6 +43,12 @@ def as_experts(stack, experts: int):
     return stack if isinstance(stack, STACKS) else stack.view(experts, -1, stack.shape[-1])
 
 
+def dense_stacks(module, names: dict[str, list[str]]) -> dict[str, list[str]]:
+    """A MoE module's stack names (full parameter name -> checkpoint tensors) without the stacks kept
+    quantized (`model/quant/experts.py`), which the dense loader must not fill."""
+    return {k: v for k, v in names.items() if not isinstance(getattr(module, k.rpartition(".")[2]), STACKS)}
+
+
 def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
                    down: torch.Tensor, first: int | None = None) -> torch.Tensor:
     """sum over slots j of weights[t, j] * expert_{ids[t, j]}(x[t]).

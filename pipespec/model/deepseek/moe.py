@@ -18,7 +18,7 @@ from pipespec import kernels
 from pipespec.kernels import fused_routing_supported
 from pipespec.model.deepseek.config import MoEConfig
 from pipespec.model.layers import GatedMLP
-from pipespec.model.routed_experts import as_experts, routed_experts
+from pipespec.model.routed_experts import as_experts, dense_stacks, routed_experts
 from pipespec.model.tp_layers import SINGLE, expert_range
 from pipespec.parallel import TensorParallel
 
@@ -55,7 +55,7 @@ class Router(nn.Module):
 
 
 class MoE(nn.Module):
-    expert_stacks = ("experts_gate_up", "experts_down")    # FP8 checkpoints keep them so (quant/experts.py)
+    expert_stacks = ("experts_gate_up", "experts_down")    # quantized checkpoints keep them packed (quant/experts.py)
 
     def __init__(self, hidden: int, cfg: MoEConfig, tp: TensorParallel = SINGLE):
         super().__init__()
@@ -74,7 +74,7 @@ class MoE(nn.Module):
         names = {prefix + "experts_gate_up": [f"{prefix}experts.{e}.{p}.weight" for e in experts
                                               for p in ("gate_proj", "up_proj")],
                  prefix + "experts_down": [f"{prefix}experts.{e}.down_proj.weight" for e in experts]}
-        return {k: v for k, v in names.items() if isinstance(getattr(self, k.removeprefix(prefix)), nn.Parameter)}
+        return dense_stacks(self, names)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipespec import kernels
 from pipespec.model.quant.packed import Fp8Weight, Int4Weight, concat
 
 logger = logging.getLogger(__name__)
@@ -83,7 +84,6 @@ STACKS = (Fp8Stack, Int4Stack)
 def quantized_routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up, down,
                              first: int | None = None) -> torch.Tensor:
     """`routed_experts` with `Fp8Stack`s or `Int4Stack`s (same arguments otherwise, same rounding)."""
-    from pipespec import kernels
     capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
     if kernels.enabled(x) and (ids.numel() <= GEMV_PAIRS or capturing):
         from pipespec.kernels.moe_experts import few_pair_experts, few_pair_int4_experts
@@ -130,12 +130,17 @@ def use_quantized_experts(model: nn.Module, source, device: torch.device) -> int
             if packed.shape != tuple(getattr(module, s).shape):
                 raise ValueError(f"{mname}.{s}: quantized experts of shape {packed.shape}, the model expects "
                                  f"{tuple(getattr(module, s).shape)}")
-            del module._parameters[s]
-            setattr(module, s, packed)
+            _swap(module, s, packed)
             count += 1
     if kept:
         logger.info("quantized experts served dense (dequantized): %s", "; ".join(kept[:3]))
     return count
+
+
+def _swap(module: nn.Module, stack: str, packed: nn.Module) -> None:
+    """The dense stack parameter `stack` of `module` becomes `packed` (no longer asked of the loader)."""
+    del module._parameters[stack]
+    setattr(module, stack, packed)
 
 
 def _stack(parts: list, experts: int, device: torch.device) -> nn.Module:
@@ -161,7 +166,6 @@ def use_dummy_quantized_experts(model: nn.Module, device: torch.device, seed: in
             rows, cols = getattr(module, stack).shape
             w = torch.randn(rows, cols, device=device, generator=gen).to(torch.float8_e4m3fn)
             scale = torch.full((-(-rows // 128), -(-cols // 128)), 0.02, device=device)
-            del module._parameters[stack]
-            setattr(module, stack, Fp8Stack(Fp8Weight(w, scale, (128, 128)), _experts(module)))
+            _swap(module, stack, Fp8Stack(Fp8Weight(w, scale, (128, 128)), _experts(module)))
             count += 1
     return count

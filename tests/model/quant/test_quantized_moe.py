@@ -33,6 +33,7 @@ BLOCK = (16, 16)
 KW = dict(dtype="float32", device="cpu", max_model_len=128, block_size=16, num_kv_blocks=64, max_num_seqs=8,
           max_num_batched_tokens=24)
 PROMPTS = [{"prompt_token_ids": ids} for ids in ([5, 77, 300, 41, 9], [12], list(range(20, 44)))]
+ON_KERNELS = dict(device="cuda" if torch.cuda.is_available() else "cpu", enforce_eager=True)
 
 
 def _quantized(name: str) -> bool:
@@ -85,10 +86,18 @@ def experts_quantized(request, tmp_path_factory, tokenizer):
     return (request.param, *_write(folder, tokenizer, request.param, moe_intermediate_size=32))
 
 
-def _greedy(folder: str, **kw) -> list[list[int]]:
+def _engine(folder: str, **kw) -> LLM:
+    return LLM(model=folder, **{**KW, **kw})
+
+
+def _outputs(llm: LLM) -> list[list[int]]:
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    with LLM(model=folder, **KW, **kw) as llm:
-        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+def _greedy(folder: str, **kw) -> list[list[int]]:
+    with _engine(folder, **kw) as llm:
+        return _outputs(llm)
 
 
 def test_fp8_moe_target_with_mtp_equals_its_dequantized_reference(checkpoints):
@@ -145,23 +154,19 @@ def test_quantized_experts_stay_quantized_and_multiply_like_their_dequantized_st
 @pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRET), reason="needs a CUDA device (or TRITON_INTERPRET=1)")
 def test_engine_on_quantized_experts_equals_its_dequantized_reference(experts_quantized):
     method, folder, ref = experts_quantized
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    kw = dict(KW, device=device, enforce_eager=True)
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    with LLM(model=ref, **kw) as llm:
-        want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-    with LLM(model=folder, **kw) as llm:
+    want = _greedy(ref, **ON_KERNELS)
+    with _engine(folder, **ON_KERNELS) as llm:
         model = llm.engine.executor.stage.model
         assert sum(isinstance(m, (Fp8Stack, Int4Stack)) for m in model.modules()) == 4
         attn = model.model.layers["0"].self_attn            # MLA's latent projections stay quantized too
         assert all(isinstance(getattr(attn, p), QuantLinear) for p in ("q_a_proj", "kv_a_proj_with_mqa"))
-        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)] == want
+        assert _outputs(llm) == want
     spec = {"method": "mtp", "num_speculative_tokens": 2}      # the checkpoint's MTP layer: quantized alike
-    with LLM(model=folder, speculative_config=spec, **kw) as llm:
+    with _engine(folder, speculative_config=spec, **ON_KERNELS) as llm:
         drafter = llm.engine.executor.stage.drafter
         assert sum(isinstance(m, (Fp8Stack, Int4Stack)) for m in drafter.modules()) == 2
         assert any(isinstance(m, QuantLinear) for m in drafter.modules())
-        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)] == want
+        assert _outputs(llm) == want
 
 
 @pytest.mark.gpu
@@ -170,15 +175,11 @@ def test_engine_on_quantized_experts_at_tp2_equals_its_dequantized_reference(exp
     """Each rank keeps its 4 of the 8 experts quantized (pairs routed to the other rank's add nothing
     on this one; the all-reduce sums the two): greedy output equals the dequantized reference's."""
     method, folder, ref = experts_quantized
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    kw = dict(KW, device=device, enforce_eager=True)
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    with LLM(model=ref, **kw) as llm:
-        want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-    with LLM(model=folder, tensor_parallel_size=2, **kw) as llm:
+    want = _greedy(ref, **ON_KERNELS)
+    with _engine(folder, tensor_parallel_size=2, **ON_KERNELS) as llm:
         stacks = [m for m in llm.engine.executor.stage.model.modules() if isinstance(m, (Fp8Stack, Int4Stack))]
         assert len(stacks) == 4 and all(m.experts == 4 for m in stacks)
-        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)] == want
+        assert _outputs(llm) == want
 
 
 def test_dummy_fp8_experts_draw_weights_like_the_dense_dummy(experts_quantized):
