@@ -130,7 +130,8 @@ def run(args) -> dict:
               "torch": torch.__version__, "new_tokens": args.new_tokens, "repeats": args.repeats, "rows": []}
     bandwidth = copy_bandwidth()
     common = dict(model=folder, load_format="dummy", gpu_memory_utilization=args.util, max_model_len=2048,
-                  max_num_seqs=max(args.batch), quantization=args.quantization)
+                  max_num_seqs=max(args.batch), quantization=args.quantization,
+                  async_scheduling=False if args.no_async_scheduling else None)
     speeds: dict[tuple, list[float]] = {}
     steps: dict[tuple, list[float]] = {}
     for k in args.k:
@@ -198,6 +199,8 @@ def main():
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--quantization", choices=["fp8", "awq", "gptq"], default=None,
                     help="random weights in that format (projections; FP8 also the routed experts)")
+    ap.add_argument("--no-async-scheduling", action="store_true",
+                    help="schedule synchronously (the peer of the default, async scheduling at K = 0)")
     ap.add_argument("--profile", action="store_true", help="also profile batch-1 decode kernel by kernel")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()

@@ -158,6 +158,8 @@ def smollm2(args, table):
     share = dict(gpu_memory_utilization=0.12, max_num_seqs=64)
     engines = {k: PipespecRunner(f"pipespec K={k}" if k else "pipespec", k, **share) for k in (0, 1, 2, 3)}
     eager = PipespecRunner("pipespec eager", 0, enforce_eager=True, **share)
+    # the same engine scheduling synchronously: async scheduling's peer (K > 0 runs synchronously)
+    sync = PipespecRunner("pipespec sync", 0, async_scheduling=False, **share)
     tok = engines[0].llm.get_tokenizer()
     chats = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]), add_special_tokens=False)
              for p in PROMPTS]
@@ -169,7 +171,8 @@ def smollm2(args, table):
     for batch in args.batch:
         # batch 1: four prompts one after another (acceptance varies by prompt); else one batch
         groups = [[c] for c in chats[:4]] if batch == 1 else [[chats[i % len(chats)] for i in range(batch)]]
-        runners = [hf_eager, eager, *engines.values()] if batch == 1 else [hf_eager, engines[0], engines[2]]
+        runners = ([hf_eager, eager, sync, *engines.values()] if batch == 1 else
+                   [hf_eager, sync, engines[0], engines[2]])
         measure(runners, groups, args.new_tokens, args.repeats, table, "SmolLM2-135M", "transformers eager")
     if not args.skip_compile:
         # one prompt: each new prompt length would make the static-cache graph recompile
@@ -178,7 +181,7 @@ def smollm2(args, table):
                 table, "SmolLM2-135M", "transformers static+compile")
         compiled.close()
     hf_eager.close()
-    for r in [eager, *engines.values()]:
+    for r in [eager, sync, *engines.values()]:
         r.close()
     del hf
     torch.cuda.empty_cache()
@@ -196,8 +199,10 @@ def llama8b(args, table):
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "t2", "bos_token": "t1"}))
 
     bandwidth = copy_bandwidth()
-    engine = PipespecRunner("pipespec", 0, model=str(folder), load_format="dummy", gpu_memory_utilization=0.45,
+    engine = PipespecRunner("pipespec", 0, model=str(folder), load_format="dummy", gpu_memory_utilization=0.3,
                             max_num_seqs=64, max_model_len=2048)
+    sync = PipespecRunner("pipespec sync", 0, model=str(folder), load_format="dummy", gpu_memory_utilization=0.3,
+                          max_num_seqs=64, max_model_len=2048, async_scheduling=False)
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.llm.engine.executor.stage.model.parameters())
     with torch.device("cuda"):
         hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
@@ -205,7 +210,7 @@ def llama8b(args, table):
     g = torch.Generator().manual_seed(0)
     for batch in args.batch:
         prompts = [torch.randint(3, 32000, (64,), generator=g).tolist() for _ in range(batch)]
-        measure([hf_eager, engine], [prompts], args.new_tokens, args.repeats, table,
+        measure([hf_eager, sync, engine], [prompts], args.new_tokens, args.repeats, table,
                 "Llama-3-8B-shape (random)", "transformers eager")
         if batch == 1 and args.profile:     # where a batch-1 step's host time goes
             import cProfile
@@ -228,6 +233,7 @@ def llama8b(args, table):
             "batch1_matmul_TBps": gemv}
     print(json.dumps(info), flush=True)
     engine.close()
+    sync.close()
     return info
 
 

@@ -85,8 +85,13 @@ class SchedulerConfig:
     # most prompt tokens one request's prefill chunk takes in a step while the engine holds other
     # requests (vLLM's name); None: a quarter of the step budget, 0: no limit
     long_prefill_token_threshold: int | None = None
+    # vLLM's name: schedule step n + 1 while the device runs step n (engine/llm_engine.py says how).
+    # None: on where it applies (one stage on a GPU, no speculation); True elsewhere is an error
+    async_scheduling: bool | None = None
 
     def __post_init__(self):
+        _require(self.async_scheduling in (None, True, False),
+                 f"async_scheduling must be true, false or None (auto), got {self.async_scheduling!r}")
         _require(self.max_num_batched_tokens >= 1,
                  f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
@@ -235,9 +240,25 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig | None = None
 
+    def __post_init__(self):
+        if self.scheduler.async_scheduling:
+            _require(self.parallel.world_size == 1,
+                     "async_scheduling needs one stage (pipeline_parallel_size = tensor_parallel_size = 1): "
+                     "a pipeline already overlaps its micro-batches")
+            _require(self.num_spec_tokens == 0,
+                     "async_scheduling does not combine with speculative decoding yet (the next step's "
+                     "drafts come with this step's result)")
+
     @property
     def num_spec_tokens(self) -> int:
         return self.speculative.num_speculative_tokens if self.speculative else 0
+
+    def overlaps_steps(self, device_type: str) -> bool:
+        """Whether the driver schedules step n + 1 while a stage on a `device_type` device runs step n: asked for,
+        or by default on a GPU (where the step runs asynchronously to the host), where it applies."""
+        asked = self.scheduler.async_scheduling
+        applies = self.parallel.world_size == 1 and self.num_spec_tokens == 0
+        return applies and (asked if asked is not None else device_type == "cuda")
 
     @classmethod
     def from_kwargs(cls, speculative_config=None, **kwargs) -> "EngineConfig":

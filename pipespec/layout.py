@@ -40,6 +40,9 @@ class StepLayout:
     state_slots: torch.Tensor | None = None
     state_commit: torch.Tensor | None = None
     req_num_drafts: torch.Tensor | None = None
+    # async scheduling, per request [B]: the previous result's row whose token is its first input
+    # (-1: input_ids holds it); None when no request's does (`carry_in`)
+    carried: torch.Tensor | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -74,7 +77,8 @@ class StepLayout:
                    sample_rows=plan.sample_rows, verify_rows=torch.from_numpy(verify_rows),
                    num_drafts=torch.from_numpy(drafts), draft_ids=torch.from_numpy(ids[verify_rows[:, 1:]]),
                    mtp_input_ids=torch.from_numpy(_shift_left(ids, qsl, plan.next_token_ids.numpy())),
-                   state_slots=plan.state_slots, state_commit=plan.state_commit, req_num_drafts=plan.num_drafts)
+                   state_slots=plan.state_slots, state_commit=plan.state_commit, req_num_drafts=plan.num_drafts,
+                   carried=plan.carried)
 
     def to(self, device: torch.device) -> "StepLayout":
         if device.type == "cpu":
@@ -91,6 +95,15 @@ class StepLayout:
         k = self.num_spec_tokens
         real = torch.arange(k, device=self.draft_ids.device)[None, :] < self.num_drafts[:, None]
         return torch.where(real, self.draft_ids, torch.full_like(self.draft_ids, -1))
+
+
+def carry_in(input_ids: torch.Tensor, query_start_loc: torch.Tensor, carried: torch.Tensor,
+             tokens: torch.Tensor) -> None:
+    """Async scheduling, in place: each carrying request's first input row becomes `tokens[carried]`,
+    the token its previous step sampled (on the device, so the host never waits for it)."""
+    first = query_start_loc[:-1]
+    known = input_ids[first]
+    input_ids[first] = torch.where(carried >= 0, tokens[carried.clamp(min=0)], known)
 
 
 def _shift_left(ids: np.ndarray, qsl: np.ndarray, next_token_ids: np.ndarray) -> np.ndarray:

@@ -41,6 +41,10 @@ class StepPlan:
     # int64 [B] after a step that verified drafts: its accepted count, i.e. which row's candidate
     # state every stage commits before running the request again; -1: nothing to commit
     state_commit: torch.Tensor | None = None
+    # int64 [B] async scheduling (one stage): the row of the previous step's result whose sampled
+    # token is the request's first input row here, unknown to the driver when it built this plan
+    # (input_ids holds a placeholder); -1: input_ids holds it. None: no request carries one
+    carried: torch.Tensor | None = None
     # K of this step: each sampling request's verify line is 1 + K rows (its drafts, at most K), the
     # last stage drafts K tokens after verifying, and the result row is result_width(K) wide. The
     # config's K unless adaptive K picked a smaller one (0: plain decoding, the MTP KV still written)
@@ -103,7 +107,7 @@ def result_width(num_spec_tokens: int) -> int:
 @dataclass
 class StepResult:
     step_id: int
-    data: torch.Tensor            # int64 [B, result_width(K)] on CPU
+    data: torch.Tensor            # int64 [B, result_width(K)] (on the host once the driver holds it)
     num_spec_tokens: int = 0
 
     @classmethod
@@ -125,7 +129,7 @@ class StepResult:
         data[sample_rows, k + 1] = num_sampled
         if drafts is not None and k:
             data[sample_rows, k + 2:] = drafts
-        return cls(step_id, data.cpu(), k)   # the step's one host sync
+        return cls(step_id, data, k)     # on the stage's device: the runtime moves it to the host
 
     @cached_property
     def rows(self) -> list[list[int]]:

@@ -93,8 +93,10 @@ class SamplingTensors:
     all_greedy: bool            # host-known: skip the random path entirely
 
     def to(self, device) -> "SamplingTensors":
-        return SamplingTensors(self.temperature.to(device), self.top_k.to(device), self.top_p.to(device),
-                               self.min_p.to(device), self.seed.to(device), self.needs_sort, self.all_greedy)
+        # non-blocking: a blocking copy would wait for the step in flight (async scheduling)
+        move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+        return SamplingTensors(move(self.temperature), move(self.top_k), move(self.top_p), move(self.min_p),
+                               move(self.seed), self.needs_sort, self.all_greedy)
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:

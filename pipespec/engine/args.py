@@ -37,6 +37,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "0: no limit (default: a quarter of --max-num-batched-tokens)")
     g.add_argument("--no-chunked-prefill", action="store_true",
                    help="prefill each prompt in one step (it must fit --max-num-batched-tokens)")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="plan step n + 1 while the device runs step n (default: on with one stage on a GPU "
+                        "and no speculation; --no-async-scheduling turns it off)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='MTP speculative decoding, e.g. \'{"method": "mtp", "num_speculative_tokens": 3}\' '
                         '(add "model": PATH for a head file; "adaptive": true to let the engine pick each '
@@ -70,6 +73,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_chunked_prefill=not args.no_chunked_prefill,
                 long_prefill_token_threshold=args.long_prefill_token_threshold,
+                async_scheduling=args.async_scheduling,
                 pipeline_parallel_size=_pipeline_size(args.pipeline_parallel_size, args.tensor_parallel_size),
                 tensor_parallel_size=args.tensor_parallel_size,
                 pp_layer_partition=args.pp_layer_partition, stage_timeout=args.stage_timeout,

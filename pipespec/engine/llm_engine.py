@@ -4,9 +4,21 @@ It owns all request state (I1). Stages are reached only through an Executor, wit
 StepResults back, so the same loop drives one process or a pipeline of them: with P stages it keeps
 up to P micro-batches in flight. A failed stage is final: every pending request ends with
 finish_reason "abort" and an error, every process stops, and `step` raises EngineDeadError.
+
+Async scheduling (one stage, no speculation; on by default on a GPU) keeps two steps in flight so the
+host's work for step n + 1 -- applying step n - 1's result, detokenizing, scheduling, building and
+uploading the plan -- runs while the device runs step n. Step n + 1 may continue a request of step n
+whose sampled token the driver does not know yet; its plan names that token by result row
+(`StepPlan.carried`) and the stage substitutes it on the device. The invariants hold: the driver
+still owns every request's state (I1) and records the token from step n's result, the very value the
+stage embedded; positions, slots and shapes of step n + 1 are fixed by the plan alone (I2); and a
+continued request has no drafts (I4: async scheduling is off with speculation). A request that
+step n ends (a stop token, EOS) wastes its row of step n + 1, which is dropped on return; length
+limits are known ahead, so they never do.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import time
@@ -23,7 +35,7 @@ from pipespec.engine.spec_stats import SpecDecodeStats
 from pipespec.engine.stages import build_executor, check_max_model_len
 from pipespec.model.placement import weights_dtype
 from pipespec.model.source import resolve_model
-from pipespec.plan import position_margin
+from pipespec.plan import StepResult, position_margin
 from pipespec.runtime.pipeline_executor import PipelineExecutor
 from pipespec.runtime.transport import StageError
 from pipespec.sampling import SamplingParams
@@ -76,19 +88,21 @@ class LLMEngine:
             raise
         # adaptive K (speculative_config.adaptive): the policy picks each step's K; None: K is fixed
         self.k_policy = make_policy(config.speculative, self.executor.max_in_flight)
+        overlaps = self.executor.overlaps
         self.scheduler = Scheduler(config.scheduler, block_size, num_blocks, self.max_model_len,
-                                   num_micro_batches=self.executor.max_in_flight,
+                                   num_micro_batches=1 if overlaps else self.executor.max_in_flight,
                                    num_spec_tokens=config.num_spec_tokens,
-                                   choose_k=self.k_policy.choose if self.k_policy else None)
+                                   choose_k=self.k_policy.choose if self.k_policy else None,
+                                   async_scheduling=overlaps)
         self.spec_stats = SpecDecodeStats(config.num_spec_tokens, self.k_policy)
         self._last_result_at = 0.0
         self.requests: dict[str, Request] = {}
         self._in_flight: deque[ScheduledBatch] = deque()
         self._arrivals = itertools.count()
         self._seed_base = engine_seed_base(config.model.seed)
-        logger.info("engine ready: %s, %d layers, max_model_len=%d, %d KV blocks, in %.1fs",
+        logger.info("engine ready: %s, %d layers, max_model_len=%d, %d KV blocks, async scheduling %s, in %.1fs",
                     self.model_name, source.arch.num_layers, self.max_model_len, num_blocks,
-                    time.perf_counter() - t0)
+                    "on" if overlaps else "off", time.perf_counter() - t0)
 
     # -- admission --------------------------------------------------------------------------
 
@@ -173,7 +187,7 @@ class LLMEngine:
         """Keep the pipeline full, then apply the oldest result; returns outputs that changed."""
         if self._dead is not None:
             raise EngineDeadError(f"the engine has stopped: {self._dead}")
-        try:
+        with self._failures():
             while len(self._in_flight) < self.executor.max_in_flight:
                 batch = self.scheduler.schedule()
                 if batch is None:
@@ -188,21 +202,40 @@ class LLMEngine:
                     raise
             if not self._in_flight:
                 return []
-            result = self.executor.receive(timeout=self.config.parallel.stage_timeout)
-            batch = self._in_flight.popleft()
+        batch, result = self._receive()
+        outputs = self._apply(batch, result)
+        while self._in_flight and not self.requests:
+            self._receive()        # async scheduling: a step ahead of requests that have all ended
+        return outputs
+
+    @contextlib.contextmanager
+    def _failures(self):
+        """A stage failure kills the engine (`_die`); an interrupt mid-step leaves it dead too."""
+        try:
+            yield
         except StageError as e:
             raise self._die(str(e)) from None
         except BaseException as e:
             if getattr(self.executor, "failed", False):   # interrupted mid-step: the pipeline is gone
                 self._die(f"interrupted ({type(e).__name__})", level=logging.DEBUG)   # the user knows
             raise
+
+    def _receive(self) -> tuple[ScheduledBatch, StepResult]:
+        """The oldest step's result, its batch completed in the scheduler."""
+        with self._failures():
+            result = self.executor.receive(timeout=self.config.parallel.stage_timeout)
+            batch = self._in_flight.popleft()
         if result.step_id != batch.plan.step_id:
             raise RuntimeError(f"result of step {result.step_id} arrived for step {batch.plan.step_id}")
         self._measure_step(batch)
         self.scheduler.complete(batch, result)
+        return batch, result
+
+    def _apply(self, batch: ScheduledBatch, result: StepResult) -> list[RequestOutput]:
+        """Append each request's new tokens; the outputs that changed."""
         outputs = []
         for row, (req, d) in enumerate(zip(batch.requests, batch.num_drafts)):
-            if req.finished:        # aborted while in flight
+            if req.finished:        # ended while in flight (aborted; with async scheduling, stopped)
                 continue
             tokens = result.tokens(row)
             if d:
@@ -280,6 +313,8 @@ class LLMEngine:
         s = self.scheduler
         stats = {"num_running": len(s.running), "num_waiting": len(s.waiting),
                  "kv_cache_usage": s.allocator.usage, "num_preemptions": s.num_preemptions}
+        if s.async_scheduling:     # rows scheduled before the step giving their input token returned
+            stats["num_carried_rows"] = s.num_carried_rows
         if self.spec_stats.num_spec_tokens:
             stats["spec_decode"] = self.spec_stats.as_dict()
         return stats

@@ -15,7 +15,8 @@ class RequestStatus(enum.Enum):
 class Request:
     __slots__ = ("request_id", "prompt", "token_ids", "num_prompt_tokens", "params", "seed",
                  "max_tokens", "stop_ids", "eos_ids", "status", "num_computed_tokens", "block_ids",
-                 "in_flight", "draft_ids", "state_slot", "state_commit", "finish_reason", "stop_reason", "detokenizer")
+                 "in_flight", "num_pending_tokens", "num_pending_samples", "carry_row", "draft_ids",
+                 "state_slot", "state_commit", "finish_reason", "stop_reason", "detokenizer")
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  params: SamplingParams, seed: int, max_tokens: int, eos_ids: frozenset[int]):
@@ -31,7 +32,12 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0                # tokens whose KV is in the cache
         self.block_ids: list[int] = []
-        self.in_flight = False                      # part of a micro-batch not yet returned
+        self.in_flight = 0                          # micro-batches holding it that have not returned
+        # async scheduling: rows the steps in flight compute (no drafts among them) and tokens they
+        # sample, and its row in the last step scheduled (whose sampled token a next step carries)
+        self.num_pending_tokens = 0
+        self.num_pending_samples = 0
+        self.carry_row = -1
         self.draft_ids: list[int] = []              # MTP drafts to verify in the next step
         self.state_slot: int | None = None          # linear-attention state slot while running
         self.state_commit = -1                      # candidate state the next plan commits (-1: none)
@@ -42,6 +48,16 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Tokens whose KV is in the cache or being computed by a step in flight."""
+        return self.num_computed_tokens + self.num_pending_tokens
+
+    @property
+    def num_expected_tokens(self) -> int:
+        """Tokens it will have once the steps in flight return (async scheduling samples ahead)."""
+        return len(self.token_ids) + self.num_pending_samples
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -14,6 +14,12 @@ filling the steps alone; alone in the engine it takes the whole budget.
 With P pipeline stages up to P micro-batches are in flight, and a request is in at most one of them
 (its next plan needs its last result). So that every stage has work, a micro-batch then takes at
 most ceil(n / P) requests, n being those that could run now (running plus admissible waiting).
+
+Async scheduling (one stage, no speculation) is the exception: a request in the one step in flight
+may be scheduled again before that step returns. Its next rows are then either the rest of its
+prompt, known here, or the one token that step samples, which the plan marks as carried
+(`StepPlan.carried`) and the stage takes from its previous result. Positions and KV slots follow
+from the counts alone (`num_scheduled_tokens`, `num_expected_tokens`), so only token ids travel late.
 """
 from __future__ import annotations
 
@@ -39,6 +45,7 @@ class ScheduledBatch:
     requests: list[Request]
     num_new_tokens: list[int]     # query rows of each request, drafts included
     num_drafts: list[int]
+    samples: list[bool]           # whether each request samples this step
     submitted_at: float = 0.0     # when the driver handed it to the executor (adaptive K's step cost)
 
     @property
@@ -51,9 +58,14 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_size: int, num_blocks: int, max_model_len: int,
                  num_micro_batches: int = 1, num_spec_tokens: int = 0,
-                 choose_k: Callable[[int], int] | None = None):
+                 choose_k: Callable[[int], int] | None = None, async_scheduling: bool = False):
         """`choose_k(num_reqs)`: the K of a step of that many requests (adaptive K); None: always
-        `num_spec_tokens`, the config's K (which also sizes the KV room drafts need)."""
+        `num_spec_tokens`, the config's K (which also sizes the KV room drafts need).
+        `async_scheduling`: a request in the step in flight may be scheduled again (one stage, K = 0)."""
+        if async_scheduling and (num_micro_batches > 1 or num_spec_tokens):
+            raise ValueError("async scheduling needs one micro-batch in flight and no speculation")
+        self.async_scheduling = async_scheduling
+        self.num_carried_rows = 0          # rows whose input token was carried (async scheduling)
         self.config = config
         self.num_spec_tokens = num_spec_tokens
         self.choose_k = choose_k
@@ -126,12 +138,12 @@ class Scheduler:
 
         def take(req: Request, n: int, d: int) -> None:
             nonlocal budget
-            req.in_flight = True           # from now on no preemption picks it as a victim
+            req.in_flight += 1             # from now on no preemption picks it as a victim
             picked.append((req, n + d, d))
             budget -= n + d
 
-        ready = [r for r in self.running if not r.in_flight]
-        ready.sort(key=lambda r: r.num_computed_tokens < r.num_tokens - 1)    # stable: decodes first
+        ready = [r for r in self.running if not r.in_flight or self._continues(r)]
+        ready.sort(key=lambda r: r.num_scheduled_tokens < r.num_expected_tokens - 1)   # stable: decodes first
         for req in ready:
             if budget <= 0 or len(picked) >= cap:
                 break
@@ -140,6 +152,8 @@ class Scheduler:
             n = self._chunk(req, budget, chunk_limit)
             d = self._num_drafts(req, budget - n)
             need = self._blocks_needed(req, self._tokens_with_draft_room(req, n + d))
+            if req.in_flight and not self.allocator.can_allocate(need):
+                continue                   # a step ahead is not worth a preemption: next time
             while not self.allocator.can_allocate(need):
                 victim = next(r for r in reversed(self.running) if not r.in_flight)
                 self._preempt(victim)
@@ -153,7 +167,7 @@ class Scheduler:
         while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
                and len(picked) < cap):
             req = self.waiting[0]
-            n = req.num_tokens - req.num_computed_tokens
+            n = req.num_tokens - req.num_computed_tokens       # (a waiting request is not in flight)
             if n > budget and not self.config.enable_chunked_prefill:
                 break
             n = self._chunk(req, budget, chunk_limit)
@@ -175,14 +189,29 @@ class Scheduler:
         # a request holds the drafts of its last step's K: verify at most this step's K of them
         picked = [(r, n - d + min(d, k), min(d, k)) for r, n, d in picked]
         self._step_id += 1
-        return ScheduledBatch(self._build_plan(picked, k), [r for r, _, _ in picked], [n for _, n, _ in picked],
-                              [d for _, _, d in picked])
+        plan = self._build_plan(picked, k)
+        samples = [r.num_scheduled_tokens + n - d == r.num_expected_tokens for r, n, d in picked]
+        for row, ((req, n, d), sampled) in enumerate(zip(picked, samples)):
+            req.num_pending_tokens += n - d
+            req.num_pending_samples += sampled
+            req.carry_row = row
+        return ScheduledBatch(plan, [r for r, _, _ in picked], [n for _, n, _ in picked],
+                              [d for _, _, d in picked], samples)
+
+    def _continues(self, req: Request) -> bool:
+        """Async scheduling: whether `req`, in the step in flight, runs again in the next one. Its
+        next rows are the rest of its prompt or the token that step samples; never when that token
+        could reach a length limit (an end by a stop or EOS token costs one row, dropped on return)."""
+        if not self.async_scheduling or req.in_flight != 1:
+            return False
+        n = req.num_expected_tokens
+        return not req.num_pending_samples or (n - req.num_prompt_tokens < req.max_tokens and n < self.max_model_len)
 
     @staticmethod
     def _chunk(req: Request, budget: int, limit: int) -> int:
         """Tokens of `req` to compute this step: what is left, within the budget and the chunk limit
         (0: none). A decode is one token, so the limit only ever shortens prefill chunks."""
-        n = min(req.num_tokens - req.num_computed_tokens, budget)
+        n = min(req.num_expected_tokens - req.num_scheduled_tokens, budget)
         return min(n, limit) if limit else n
 
     def _num_drafts(self, req: Request, budget: int) -> int:
@@ -193,24 +222,29 @@ class Scheduler:
 
     def _tokens_with_draft_room(self, req: Request, n: int) -> int:
         # the MTP chain after a sampling step writes KV up to K - 1 positions past the query
-        samples = req.num_computed_tokens + n >= req.num_tokens
-        return req.num_computed_tokens + n + (draft_chain_overrun(self.num_spec_tokens) if samples else 0)
+        end = req.num_scheduled_tokens + n
+        return end + (draft_chain_overrun(self.num_spec_tokens) if end >= req.num_expected_tokens else 0)
 
     def _build_plan(self, picked: list[tuple[Request, int, int]], k: int) -> StepPlan:
         bs = self.block_size
         input_ids, positions, slots, qsl, seq_lens, tables, sample_rows, samplers = [], [], [], [0], [], [], [], []
+        carried = []
         for b, (req, n, d) in enumerate(picked):
-            start = req.num_computed_tokens
+            start = req.num_scheduled_tokens
             pos = range(start, start + n)
-            input_ids += req.token_ids[start:start + n - d] + req.draft_ids[:d]
+            known = req.token_ids[start:start + n - d]
+            # async scheduling: the one token still unknown here is the one its step in flight samples
+            carried.append(req.carry_row if len(known) < n - d else -1)
+            input_ids += known + [0] * (n - d - len(known)) + req.draft_ids[:d]
             positions += pos
             slots += [req.block_ids[p // bs] * bs + p % bs for p in pos]
             qsl.append(qsl[-1] + n)
             seq_lens.append(start + n)
             tables.append(req.block_ids)
-            if start + n - d == req.num_tokens:
+            if start + n - d == req.num_expected_tokens:
                 sample_rows.append(b)
                 samplers.append(req)
+        self.num_carried_rows += sum(c >= 0 for c in carried)
         width = max(len(t) for t in tables)
         block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
         return StepPlan(
@@ -224,11 +258,12 @@ class Scheduler:
             sample_rows=torch.tensor(sample_rows, dtype=torch.int64),
             sampling=sampling_tensors(samplers),
             num_drafts=torch.tensor([d for _, _, d in picked], dtype=torch.int64),
-            next_token_ids=torch.tensor([r.token_ids[r.num_computed_tokens + n - d]
-                                         if r.num_computed_tokens + n - d < r.num_tokens else -1
+            next_token_ids=torch.tensor([r.token_ids[r.num_scheduled_tokens + n - d]
+                                         if r.num_scheduled_tokens + n - d < r.num_tokens else -1
                                          for r, n, d in picked], dtype=torch.int64),
             state_slots=torch.tensor([r.state_slot for r, _, _ in picked], dtype=torch.int64),
             state_commit=torch.tensor([r.state_commit for r, _, _ in picked], dtype=torch.int64),
+            carried=torch.tensor(carried, dtype=torch.int64) if any(c >= 0 for c in carried) else None,
             num_spec_tokens=k,
         )
 
@@ -236,10 +271,14 @@ class Scheduler:
         """The batch came back: its KV is in the cache up to the accepted drafts (rejected draft rows
         are rolled back by position; their slots get overwritten); free the blocks of requests that
         finished meanwhile. `result` is needed only when the batch verified drafts."""
-        for row, (req, n, d) in enumerate(zip(batch.requests, batch.num_new_tokens, batch.num_drafts)):
-            req.in_flight = False
+        for row, (req, n, d, sampled) in enumerate(zip(batch.requests, batch.num_new_tokens, batch.num_drafts,
+                                                        batch.samples)):
+            req.in_flight -= 1
+            req.num_pending_tokens -= n - d
+            req.num_pending_samples -= sampled
             if req.finished:
-                self._release(req)
+                if not req.in_flight:      # (async scheduling: its next step may still be out)
+                    self._release(req)
                 continue
             accepted = len(result.tokens(row)) - 1 if d else 0
             req.num_computed_tokens += n - d + accepted

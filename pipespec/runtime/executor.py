@@ -1,16 +1,20 @@
 """Executors move StepPlans to the stages and StepResults back; they know nothing about models.
 
 `submit` hands a plan over; `receive` returns the oldest outstanding result. Up to `max_in_flight`
-plans may be outstanding (1 for a single stage, P for P pipeline stages).
+plans may be outstanding (1 for a single stage, 2 with async scheduling, P for P pipeline stages).
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+import time
 from collections import deque
 from typing import Callable
 
+import torch
+
 from pipespec.plan import StepPlan, StepResult
 from pipespec.runtime.step import Stage, run_stage_step
+from pipespec.runtime.transport import StageError
 
 
 def release_device_memory() -> None:
@@ -26,6 +30,7 @@ def release_device_memory() -> None:
 
 class Executor(ABC):
     max_in_flight: int = 1
+    overlaps: bool = False        # async scheduling: a step may be planned while the last one runs
 
     @abstractmethod
     def available_kv_blocks(self) -> int:
@@ -45,14 +50,19 @@ class Executor(ABC):
 
 
 class LocalExecutor(Executor):
-    """PP = 1: the stage lives in the driver's process; no collective is used."""
+    """PP = 1: the stage lives in the driver's process; no collective is used.
 
-    max_in_flight = 1
+    With async scheduling (a stage keeping its sampled tokens: `Stage.carry_tokens`) two steps may be
+    in flight: `submit` only enqueues a step's kernels and its result's copy to the host, so the
+    driver plans and submits the next step while the device runs this one, and `receive` waits for
+    the copy. On the CPU the step runs inside `submit`; the bookkeeping is the same."""
 
     def __init__(self, make_stage: Callable[[], Stage], hidden_size: int, num_spec_tokens: int):
         self.stage = make_stage()
         self.hidden_size, self.num_spec_tokens = hidden_size, num_spec_tokens
-        self._results: deque[StepResult] = deque()
+        self.overlaps = getattr(self.stage, "carry_tokens", None) is not None
+        self.max_in_flight = 2 if self.overlaps else 1
+        self._results: deque[_HostCopy] = deque()
 
     def available_kv_blocks(self) -> int:
         return self.stage.available_kv_blocks()
@@ -62,11 +72,10 @@ class LocalExecutor(Executor):
 
     def submit(self, plan: StepPlan) -> None:
         data = run_stage_step(self.stage, 0, True, plan, None, self.hidden_size, self.num_spec_tokens)
-        self._results.append(StepResult(plan.step_id, data, plan.num_spec_tokens))
+        self._results.append(_HostCopy(plan.step_id, plan.num_spec_tokens, data))
 
     def receive(self, timeout: float) -> StepResult:
-        # runs synchronously in submit, so a result is always ready; the timeout has nothing to wait on
-        return self._results.popleft()
+        return self._results.popleft().wait(timeout)
 
     def shutdown(self) -> None:
         if self.stage is not None:
@@ -74,3 +83,29 @@ class LocalExecutor(Executor):
         self.stage = None
         self._results.clear()
         release_device_memory()
+
+
+class _HostCopy:
+    """A step's result on its way to the host: copied behind the step's kernels into pinned memory,
+    so enqueueing it does not wait for them."""
+
+    def __init__(self, step_id: int, num_spec_tokens: int, data: torch.Tensor):
+        self.step_id, self.num_spec_tokens = step_id, num_spec_tokens
+        self.done = None
+        if data.device.type == "cuda":
+            host = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
+            host.copy_(data, non_blocking=True)
+            self.done = torch.cuda.Event()
+            self.done.record()
+            data = host
+        self.data = data
+
+    def wait(self, timeout: float) -> StepResult:
+        """The result, once its copy has landed; a StageError past `timeout` seconds."""
+        if self.done is not None:
+            deadline = time.monotonic() + timeout
+            while not self.done.query():       # polled: a plain sync could not give up
+                if time.monotonic() > deadline:
+                    raise StageError(f"step {self.step_id} did not finish on the GPU within {timeout:g}s")
+                time.sleep(0)
+        return StepResult(self.step_id, self.data, self.num_spec_tokens)

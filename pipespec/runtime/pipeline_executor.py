@@ -197,7 +197,7 @@ class PipelineExecutor(Executor):
             last = s.world_size == 1                  # PP = 1, TP > 1: the driver's stage is the last
             out = run_stage_step(self.stage, 0, last, plan, None, s.hidden_size, self.num_spec_tokens)
             if last:
-                self._ready[plan.step_id] = out
+                self._ready[plan.step_id] = out.cpu()
             else:
                 pending.append(self.link.send(out, s.tensor_parallel_size, "activations"))
             self._busy += time.perf_counter() - t0

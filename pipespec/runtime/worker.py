@@ -235,7 +235,7 @@ def serve(rank: int, link: Link, stage, settings: WorkerSettings, store,
         t0, c0 = time.perf_counter(), time.thread_time()
         out = run_stage_step(stage, rank, last, plan, acts, settings.hidden_size, settings.num_spec_tokens)
         if returns_result:
-            sends.add(link.send(out, 0, "result"))
+            sends.add(link.send(out.cpu(), 0, "result"))
         elif not last:
             sends.add(link.send(out, rank + t, "activations"))
         busy += time.perf_counter() - t0

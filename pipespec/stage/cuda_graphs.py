@@ -24,7 +24,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from pipespec.layout import StepLayout
+from pipespec.layout import StepLayout, carry_in
 from pipespec.model.attention import AttentionBackend, ForwardContext, KVCache
 from pipespec.model.linear_state import LinearFlags, LinearMeta
 from pipespec.stage.target import run_target
@@ -57,10 +57,11 @@ class StepInts:
     seq_lens: torch.Tensor         # [nb]
     state_slots: torch.Tensor      # [nb] linear-attention state slot (models that have such layers)
     state_commit: torch.Tensor     # [nb] candidate state to commit first (-1: none)
+    carried: torch.Tensor          # [nb] previous result's row of its first input token (-1: none)
     block_tables: torch.Tensor     # [nb, W]
 
     PER_TOKEN = ("input_ids", "positions", "slot_mapping", "mtp_input_ids")
-    PER_REQUEST = ("seq_lens", "state_slots", "state_commit")
+    PER_REQUEST = ("seq_lens", "state_slots", "state_commit", "carried")
 
     @classmethod
     def views(cls, flat: torch.Tensor, like: "StepInts") -> "StepInts":
@@ -84,6 +85,7 @@ def _padding(nb: int, q: int, pad_block: int, block_size: int, max_blocks: int, 
                     seq_lens=torch.full((nb,), q, dtype=torch.int64),
                     state_slots=torch.full((nb,), pad_slot, dtype=torch.int64),
                     state_commit=torch.full((nb,), -1, dtype=torch.int64),
+                    carried=torch.full((nb,), -1, dtype=torch.int64),
                     block_tables=torch.full((nb, max_blocks), pad_block, dtype=torch.int64))
 
 
@@ -102,9 +104,13 @@ class CudaGraphs:
 
     def __init__(self, model, drafter, backend: AttentionBackend, kv_caches: list[KVCache], block_size: int,
                  num_spec_tokens: int, max_batch: int, pad_block: int, max_blocks_per_seq: int,
-                 linear_states: list | None = None, pad_slot: int = 0, mixed_k: bool = False):
+                 linear_states: list | None = None, pad_slot: int = 0, mixed_k: bool = False,
+                 carry_tokens: torch.Tensor | None = None):
         """`mixed_k`: steps of other K run between this set's (adaptive K), so a K = 0 step may follow
-        a verify step and must adopt its candidate linear-attention state (a masked commit)."""
+        a verify step and must adopt its candidate linear-attention state (a masked commit).
+        `carry_tokens`: async scheduling's buffer of the previous step's sampled tokens, which the
+        forward graph reads where a request's first input is carried (`carry_in`)."""
+        self.carry_tokens = carry_tokens
         self.model, self.drafter, self.backend, self.kv_caches = model, drafter, backend, kv_caches
         self.mixed_k = mixed_k
         self.linear_states = linear_states
@@ -154,7 +160,8 @@ class CudaGraphs:
                           num_drafts=self.num_drafts[:b],
                           draft_ids=ints.input_ids[:n].view(b, self.rows_per_req)[:, 1:],
                           mtp_input_ids=ints.mtp_input_ids[:n], state_slots=ints.state_slots[:b],
-                          state_commit=ints.state_commit[:b], req_num_drafts=self.num_drafts[:b])
+                          state_commit=ints.state_commit[:b], req_num_drafts=self.num_drafts[:b],
+                          carried=ints.carried[:b])
 
     def _forward(self, layout: StepLayout, ctx: ForwardContext) -> Forward:
         if self.linear_states is not None:
@@ -164,6 +171,8 @@ class CudaGraphs:
                                           layout.state_commit, layout.req_num_drafts, self.linear_states,
                                           LinearFlags.steady(self.num_spec_tokens, self.mixed_k))
         n = layout.input_ids.shape[0]
+        if self.carry_tokens is not None and self.is_first:
+            carry_in(layout.input_ids, layout.query_start_loc, layout.carried, self.carry_tokens)
         inbound = None if self.is_first else self.inbound[:, :n]
         hidden, residual = run_target(self.model, ctx, layout.input_ids, inbound)
         logits = self.model.compute_logits(hidden) if self.is_last else None   # all rows verify
@@ -237,10 +246,10 @@ class CudaGraphs:
             host[n_req * q:b * q].copy_(getattr(self.pad, name)[n_req * q:b * q])
         for name in StepInts.PER_REQUEST:
             live = getattr(layout, name)
-            host = getattr(self.host, name)
-            if live is not None:              # state slots: only models with linear attention
-                host[:n_req].copy_(live)
-            host[n_req:b].copy_(getattr(self.pad, name)[n_req:b])
+            host, pad = getattr(self.host, name), getattr(self.pad, name)
+            # (state slots: only models with linear attention; carried: only async scheduling's)
+            host[:n_req].copy_(live if live is not None else pad[:n_req])
+            host[n_req:b].copy_(pad[n_req:b])
         self.host.block_tables[:n_req, :layout.block_tables.shape[1]].copy_(layout.block_tables)
         self.host.block_tables[n_req:b].copy_(self.pad.block_tables[n_req:b])
         end = self._tables_at + b * self.ints.block_tables.shape[1]

@@ -15,17 +15,21 @@ K is the plan's (`plan.num_spec_tokens`): the config's, or with adaptive K any o
 A stage keeps weights and KV cache and nothing derived from earlier steps (I1): every step starts
 from the plan alone. Linear-attention layers (Qwen3-Next / Qwen3.5) also keep per-request states in
 the slots the plan names, a pure function of the plans received: a verify step keeps a candidate per
-row and a later plan's `state_commit` says which one to adopt.
+row and a later plan's `state_commit` says which one to adopt. With async scheduling (one stage) the
+stage also keeps the tokens its last step sampled, which the next plan may name (`plan.carried`):
+the driver learns the same tokens from that step's result, so what it records and what the stage
+embedded never differ.
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 
 import torch
 
 from pipespec.config import EngineConfig
-from pipespec.layout import StepLayout
+from pipespec.layout import StepLayout, carry_in
 from pipespec.model.attention import CacheShape, ForwardContext, allocate_caches, cache_bytes_per_block
 from pipespec.model.linear_state import LinearFlags, LinearMeta, allocate_states, state_bytes
 from pipespec.model.placement import resolve_device, resolve_dtype
@@ -71,6 +75,11 @@ class Stage:
         self.num_blocks = 0
         self.graphs: GraphsByK | None = None
         self.trace = DraftTrace() if config.parallel.check_collectives else None
+        # async scheduling: each row's first sampled token of the last sampling step, on the device
+        self.carry_tokens = None
+        if config.overlaps_steps(self.device.type):
+            self.carry_tokens = torch.zeros(config.scheduler.max_num_seqs, dtype=torch.int64, device=self.device)
+        self._sampled_step = -1
 
     @property
     def _adaptive(self) -> bool:
@@ -147,7 +156,8 @@ class Stage:
                                                    self.block_size, k, self.config.scheduler.max_num_seqs,
                                                    pad_block=num_blocks, max_blocks_per_seq=max_blocks,
                                                    linear_states=self.linear_states,
-                                                   pad_slot=self._state_slots() - 1, mixed_k=self._adaptive)
+                                                   pad_slot=self._state_slots() - 1, mixed_k=self._adaptive,
+                                                   carry_tokens=self.carry_tokens)
                                      for k in ks})
             self.graphs.capture()
         off = tensors_off_device(self, self.device)
@@ -177,9 +187,13 @@ class Stage:
 
         inbound: [2, T, hidden] (hidden, residual) from the previous stage; None on stage 0.
         Returns [2, T, hidden] activations for the next stage, or on the last stage the StepResult
-        data [B, result_width(K)] on the host.
+        data [B, result_width(K)]; both on the stage's device (the runtime moves a result to the host).
         """
         layout = StepLayout.from_plan(plan, plan.num_spec_tokens)
+        if layout.carried is not None and (self.carry_tokens is None or self._sampled_step != plan.step_id - 1):
+            raise RuntimeError(f"step {plan.step_id} carries tokens of step {plan.step_id - 1}, which this stage "
+                               + ("does not keep (async scheduling is off)" if self.carry_tokens is None
+                                  else f"did not sample (its last sampling step was {self._sampled_step})"))
         if self.trace is not None:
             self.trace.record(plan.step_id, layout, embeds=self.is_first, verifies=self.is_last)
         if self.graphs is not None and self.graphs.fits(layout, self.is_last):
@@ -190,7 +204,7 @@ class Stage:
             out = torch.stack((fwd.hidden, fwd.residual))
             self._bounded_wait(f"step {plan.step_id}")
             return out
-        return self._sample(plan, fwd).data
+        return self._sample(plan, fwd)
 
     def _bounded_wait(self, what: str) -> None:
         """TP on CUDA: the collectives may be in a replayed graph, out of NCCL's watchdog's sight;
@@ -205,6 +219,10 @@ class Stage:
 
     def _forward(self, host_layout: StepLayout, inbound: torch.Tensor | None) -> Forward:
         layout = host_layout.to(self.device)
+        if layout.carried is not None:     # (on the CPU `to` keeps the plan's tensors: not in place)
+            input_ids = layout.input_ids.clone()
+            carry_in(input_ids, layout.query_start_loc, layout.carried, self.carry_tokens)
+            layout = dataclasses.replace(layout, input_ids=input_ids)
         attn = self.backend.prepare(layout.query_start_loc, layout.seq_lens, layout.positions,
                                     layout.block_tables, self.block_size, max_query_len=layout.max_query_len)
         ctx = ForwardContext(layout.positions, layout.slot_mapping, self.backend, attn, self.kv_caches)
@@ -215,16 +233,16 @@ class Stage:
         hidden, residual = run_target(self.model, ctx, layout.input_ids, inbound)
         return Forward(layout, ctx, hidden, residual)
 
-    def _sample(self, plan: StepPlan, fwd: Forward) -> StepResult:
-        """Last stage: verify each sampling request's drafts (none: plain sampling), then draft anew.
-        Logits are computed only at each sampling request's verify rows."""
+    def _sample(self, plan: StepPlan, fwd: Forward) -> torch.Tensor:
+        """Last stage: verify each sampling request's drafts (none: plain sampling), then draft anew;
+        the StepResult data. Logits are computed only at each sampling request's verify rows."""
         layout = fwd.layout
         k = layout.num_spec_tokens                # the plan's: adaptive K may ask for fewer than the config's
         s = layout.num_samplers
         if s == 0:
             if self.drafter is not None:      # keep the MTP KV written where later steps attend
                 self.drafter.write_kv(fwd.ctx, layout, fwd.hidden)
-            return StepResult.empty(plan.step_id, plan.num_reqs, k)
+            return StepResult.empty(plan.step_id, plan.num_reqs, k).data
         logits = fwd.logits
         if logits is None:
             logits = self.model.compute_logits(fwd.hidden[layout.verify_rows.reshape(-1)])
@@ -242,6 +260,10 @@ class Stage:
             else:
                 drafts = self.drafter.propose(fwd.ctx, layout, fwd.hidden, last_rows, last_tokens, k)
         self._bounded_wait(f"step {plan.step_id}")      # before the result's copy to the host, a sync without a bound
-        return StepResult.from_verification(plan.step_id, plan.num_reqs, k, layout.sample_rows, tokens,
-                                            num_sampled, drafts)
+        data = StepResult.from_verification(plan.step_id, plan.num_reqs, k, layout.sample_rows, tokens,
+                                            num_sampled, drafts).data
+        if self.carry_tokens is not None:
+            self.carry_tokens[:plan.num_reqs].copy_(data[:, 0])
+            self._sampled_step = plan.step_id
+        return data
 

@@ -30,6 +30,22 @@ def test_graph_replay_matches_eager(k):
     assert got == want
 
 
+def test_async_scheduling_is_on_by_default_and_replays_graphs_with_carried_tokens():
+    """Two steps in flight, the second embedding the first's tokens on the GPU, inside the graph:
+    greedy and seeded output equal the synchronous engine's, and every decode step carried."""
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=40, ignore_eos=True)
+    outs = []
+    for overlap in (False, None):
+        with LLM(async_scheduling=overlap, **KW) as llm:
+            assert llm.engine.executor.overlaps is (overlap is None)
+            outs.append((_greedy(llm), [o.outputs[0].token_ids for o in llm.generate(PROMPTS, seeded, use_tqdm=False)]))
+            if overlap is None:
+                stats = llm.engine.stats()
+                assert llm.engine.executor.stage.graphs.replays > 20
+                assert stats["num_carried_rows"] > len(PROMPTS) * 40, stats
+    assert outs[0] == outs[1]
+
+
 def test_adaptive_k_replays_a_graph_set_per_k_and_matches_eager():
     """A forced K sequence holding each K for several steps: every K in 0..2 replays its own graphs
     (K = 0 included, whose draft graph only writes the MTP KV), and the output is eager's."""

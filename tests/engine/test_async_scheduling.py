@@ -1,0 +1,87 @@
+"""Async scheduling end to end on the default model: with two steps in flight and sampled tokens
+carried on the stage, outputs equal the synchronous engine's (the shared `llm`, which on the CPU
+schedules synchronously) for greedy and seeded requests, stops, length limits and aborts."""
+from __future__ import annotations
+
+import pytest
+
+from pipespec import LLM, SamplingParams
+from tests.conftest import DEFAULT_LLM_KWARGS, assert_engine_clean
+
+PROMPTS = [
+    "The best way to learn a new language is",
+    "Write a haiku about the sea.",
+    "In computer science, a hash table is",
+    "My favourite recipe for pancakes needs flour, eggs, milk and",
+]
+
+
+@pytest.fixture(scope="module")
+def async_llm():
+    llm = LLM(model=None, **dict(DEFAULT_LLM_KWARGS, async_scheduling=True))
+    yield llm
+    llm.shutdown()
+
+
+def params():
+    return [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+            SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=13, ignore_eos=True),
+            SamplingParams(temperature=0.0, max_tokens=1),
+            SamplingParams(temperature=0.0, max_tokens=24)]
+
+
+def texts(outs):
+    return [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in outs]
+
+
+def test_async_engine_equals_the_sync_one_and_carries_tokens(llm, async_llm):
+    assert async_llm.engine.executor.overlaps and not llm.engine.executor.overlaps
+    want = texts(llm.generate(PROMPTS, params(), use_tqdm=False))
+    got = texts(async_llm.generate(PROMPTS, params(), use_tqdm=False))
+    assert got == want
+    assert async_llm.engine.stats()["num_carried_rows"] > 0
+    assert_engine_clean(async_llm)
+
+
+def test_stops_end_where_the_sync_engine_ends(llm, async_llm):
+    ref = llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    stop_id = ref.token_ids[6]
+    stop_text = ref.text[len(ref.text) // 2:][:3]
+    for sp in (SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[stop_id], ignore_eos=True),
+               SamplingParams(temperature=0.0, max_tokens=24, stop=[stop_text], ignore_eos=True)):
+        want = llm.generate(PROMPTS[0], sp, use_tqdm=False)[0].outputs[0]
+        got = async_llm.generate(PROMPTS[0], sp, use_tqdm=False)[0].outputs[0]
+        assert want.finish_reason == "stop" and len(want.token_ids) < 24
+        assert (got.token_ids, got.text, got.stop_reason) == (want.token_ids, want.text, want.stop_reason)
+    assert_engine_clean(async_llm)
+
+
+def test_an_abort_while_its_next_step_is_out_leaves_the_others_untouched(llm, async_llm):
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    want = texts(llm.generate(PROMPTS[:3], sp, use_tqdm=False))
+    eng = async_llm.engine
+    for i, p in enumerate(PROMPTS[:3]):
+        eng.add_request(f"a{i}", p, sp)
+    done = {}
+    for step in range(200):
+        if step == 3:
+            # between steps one is out: the step ahead, holding a1 already
+            assert [r.request_id for r in eng._in_flight[0].requests] == ["a0", "a1", "a2"]
+            eng.abort_request("a1")
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out
+        if not eng.has_unfinished_requests():
+            break
+    assert sorted(done) == ["a0", "a2"]
+    assert [texts([done["a0"]])[0], texts([done["a2"]])[0]] == [want[0], want[2]]
+    assert_engine_clean(async_llm)
+
+
+@pytest.mark.parametrize("extra, match", [(dict(pipeline_parallel_size=2), "one stage"),
+                                          (dict(speculative_config={"method": "mtp", "num_speculative_tokens": 2}),
+                                           "speculative")])
+def test_async_scheduling_where_it_does_not_apply_is_refused_by_name(extra, match):
+    with pytest.raises(ValueError, match=match):
+        LLM(model=None, **dict(DEFAULT_LLM_KWARGS, async_scheduling=True, **extra))
