@@ -9,7 +9,9 @@ tensors are all quantized: by an `Fp8Stack` (the per-expert e4m3 weights and blo
 concatenated, as the checkpoint has them) or an `Int4Stack` (each expert's `Int4Weight`, gate and up
 side by side, stacked; act-order experts, whose rows each expert permutes its own way, stay dense).
 `routed_experts` then multiplies them:
-- up to `GEMV_PAIRS` (token, expert) pairs, every decode step and every CUDA graph: the few-pair GEMV
+- FP8 beyond `FEW_FP8_PAIRS` (token, expert) pairs: the grouped tensor-core kernels of
+  `kernels/moe_grouped.py`, which read each picked expert once (where its block geometry fits);
+- otherwise up to `GEMV_PAIRS` pairs, every decode step and every CUDA graph: the few-pair GEMV
   kernels of `kernels/moe_experts.py`, dequantizing in registers;
 - more (prefill chunks, eager): each present expert dequantized in turn and multiplied by its rows
   (a host sync over the expert ids, which eager steps allow).
@@ -31,6 +33,9 @@ logger = logging.getLogger(__name__)
 # batch of 512 tokens at top-8 still affords; the dequantizing loop syncs with the host, so it is kept
 # for the larger eager steps only, never inside a graph.
 GEMV_PAIRS = 4096
+# FP8 pairs past which the grouped kernels win: the GEMVs' per-element scaling makes them compute
+# bound well before their re-reads matter (GLM-4.7-Flash shape, batch 64 at top-4: 4x the bf16 step)
+FEW_FP8_PAIRS = 32
 
 
 class Fp8Stack(nn.Module):
@@ -85,6 +90,10 @@ def quantized_routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.
                              first: int | None = None) -> torch.Tensor:
     """`routed_experts` with `Fp8Stack`s or `Int4Stack`s (same arguments otherwise, same rounding)."""
     capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+    if kernels.enabled(x) and isinstance(gate_up, Fp8Stack) and ids.numel() > FEW_FP8_PAIRS:
+        from pipespec.kernels import moe_grouped
+        if moe_grouped.fits(gate_up, down, x.shape[-1]):
+            return moe_grouped.grouped_fp8_experts(x, ids, weights, gate_up, down, first)
     if kernels.enabled(x) and (ids.numel() <= GEMV_PAIRS or capturing):
         from pipespec.kernels.moe_experts import few_pair_experts, few_pair_int4_experts
         run = few_pair_int4_experts if isinstance(gate_up, Int4Stack) else few_pair_experts
