@@ -35,18 +35,20 @@ def _tiles(ids: torch.Tensor, first: int, experts: int, bm: int) -> tuple[torch.
     none), worked out on the device from host shapes."""
     p, dev = ids.numel(), ids.device
     flat = ids.reshape(-1) - first
-    flat = torch.where((flat >= 0) & (flat < experts), flat, experts)     # another rank's: group E
+    # (no Python scalar goes into a tensor op here: inside a graph capture it would be a host copy)
+    void = torch.full_like(flat, experts)
+    flat = torch.where((flat >= 0) & (flat < experts), flat, void)       # another rank's: group E
     counts = torch.zeros(experts + 1, dtype=torch.int64, device=dev).index_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + bm - 1) // bm * bm
-    padded[experts] = 0                                                  # group E takes no tiles
+    padded = (counts[:experts] + bm - 1) // bm * bm                       # group E takes no tiles
     ends = padded.cumsum(0)
     order = flat.argsort(stable=True)
     group = flat[order]
     rank = torch.arange(p, device=dev) - (counts.cumsum(0) - counts)[group]   # place inside its group
     tiles = triton.cdiv(p + experts * (bm - 1), bm)
-    dest = torch.where(group < experts, ends[group] - padded[group] + rank, tiles * bm)
+    local = group.clamp(max=experts - 1)
+    dest = torch.where(group < experts, ends[local] - padded[local] + rank, torch.full_like(group, tiles * bm))
     rows = torch.full((tiles * bm + 1,), -1, dtype=torch.int64, device=dev).scatter_(0, dest, order)[:-1]
-    tile_expert = torch.searchsorted(ends[:experts], torch.arange(tiles, device=dev) * bm, right=True)
+    tile_expert = torch.searchsorted(ends, torch.arange(tiles, device=dev) * bm, right=True)
     return rows, tile_expert
 
 
