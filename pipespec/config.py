@@ -86,7 +86,8 @@ class SchedulerConfig:
     # requests (vLLM's name); None: a quarter of the step budget, 0: no limit
     long_prefill_token_threshold: int | None = None
     # vLLM's name: schedule step n + 1 while the device runs step n (engine/llm_engine.py says how).
-    # None: on where it applies (one stage on a GPU, no speculation); True elsewhere is an error
+    # None: on where it applies (one stage on a GPU, no speculation or adaptive K, whose K = 0 steps
+    # overlap); True elsewhere is an error
     async_scheduling: bool | None = None
 
     def __post_init__(self):
@@ -245,9 +246,9 @@ class EngineConfig:
             _require(self.parallel.world_size == 1,
                      "async_scheduling needs one stage (pipeline_parallel_size = tensor_parallel_size = 1): "
                      "a pipeline already overlaps its micro-batches")
-            _require(self.num_spec_tokens == 0,
-                     "async_scheduling does not combine with speculative decoding yet (the next step's "
-                     "drafts come with this step's result)")
+            _require(self.num_spec_tokens == 0 or self.speculative.adaptive,
+                     "async_scheduling with speculative decoding needs \"adaptive\": true: only steps "
+                     "that verify no drafts overlap (a verifying step's next plan needs its result)")
 
     @property
     def num_spec_tokens(self) -> int:
@@ -257,7 +258,7 @@ class EngineConfig:
         """Whether the driver schedules step n + 1 while a stage on a `device_type` device runs step n: asked for,
         or by default on a GPU (where the step runs asynchronously to the host), where it applies."""
         asked = self.scheduler.async_scheduling
-        applies = self.parallel.world_size == 1 and self.num_spec_tokens == 0
+        applies = self.parallel.world_size == 1 and (self.num_spec_tokens == 0 or self.speculative.adaptive)
         return applies and (asked if asked is not None else device_type == "cuda")
 
     @classmethod

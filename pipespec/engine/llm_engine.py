@@ -5,16 +5,17 @@ StepResults back, so the same loop drives one process or a pipeline of them: wit
 up to P micro-batches in flight. A failed stage is final: every pending request ends with
 finish_reason "abort" and an error, every process stops, and `step` raises EngineDeadError.
 
-Async scheduling (one stage, no speculation; on by default on a GPU) keeps two steps in flight so the
-host's work for step n + 1 -- applying step n - 1's result, detokenizing, scheduling, building and
-uploading the plan -- runs while the device runs step n. Step n + 1 may continue a request of step n
-whose sampled token the driver does not know yet; its plan names that token by result row
-(`StepPlan.carried`) and the stage substitutes it on the device. The invariants hold: the driver
-still owns every request's state (I1) and records the token from step n's result, the very value the
-stage embedded; positions, slots and shapes of step n + 1 are fixed by the plan alone (I2); and a
-continued request has no drafts (I4: async scheduling is off with speculation). A request that
-step n ends (a stop token, EOS) wastes its row of step n + 1, which is dropped on return; length
-limits are known ahead, so they never do.
+Async scheduling (one stage, without speculation or with adaptive K; on by default on a GPU) keeps
+two steps in flight so the host's work for step n + 1 -- applying step n - 1's result, detokenizing,
+scheduling, building and uploading the plan -- runs while the device runs step n. Step n + 1 may
+continue a request of step n whose sampled token the driver does not know yet; its plan names that
+token by result row (`StepPlan.carried`) and the stage substitutes it on the device. The invariants
+hold: the driver still owns every request's state (I1) and records the token from step n's result,
+the very value the stage embedded; positions, slots and shapes of step n + 1 are fixed by the plan
+alone (I2); and a continued request verifies no drafts and step n drafted none (I4: only a K = 0
+step is continued; with adaptive K a verifying step's successor waits for its result). A request
+that step n ends (a stop token, EOS) wastes its row of step n + 1, which is dropped on return;
+length limits are known ahead, so they never do.
 """
 from __future__ import annotations
 
@@ -86,11 +87,12 @@ class LLMEngine:
         except BaseException:
             self.executor.shutdown()
             raise
-        # adaptive K (speculative_config.adaptive): the policy picks each step's K; None: K is fixed
-        self.k_policy = make_policy(config.speculative, self.executor.max_in_flight)
         overlaps = self.executor.overlaps
+        micro_batches = 1 if overlaps else self.executor.max_in_flight
+        # adaptive K (speculative_config.adaptive): the policy picks each step's K; None: K is fixed
+        self.k_policy = make_policy(config.speculative, micro_batches)
         self.scheduler = Scheduler(config.scheduler, block_size, num_blocks, self.max_model_len,
-                                   num_micro_batches=1 if overlaps else self.executor.max_in_flight,
+                                   num_micro_batches=micro_batches,
                                    num_spec_tokens=config.num_spec_tokens,
                                    choose_k=self.k_policy.choose if self.k_policy else None,
                                    async_scheduling=overlaps)

@@ -15,7 +15,8 @@ With P pipeline stages up to P micro-batches are in flight, and a request is in 
 (its next plan needs its last result). So that every stage has work, a micro-batch then takes at
 most ceil(n / P) requests, n being those that could run now (running plus admissible waiting).
 
-Async scheduling (one stage, no speculation) is the exception: a request in the one step in flight
+Async scheduling (one stage; no speculation, or adaptive K after a step of K = 0) is the exception:
+a request in the one step in flight
 may be scheduled again before that step returns. Its next rows are then either the rest of its
 prompt, known here, or the one token that step samples, which the plan marks as carried
 (`StepPlan.carried`) and the stage takes from its previous result. Positions and KV slots follow
@@ -62,10 +63,11 @@ class Scheduler:
         """`choose_k(num_reqs)`: the K of a step of that many requests (adaptive K); None: always
         `num_spec_tokens`, the config's K (which also sizes the KV room drafts need).
         `async_scheduling`: a request in the step in flight may be scheduled again (one stage, K = 0)."""
-        if async_scheduling and (num_micro_batches > 1 or num_spec_tokens):
-            raise ValueError("async scheduling needs one micro-batch in flight and no speculation")
+        if async_scheduling and (num_micro_batches > 1 or (num_spec_tokens and choose_k is None)):
+            raise ValueError("async scheduling needs one micro-batch in flight, and with speculation adaptive K")
         self.async_scheduling = async_scheduling
         self.num_carried_rows = 0          # rows whose input token was carried (async scheduling)
+        self._last_k = 0                   # K of the last step scheduled
         self.config = config
         self.num_spec_tokens = num_spec_tokens
         self.choose_k = choose_k
@@ -189,6 +191,7 @@ class Scheduler:
         # a request holds the drafts of its last step's K: verify at most this step's K of them
         picked = [(r, n - d + min(d, k), min(d, k)) for r, n, d in picked]
         self._step_id += 1
+        self._last_k = k
         plan = self._build_plan(picked, k)
         samples = [r.num_scheduled_tokens + n - d == r.num_expected_tokens for r, n, d in picked]
         for row, ((req, n, d), sampled) in enumerate(zip(picked, samples)):
@@ -201,8 +204,10 @@ class Scheduler:
     def _continues(self, req: Request) -> bool:
         """Async scheduling: whether `req`, in the step in flight, runs again in the next one. Its
         next rows are the rest of its prompt or the token that step samples; never when that token
-        could reach a length limit (an end by a stop or EOS token costs one row, dropped on return)."""
-        if not self.async_scheduling or req.in_flight != 1:
+        could reach a length limit (an end by a stop or EOS token costs one row, dropped on return),
+        nor after a step with drafts (adaptive K): how many it accepts, and the drafts it proposes
+        for the next step, come with its result. (The step in flight is always the last one scheduled.)"""
+        if not self.async_scheduling or req.in_flight != 1 or self._last_k:
             return False
         n = req.num_expected_tokens
         return not req.num_pending_samples or (n - req.num_prompt_tokens < req.max_tokens and n < self.max_model_len)
@@ -215,8 +220,9 @@ class Scheduler:
         return min(n, limit) if limit else n
 
     def _num_drafts(self, req: Request, budget: int) -> int:
-        """Drafts verified this step: only in steady decode, within budget and max_model_len."""
-        if not req.draft_ids or req.num_computed_tokens != req.num_tokens - 1:
+        """Drafts verified this step: only in steady decode, within budget and max_model_len (none
+        while a step is out: its result brings the request's drafts)."""
+        if not req.draft_ids or req.in_flight or req.num_computed_tokens != req.num_tokens - 1:
             return 0
         return max(min(len(req.draft_ids), budget, self.max_model_len - req.num_tokens), 0)
 

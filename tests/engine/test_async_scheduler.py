@@ -153,9 +153,29 @@ def test_a_request_stopped_while_its_next_step_is_out_frees_its_blocks_when_that
     assert sched.state_slots.num_free == sched.state_slots.num_blocks
 
 
-def test_async_scheduling_refuses_micro_batches_and_speculation():
+def test_async_scheduling_refuses_micro_batches_and_a_fixed_k():
     cfg = SchedulerConfig()
     with pytest.raises(ValueError, match="async scheduling"):
         Scheduler(cfg, BS, 8, 64, num_micro_batches=2, async_scheduling=True)
     with pytest.raises(ValueError, match="async scheduling"):
         Scheduler(cfg, BS, 8, 64, num_spec_tokens=2, async_scheduling=True)
+
+
+def test_with_adaptive_k_only_a_step_without_drafts_is_continued():
+    """After a K = 2 step the next waits for its result (acceptance and new drafts come with it);
+    after a K = 0 step a request continues, and verifies none of the drafts it still holds (they are
+    an older step's: the one in flight brings its own)."""
+    ks = iter([2, 0, 0, 0])
+    cfg = SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=4, long_prefill_token_threshold=0)
+    sched = Scheduler(cfg, BS, 64, 256, num_spec_tokens=2, choose_k=lambda n: next(ks), async_scheduling=True)
+    req = make_request("r0", [1, 2, 3], max_tokens=8)
+    sched.add(req)
+    prefill = sched.schedule()                        # K = 2, no drafts yet: samples one, drafts two
+    assert prefill.plan.num_spec_tokens == 2 and sched.schedule() is None
+    sched.complete(prefill)
+    req.token_ids.append(40)
+    req.draft_ids = [41, 42]
+    verify = sched.schedule()                         # K = 0: the drafts are not verified
+    assert verify.num_drafts == [0] and verify.plan.num_spec_tokens == 0
+    ahead = sched.schedule()
+    assert ahead.requests == [req] and ahead.num_drafts == [0] and ahead.plan.carried.tolist() == [0]

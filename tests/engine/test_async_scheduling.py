@@ -79,9 +79,24 @@ def test_an_abort_while_its_next_step_is_out_leaves_the_others_untouched(llm, as
     assert_engine_clean(async_llm)
 
 
+def test_adaptive_k_overlaps_its_k0_steps_and_stays_lossless(llm):
+    """A forced K sequence holding K = 2, then 0, then 1: greedy output equals plain decoding, drafts
+    were verified, and K = 0 steps continued with carried tokens."""
+    spec = {"method": "mtp", "num_speculative_tokens": 2, "adaptive": True,
+            "k_sequence": [2] * 3 + [0] * 5 + [1] * 3}
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    want = texts(llm.generate(PROMPTS[:2], sp, use_tqdm=False))
+    with LLM(model=None, **dict(DEFAULT_LLM_KWARGS, async_scheduling=True, speculative_config=spec)) as spec_llm:
+        assert spec_llm.engine.executor.overlaps
+        assert texts(spec_llm.generate(PROMPTS[:2], sp, use_tqdm=False)) == want
+        stats = spec_llm.engine.stats()
+        assert stats["num_carried_rows"] > 0 and stats["spec_decode"]["num_drafts"] > 0, stats
+        assert_engine_clean(spec_llm)
+
+
 @pytest.mark.parametrize("extra, match", [(dict(pipeline_parallel_size=2), "one stage"),
                                           (dict(speculative_config={"method": "mtp", "num_speculative_tokens": 2}),
-                                           "speculative")])
+                                           "adaptive")])
 def test_async_scheduling_where_it_does_not_apply_is_refused_by_name(extra, match):
     with pytest.raises(ValueError, match=match):
         LLM(model=None, **dict(DEFAULT_LLM_KWARGS, async_scheduling=True, **extra))
