@@ -16,8 +16,9 @@ of the best k, so the figures around the choice stay current (if acceptance or c
 choice walks there) while exploring costs little. A chosen exploration k is held for a few steps, so that some of them are
 steady (the first one after a change verifies the old k's drafts).
 
-With PP the cost of a step is the time between its result and the previous one (the pipeline's
-throughput), or since its submission when the pipeline was idle.
+The cost of a step is the time between its result and the previous one: the driver's work and the
+device's, overlapped or not (with PP the pipeline's throughput; async scheduling overlaps K = 0
+steps), so each K is charged its host time too; or since its submission after the engine was idle.
 """
 from __future__ import annotations
 

@@ -253,13 +253,17 @@ class LLMEngine:
                     req.draft_ids = result.drafts(row)
         if self.spec_stats.num_spec_tokens:      # (also when adaptive K runs without drafts for a while)
             self._maybe_log_spec()
+        if not self.requests:
+            self._last_result_at = 0.0            # idle until new requests: no step spans the gap
         return outputs
 
     def _measure_step(self, batch: ScheduledBatch) -> None:
-        """Adaptive K's cost of a step: the time since the previous result (a full pipeline's
-        throughput) or since its submission, if later (the pipeline was idle); steady steps only."""
+        """Adaptive K's cost of a step, steady steps only: the time since the previous result, i.e.
+        the driver's work and the device's together, overlapped or not (a full pipeline's
+        throughput; async scheduling's K = 0 steps), so every K pays for its host time alike; or
+        since its submission when the engine had gone idle (`_apply` forgets the last result)."""
         now = time.perf_counter()
-        start, self._last_result_at = max(batch.submitted_at, self._last_result_at), now
+        start, self._last_result_at = self._last_result_at or batch.submitted_at, now
         if self.k_policy is not None and batch.steady:
             self.k_policy.record_step(len(batch.requests), batch.plan.num_spec_tokens, now - start)
 
