@@ -16,11 +16,11 @@ With P pipeline stages up to P micro-batches are in flight, and a request is in 
 most ceil(n / P) requests, n being those that could run now (running plus admissible waiting).
 
 Async scheduling (one stage; no speculation, or adaptive K after a step of K = 0) is the exception:
-a request in the one step in flight
-may be scheduled again before that step returns. Its next rows are then either the rest of its
-prompt, known here, or the one token that step samples, which the plan marks as carried
-(`StepPlan.carried`) and the stage takes from its previous result. Positions and KV slots follow
-from the counts alone (`num_scheduled_tokens`, `num_expected_tokens`), so only token ids travel late.
+a request in the one step in flight may be scheduled again before that step returns. Its next rows
+are then either the rest of its prompt, known here, or the one token that step samples, which the
+plan marks as carried (`StepPlan.carried`) and the stage takes from its previous result. Positions
+and KV slots follow from the counts alone (`num_scheduled_tokens`, `num_expected_tokens`), so only
+token ids travel late.
 """
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ class Scheduler:
                  choose_k: Callable[[int], int] | None = None, async_scheduling: bool = False):
         """`choose_k(num_reqs)`: the K of a step of that many requests (adaptive K); None: always
         `num_spec_tokens`, the config's K (which also sizes the KV room drafts need).
-        `async_scheduling`: a request in the step in flight may be scheduled again (one stage, K = 0)."""
+        `async_scheduling`: a request of the step in flight may be scheduled again (`_continues`)."""
         if async_scheduling and (num_micro_batches > 1 or (num_spec_tokens and choose_k is None)):
             raise ValueError("async scheduling needs one micro-batch in flight, and with speculation adaptive K")
         self.async_scheduling = async_scheduling
