@@ -72,15 +72,17 @@ def test_batched_greedy_equals_transformers_and_preemption_changes_nothing(kind,
     prompts = [torch.randint(3, ht.VOCAB, (n,), generator=g).tolist() for n in (5, 23, 11, 40)]
     expected = [hf_greedy(hf, p, 10) for p in prompts]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    # 5 blocks of 16 for requests needing 1-4 each: the scheduler must preempt and recompute
-    for kv_blocks in (32, 5):
+    # 5 blocks of 16 for requests needing 1-4 each: the scheduler must preempt and recompute; and
+    # async scheduling, whose steps ahead read and write the state slots before the last returned
+    for kv_blocks, overlap in ((32, False), (5, False), (5, True)):
         with LLM(model=str(folder), **dict(KWARGS, num_kv_blocks=kv_blocks, max_model_len=64,
-                                            max_num_batched_tokens=16)) as llm:
+                                            max_num_batched_tokens=16, async_scheduling=overlap)) as llm:
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
             preempted = llm.engine.scheduler.num_preemptions
+            assert (llm.engine.scheduler.num_carried_rows > 0) == overlap
             assert_engine_clean(llm)
             assert llm.engine.scheduler.state_slots.num_free == KWARGS["max_num_seqs"]
-        assert [o.outputs[0].token_ids for o in outs] == expected, f"{kind} kv_blocks={kv_blocks}"
+        assert [o.outputs[0].token_ids for o in outs] == expected, f"{kind} kv_blocks={kv_blocks} async={overlap}"
         assert (preempted > 0) == (kv_blocks == 5)
 
 

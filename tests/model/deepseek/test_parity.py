@@ -53,6 +53,21 @@ def test_greedy_matches_transformers(shape, models, ids):
     assert out.outputs[0].token_ids == hf_greedy(hf, ids[:12], 20)
 
 
+@pytest.mark.parametrize("shape", ["v32", "glm"])
+def test_async_scheduling_greedy_matches_transformers(shape, models, ids):
+    """Steps ahead with carried tokens over MLA's latent cache and the sparse indexer's key cache
+    (V3.2), or GQA + MoE (GLM-4.5): a batch's greedy output is transformers' for each prompt."""
+    llm, hf = models[shape]
+    folder = llm.engine.config.model.model
+    prompts = [ids[:12], ids[5:9], ids[20:37]]
+    with LLM(model=folder, dtype="float32", device="cpu", max_model_len=128, num_kv_blocks=16,
+             max_num_batched_tokens=64, async_scheduling=True) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+        assert llm.engine.stats()["num_carried_rows"] > 0
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 12) for p in prompts]
+
+
 def test_config_is_read(models):
     model = models["lora_yarn"][0].engine.executor.stage.model
     cfg = model.cfg
