@@ -36,10 +36,11 @@ class StepLayout:
     # the drafter's view
     mtp_input_ids: torch.Tensor    # int64 [T] each row's next token where known (the sampled one is
                                    # filled in after verification)
-    # linear-attention layers' view (per request, [B]): state slot, candidate to commit, drafts
+    # linear-attention layers' view (per request, [B]): state slot, candidate to commit, draft rows
     state_slots: torch.Tensor | None = None
     state_commit: torch.Tensor | None = None
     req_num_drafts: torch.Tensor | None = None
+    req_real_drafts: torch.Tensor | None = None    # [B] real drafts among them (CUDA graphs upload it)
     # async scheduling, per request [B]: the previous result's row whose token is its first input
     # (-1: input_ids holds it); None when no request's does (`carry_in`)
     carried: torch.Tensor | None = None
@@ -63,10 +64,13 @@ class StepLayout:
         plan's memory: a step pays this on the host, ~5x less than with torch ops on tiny tensors."""
         k = num_spec_tokens
         qsl, samplers = plan.query_start_loc.numpy(), plan.sample_rows.numpy()
-        drafts = plan.num_drafts.numpy()[samplers]
+        drafts = plan.num_drafts.numpy()[samplers]                 # draft rows: the geometry
+        real = plan.real_drafts.numpy()[samplers]                  # real drafts: what verification reads
         if len(drafts) and drafts.max() > k:
             raise ValueError(f"step {plan.step_id} verifies {int(drafts.max())} drafts of a request, more than "
                              f"its K={k}")
+        if (real > drafts).any() or (real < 0).any():
+            raise ValueError(f"step {plan.step_id} has more real drafts than draft rows in a line")
         first = qsl[samplers + 1] - 1 - drafts                   # each sampler's last non-draft row
         verify_rows = first[:, None] + np.minimum(np.arange(k + 1)[None, :], drafts[:, None])
         ids = plan.input_ids.numpy()
@@ -75,10 +79,10 @@ class StepLayout:
                    seq_lens=plan.seq_lens, block_tables=plan.block_tables,
                    max_query_len=int((qsl[1:] - qsl[:-1]).max()) if len(qsl) > 1 else 0,
                    sample_rows=plan.sample_rows, verify_rows=torch.from_numpy(verify_rows),
-                   num_drafts=torch.from_numpy(drafts), draft_ids=torch.from_numpy(ids[verify_rows[:, 1:]]),
+                   num_drafts=torch.from_numpy(real), draft_ids=torch.from_numpy(ids[verify_rows[:, 1:]]),
                    mtp_input_ids=torch.from_numpy(_shift_left(ids, qsl, plan.next_token_ids.numpy())),
                    state_slots=plan.state_slots, state_commit=plan.state_commit, req_num_drafts=plan.num_drafts,
-                   carried=plan.carried)
+                   req_real_drafts=plan.real_drafts, carried=plan.carried)
 
     def to(self, device: torch.device) -> "StepLayout":
         if device.type == "cpu":

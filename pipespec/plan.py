@@ -33,6 +33,9 @@ class StepPlan:
     sample_rows: torch.Tensor     # int64 [S] requests (indices into B) that sample this step
     sampling: SamplingTensors     # parameters of the S sampling requests
     num_drafts: torch.Tensor | None = None  # int64 [B] draft rows ending each request's query (None: 0)
+    # int64 [B] how many of those rows are real drafts; the rest are dummy rows padding a line to the
+    # step's K (so it keeps the shape a CUDA graph replays), which verification never accepts
+    real_drafts: torch.Tensor | None = None
     # int64 [B] the known token after each request's last row (a prefill chunk that does not end the
     # prompt), -1 where it is still to be sampled; the MTP drafter's shifted input needs it
     next_token_ids: torch.Tensor | None = None
@@ -54,6 +57,8 @@ class StepPlan:
         b, device = self.seq_lens.shape[0], self.seq_lens.device
         if self.num_drafts is None:
             self.num_drafts = torch.zeros(b, dtype=torch.int64, device=device)
+        if self.real_drafts is None:
+            self.real_drafts = self.num_drafts
         if self.next_token_ids is None:
             self.next_token_ids = torch.full((b,), -1, dtype=torch.int64, device=device)
         if self.state_slots is None:

@@ -44,16 +44,18 @@ logger = logging.getLogger(__name__)
 class ScheduledBatch:
     plan: StepPlan
     requests: list[Request]
-    num_new_tokens: list[int]     # query rows of each request, drafts included
-    num_drafts: list[int]
+    num_new_tokens: list[int]     # query rows of each request, draft rows included
+    num_drafts: list[int]         # real drafts each request verifies
+    draft_rows: list[int]         # its draft rows: the real drafts, then dummy ones (`_pad_lines`)
     samples: list[bool]           # whether each request samples this step
     submitted_at: float = 0.0     # when the driver handed it to the executor (adaptive K's step cost)
 
     @property
     def steady(self) -> bool:
-        """Every request decodes with exactly the step's K drafts: the step adaptive K costs."""
+        """Every request decodes with a line of exactly the step's K draft rows: the step adaptive K
+        costs (and the one a CUDA graph replays)."""
         k = self.plan.num_spec_tokens
-        return all(n - d == 1 and d == k for n, d in zip(self.num_new_tokens, self.num_drafts))
+        return all(n - r == 1 and r == k for n, r in zip(self.num_new_tokens, self.draft_rows))
 
 
 class Scheduler:
@@ -189,17 +191,32 @@ class Scheduler:
             return None
         k = self.num_spec_tokens if self.choose_k is None else self.choose_k(len(picked))
         # a request holds the drafts of its last step's K: verify at most this step's K of them
-        picked = [(r, n - d + min(d, k), min(d, k)) for r, n, d in picked]
+        lines = self._pad_lines([(r, n - d + min(d, k), min(d, k)) for r, n, d in picked], k)
         self._step_id += 1
         self._last_k = k
-        plan = self._build_plan(picked, k)
-        samples = [r.num_scheduled_tokens + n - d == r.num_expected_tokens for r, n, d in picked]
-        for row, ((req, n, d), sampled) in enumerate(zip(picked, samples)):
-            req.num_pending_tokens += n - d
+        plan = self._build_plan(lines, k)
+        samples = [r.num_scheduled_tokens + n - rows == r.num_expected_tokens for r, n, _, rows in lines]
+        for row, ((req, n, _, rows), sampled) in enumerate(zip(lines, samples)):
+            req.num_pending_tokens += n - rows
             req.num_pending_samples += sampled
             req.carry_row = row
-        return ScheduledBatch(plan, [r for r, _, _ in picked], [n for _, n, _ in picked],
-                              [d for _, _, d in picked], samples)
+        return ScheduledBatch(plan, [r for r, *_ in lines], [n for _, n, _, _ in lines], [d for _, _, d, _ in lines],
+                              [rows for *_, rows in lines], samples)
+
+    def _pad_lines(self, picked: list[tuple[Request, int, int]], k: int) -> list[tuple[Request, int, int, int]]:
+        """(request, rows, real drafts, draft rows) of each picked request. A decoding request with
+        fewer drafts than K (the step after a smaller K, near max_model_len) gets dummy draft rows up
+        to K, within the step's budget: verification masks them (`StepPlan.real_drafts`), they write
+        KV where rejected drafts would, and the step keeps the shape a CUDA graph replays."""
+        spare = self.config.max_num_batched_tokens - sum(n for _, n, _ in picked)
+        lines = []
+        for req, n, d in picked:
+            pad = k - d if k and n - d == 1 and req.num_scheduled_tokens + 1 == req.num_expected_tokens else 0
+            if pad > spare:
+                pad = 0
+            spare -= pad
+            lines.append((req, n + pad, d, d + pad))
+        return lines
 
     def _continues(self, req: Request) -> bool:
         """Async scheduling: whether `req`, in the step in flight, runs again in the next one. Its
@@ -227,27 +244,31 @@ class Scheduler:
         return max(min(len(req.draft_ids), budget, self.max_model_len - req.num_tokens), 0)
 
     def _tokens_with_draft_room(self, req: Request, n: int) -> int:
-        # the MTP chain after a sampling step writes KV up to K - 1 positions past the query
+        """KV room for a step of n rows: a sampling line may hold up to K draft rows, real or dummy
+        (`_pad_lines`), and the MTP chain after it writes KV up to K - 1 positions past them."""
         end = req.num_scheduled_tokens + n
-        return end + (draft_chain_overrun(self.num_spec_tokens) if end >= req.num_expected_tokens else 0)
+        if end < req.num_expected_tokens:
+            return end
+        return req.num_expected_tokens + self.num_spec_tokens + draft_chain_overrun(self.num_spec_tokens)
 
-    def _build_plan(self, picked: list[tuple[Request, int, int]], k: int) -> StepPlan:
+    def _build_plan(self, lines: list[tuple[Request, int, int, int]], k: int) -> StepPlan:
         bs = self.block_size
         input_ids, positions, slots, qsl, seq_lens, tables, sample_rows, samplers = [], [], [], [0], [], [], [], []
         carried = []
-        for b, (req, n, d) in enumerate(picked):
+        for b, (req, n, d, rows) in enumerate(lines):
             start = req.num_scheduled_tokens
             pos = range(start, start + n)
-            known = req.token_ids[start:start + n - d]
+            known = req.token_ids[start:start + n - rows]
             # async scheduling: the one token still unknown here is the one its step in flight samples
-            carried.append(req.carry_row if len(known) < n - d else -1)
-            input_ids += known + [0] * (n - d - len(known)) + req.draft_ids[:d]
+            carried.append(req.carry_row if len(known) < n - rows else -1)
+            # (dummy draft rows hold token 0: verification never reads them)
+            input_ids += known + [0] * (n - rows - len(known)) + req.draft_ids[:d] + [0] * (rows - d)
             positions += pos
             slots += [req.block_ids[p // bs] * bs + p % bs for p in pos]
             qsl.append(qsl[-1] + n)
             seq_lens.append(start + n)
             tables.append(req.block_ids)
-            if start + n - d == req.num_expected_tokens:
+            if start + n - rows == req.num_expected_tokens:
                 sample_rows.append(b)
                 samplers.append(req)
         self.num_carried_rows += sum(c >= 0 for c in carried)
@@ -263,12 +284,13 @@ class Scheduler:
             block_tables=block_tables,
             sample_rows=torch.tensor(sample_rows, dtype=torch.int64),
             sampling=sampling_tensors(samplers),
-            num_drafts=torch.tensor([d for _, _, d in picked], dtype=torch.int64),
-            next_token_ids=torch.tensor([r.token_ids[r.num_scheduled_tokens + n - d]
-                                         if r.num_scheduled_tokens + n - d < r.num_tokens else -1
-                                         for r, n, d in picked], dtype=torch.int64),
-            state_slots=torch.tensor([r.state_slot for r, _, _ in picked], dtype=torch.int64),
-            state_commit=torch.tensor([r.state_commit for r, _, _ in picked], dtype=torch.int64),
+            num_drafts=torch.tensor([rows for *_, rows in lines], dtype=torch.int64),
+            real_drafts=torch.tensor([d for _, _, d, _ in lines], dtype=torch.int64),
+            next_token_ids=torch.tensor([r.token_ids[r.num_scheduled_tokens + n - rows]
+                                         if r.num_scheduled_tokens + n - rows < r.num_tokens else -1
+                                         for r, n, _, rows in lines], dtype=torch.int64),
+            state_slots=torch.tensor([r.state_slot for r, *_ in lines], dtype=torch.int64),
+            state_commit=torch.tensor([r.state_commit for r, *_ in lines], dtype=torch.int64),
             carried=torch.tensor(carried, dtype=torch.int64) if any(c >= 0 for c in carried) else None,
             num_spec_tokens=k,
         )
@@ -276,21 +298,21 @@ class Scheduler:
     def complete(self, batch: ScheduledBatch, result: StepResult | None = None) -> None:
         """The batch came back: its KV is in the cache up to the accepted drafts (rejected draft rows
         are rolled back by position; their slots get overwritten); free the blocks of requests that
-        finished meanwhile. `result` is needed only when the batch verified drafts."""
-        for row, (req, n, d, sampled) in enumerate(zip(batch.requests, batch.num_new_tokens, batch.num_drafts,
-                                                        batch.samples)):
+        finished meanwhile. `result` is needed only when a line had draft rows."""
+        for row, (req, n, rows, sampled) in enumerate(zip(batch.requests, batch.num_new_tokens, batch.draft_rows,
+                                                           batch.samples)):
             req.in_flight -= 1
-            req.num_pending_tokens -= n - d
+            req.num_pending_tokens -= n - rows
             req.num_pending_samples -= sampled
             if req.finished:
                 if not req.in_flight:      # (async scheduling: its next step may still be out)
                     self._release(req)
                 continue
-            accepted = len(result.tokens(row)) - 1 if d else 0
-            req.num_computed_tokens += n - d + accepted
-            # a verify step leaves a candidate linear-attention state per row: the next plan names
+            accepted = len(result.tokens(row)) - 1 if rows else 0
+            req.num_computed_tokens += n - rows + accepted
+            # a verify line leaves a candidate linear-attention state per row: the next plan names
             # the one to commit (committed at once otherwise)
-            req.state_commit = accepted if d else -1
+            req.state_commit = accepted if rows else -1
 
 
 def sampling_tensors(reqs: list[Request]) -> SamplingTensors:

@@ -2,10 +2,12 @@
 buffers, one pair per padded batch size and per K a step may use (`GraphsByK`).
 
 A steady step is one where every request runs exactly 1 + K query rows and, on the last stage, every
-request samples with K drafts. Its shapes then depend on the batch size alone, so the stage's whole
-forward (on the last stage with the LM head over every row, all of them verify rows) is captured once
-per bucket of batch sizes, and the MTP draft steps are a second graph. Between the two replays the
-verifier runs eagerly, with no host sync. Any other step runs eagerly (`Stage._forward`).
+request samples with K draft rows (its real drafts, then dummy rows the scheduler pads a short line
+with, which verification masks by the uploaded count). Its shapes then depend on the batch size
+alone, so the stage's whole forward (on the last stage with the LM head over every row, all of them
+verify rows) is captured once per bucket of batch sizes, and the MTP draft steps are a second graph.
+Between the two replays the verifier runs eagerly, with no host sync. Any other step runs eagerly
+(`Stage._forward`).
 
 The graphs read a typed static buffer (`StepInts`, views of one flat int64 tensor uploaded in one
 copy from a pinned mirror) and the attention metadata the backend built over it at capture
@@ -58,10 +60,11 @@ class StepInts:
     state_slots: torch.Tensor      # [nb] linear-attention state slot (models that have such layers)
     state_commit: torch.Tensor     # [nb] candidate state to commit first (-1: none)
     carried: torch.Tensor          # [nb] previous result's row of its first input token (-1: none)
+    req_real_drafts: torch.Tensor  # [nb] real drafts of its line (the rest of its K rows: dummies)
     block_tables: torch.Tensor     # [nb, W]
 
     PER_TOKEN = ("input_ids", "positions", "slot_mapping", "mtp_input_ids")
-    PER_REQUEST = ("seq_lens", "state_slots", "state_commit", "carried")
+    PER_REQUEST = ("seq_lens", "state_slots", "state_commit", "carried", "req_real_drafts")
 
     @classmethod
     def views(cls, flat: torch.Tensor, like: "StepInts") -> "StepInts":
@@ -78,6 +81,7 @@ class StepInts:
 
 
 def _padding(nb: int, q: int, pad_block: int, block_size: int, max_blocks: int, pad_slot: int) -> StepInts:
+    """Padding requests: every row in the spare block, every draft real (what they verify is dropped)."""
     positions = torch.arange(q, dtype=torch.int64).repeat(nb)
     return StepInts(input_ids=torch.zeros(nb * q, dtype=torch.int64), positions=positions,
                     slot_mapping=pad_block * block_size + positions,
@@ -86,6 +90,7 @@ def _padding(nb: int, q: int, pad_block: int, block_size: int, max_blocks: int, 
                     state_slots=torch.full((nb,), pad_slot, dtype=torch.int64),
                     state_commit=torch.full((nb,), -1, dtype=torch.int64),
                     carried=torch.full((nb,), -1, dtype=torch.int64),
+                    req_real_drafts=torch.full((nb,), q - 1, dtype=torch.int64),
                     block_tables=torch.full((nb, max_blocks), pad_block, dtype=torch.int64))
 
 
@@ -131,7 +136,7 @@ class CudaGraphs:
         self._tables_at = self._flat.numel() - self.pad.block_tables.numel()
         self.query_start_loc = torch.arange(nb + 1, **i64) * q       # every request has q rows
         self.sample_rows = torch.arange(nb, **i64)
-        self.num_drafts = torch.full((nb,), num_spec_tokens, **i64)
+        self.draft_rows = torch.full((nb,), num_spec_tokens, **i64)
         self.verify_rows = torch.arange(nb * q, **i64).view(nb, q)
         if not self.is_first:
             h = model.arch.hidden_size
@@ -157,10 +162,11 @@ class CudaGraphs:
                           query_start_loc=self.query_start_loc[:b + 1], seq_lens=ints.seq_lens[:b],
                           block_tables=ints.block_tables[:b], max_query_len=self.rows_per_req,
                           sample_rows=self.sample_rows[:b], verify_rows=self.verify_rows[:b],
-                          num_drafts=self.num_drafts[:b],
+                          num_drafts=ints.req_real_drafts[:b],    # (every request verifies)
                           draft_ids=ints.input_ids[:n].view(b, self.rows_per_req)[:, 1:],
                           mtp_input_ids=ints.mtp_input_ids[:n], state_slots=ints.state_slots[:b],
-                          state_commit=ints.state_commit[:b], req_num_drafts=self.num_drafts[:b],
+                          state_commit=ints.state_commit[:b], req_num_drafts=self.draft_rows[:b],
+                          req_real_drafts=ints.req_real_drafts[:b],
                           carried=ints.carried[:b])
 
     def _forward(self, layout: StepLayout, ctx: ForwardContext) -> Forward:
@@ -230,8 +236,8 @@ class CudaGraphs:
             return False
         if layout.block_tables.shape[1] > self.ints.block_tables.shape[1] or layout.max_query_len != q:
             return False
-        if is_last:   # every request samples, verifying all K drafts
-            return layout.num_samplers == b and bool((layout.num_drafts.numpy() == self.num_spec_tokens).all())
+        if is_last:   # every request samples, in a line of K draft rows (some may be dummies)
+            return layout.num_samplers == b and bool((layout.req_num_drafts.numpy() == self.num_spec_tokens).all())
         return True
 
     def _bucket(self, n: int) -> int:

@@ -282,3 +282,28 @@ def test_default_chunk_limit_is_a_quarter_of_the_budget():
     assert SchedulerConfig(long_prefill_token_threshold=0).prefill_chunk_limit == 0
     with pytest.raises(ValueError, match="long_prefill_token_threshold"):
         SchedulerConfig(long_prefill_token_threshold=-1)
+
+
+def test_a_line_short_of_drafts_is_padded_to_the_steps_k_within_the_budget():
+    """After a K = 0 step a request holds no drafts: at K = 2 its line is padded with two dummy draft
+    rows (real drafts 0), so the step keeps a graph's shape; the budget caps the padding."""
+    for budget, padded in ((32, True), (4, False)):
+        ks = iter([0, 2])
+        cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=4, long_prefill_token_threshold=0)
+        sched = Scheduler(cfg, BS, 64, 256, num_spec_tokens=2, choose_k=lambda n: next(ks))
+        a, b = make_request("r0", [1, 2], max_tokens=8), make_request("r1", [3, 4], max_tokens=8)
+        for r in (a, b):
+            sched.add(r)
+        first = sched.schedule()
+        sched.complete(first)
+        for r in (a, b):
+            r.token_ids.append(9)
+        step = sched.schedule()
+        assert step.plan.num_spec_tokens == 2 and step.num_drafts == [0, 0]
+        if padded:
+            assert step.draft_rows == [2, 2] and step.steady
+            assert step.plan.num_drafts.tolist() == [2, 2] and step.plan.real_drafts.tolist() == [0, 0]
+            assert step.plan.positions.tolist() == [2, 3, 4, 2, 3, 4]
+            assert all(len(r.block_ids) * BS >= 5 for r in (a, b))
+        else:                     # 2 rows of budget left after the two real rows: one line padded
+            assert step.draft_rows == [2, 0] and not step.steady

@@ -73,6 +73,10 @@ def test_the_next_plan_carries_the_accepted_count_of_a_verify_step():
     req.draft_ids = []
     batch = sched.schedule()
     assert batch.plan.state_commit.tolist() == [1]      # the state after row 1 (the accepted draft)
-    sched.complete(batch)
+    # no drafts held: dummy rows pad the line to K (a verify line still, whose row 0 is the real one)
+    assert batch.num_drafts == [0] and batch.draft_rows == [2] and batch.plan.real_drafts.tolist() == [0]
+    sched.complete(batch, StepResult.from_verification(batch.plan.step_id, 1, 2, torch.tensor([0]),
+                                                       torch.tensor([[40, -1, -1]]), torch.tensor([1])))
+    req.token_ids.append(40)
     batch = sched.schedule()
-    assert batch.plan.state_commit.tolist() == [-1]     # a plain step commits at once
+    assert batch.plan.state_commit.tolist() == [0]      # the state after the real row

@@ -1,6 +1,7 @@
 """StepLayout: the verify/draft geometry, worked out once from a scheduler's plan."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from pipespec.config import SchedulerConfig
@@ -49,10 +50,21 @@ def test_layout_rows_of_a_mixed_step():
 
 def test_short_draft_lines_are_padded_by_repeating_the_last_row():
     plan = _plan_with_drafts()
-    plan.num_drafts[0] = 1                                     # near max_model_len: one draft only
+    plan.num_drafts[0] = plan.real_drafts[0] = 1              # a line of one draft row
     layout = StepLayout.from_plan(plan, K)
     assert layout.verify_rows.tolist() == [[1, 2, 2]]
     assert layout.draft_rows_of_input().tolist() == [[71, -1]]
+
+
+def test_dummy_draft_rows_keep_the_lines_geometry_and_are_masked():
+    plan = _plan_with_drafts()
+    plan.real_drafts[0] = 1                                    # rows 0..2, the last one a dummy
+    layout = StepLayout.from_plan(plan, K)
+    assert layout.verify_rows.tolist() == [[0, 1, 2]] and layout.num_drafts.tolist() == [1]
+    assert layout.draft_rows_of_input().tolist() == [[70, -1]]
+    plan.real_drafts[0] = 3
+    with pytest.raises(ValueError, match="real drafts"):
+        StepLayout.from_plan(plan, K)
 
 
 def test_shift_left_takes_the_known_next_token_at_chunk_ends():
