@@ -37,6 +37,17 @@ def _weights(ptr, s_ptr, rows, k, mask, H: tl.constexpr, FP8: tl.constexpr, BO: 
 
 
 @triton.jit
+def silu_mul(gate, up, h_ptr):
+    """silu(gate) * up in h_ptr's element type, rounded as the grouped-GEMM path rounds it: gate, up,
+    silu(gate) and the product each at that type (float32 accumulators in)."""
+    dt = h_ptr.dtype.element_ty
+    g = gate.to(dt).to(tl.float32)
+    u = up.to(dt).to(tl.float32)
+    silu = (g * tl.sigmoid(g)).to(dt).to(tl.float32)
+    return (silu * u).to(dt)
+
+
+@triton.jit
 def _local_expert(ids_ptr, pair, first, E):
     """(this rank's index of the pair's expert, clamped to 0 for another rank's; whether it is ours),
     int64: offsets into a large stack pass 2**31."""
@@ -65,11 +76,7 @@ def _gate_up_kernel(x_ptr, ids_ptr, gu_ptr, gs_ptr, h_ptr, first, E, stride_x,
         u = _weights(gu_ptr, gs_ptr, gate + I, k[None, :], ok, H, FP8, BO, BI)
         acc_g += g * xk[None, :]
         acc_u += u * xk[None, :]
-    dt = h_ptr.dtype.element_ty
-    g = tl.sum(acc_g, 1).to(dt).to(tl.float32)
-    u = tl.sum(acc_u, 1).to(dt).to(tl.float32)
-    silu = (g * tl.sigmoid(g)).to(dt).to(tl.float32)
-    tl.store(h_ptr + p * I + rn, (silu * u).to(dt), mask=rn < I)
+    tl.store(h_ptr + p * I + rn, silu_mul(tl.sum(acc_g, 1), tl.sum(acc_u, 1), h_ptr), mask=rn < I)
 
 
 @triton.jit
@@ -129,11 +136,7 @@ def _int4_gate_up_kernel(x_ptr, ids_ptr, q_ptr, z_ptr, s_ptr, h_ptr, first, E, s
         acc_g += tl.sum(_int4_tile(q_ptr, z_ptr, s_ptr, e, k0, rw, rn, ok, H, 2 * I, GROUP, BLOCK_K, BLOCK_N) * xk, 0)
         acc_u += tl.sum(_int4_tile(q_ptr, z_ptr, s_ptr, e, k0, rw, I + rn, ok, H, 2 * I, GROUP, BLOCK_K, BLOCK_N) * xk,
                         0)
-    dt = h_ptr.dtype.element_ty
-    g = acc_g.to(dt).to(tl.float32)
-    u = acc_u.to(dt).to(tl.float32)
-    silu = (g * tl.sigmoid(g)).to(dt).to(tl.float32)
-    tl.store(h_ptr + p * I + rn, (silu * u).to(dt), mask=rn < I)
+    tl.store(h_ptr + p * I + rn, silu_mul(acc_g, acc_u, h_ptr), mask=rn < I)
 
 
 @triton.jit

@@ -20,6 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
+from pipespec.kernels.moe_experts import silu_mul
+from pipespec.kernels.quant_matmul import scaled_dot
+
 
 def fits(gate_up, down, h_dim: int) -> bool:
     """Whether FP8 stacks `gate_up` [E * 2I, H], `down` [E * H, I] have the block geometry these
@@ -58,10 +61,7 @@ def _fp8_tile_product(a, w_ptr, s_ptr, row0, rn, k0, rk, COLS: tl.constexpr, BO:
     """a [BM, BK] times rows row0 + rn, columns k0 + rk of an FP8 stack (row length COLS), scaled by
     the one block they lie in: [BM, BN] float32. IEEE: float32 products (test runs), not TF32."""
     w = tl.load(w_ptr + (row0 + rn)[None, :].to(tl.int64) * COLS + (k0 + rk)[:, None])
-    scale = tl.load(s_ptr + (row0 // BO) * (COLS // BI) + k0 // BI)
-    if IEEE:
-        return tl.dot(a, w.to(a.dtype), input_precision="ieee") * scale
-    return tl.dot(a, w.to(a.dtype)) * scale
+    return scaled_dot(a, w, tl.load(s_ptr + (row0 // BO) * (COLS // BI) + k0 // BI), IEEE)
 
 
 @triton.jit
@@ -84,11 +84,7 @@ def _gate_up_kernel(x_ptr, rows_ptr, tile_e_ptr, w_ptr, s_ptr, h_ptr, E, stride_
             a = tl.load(x_ptr + token[:, None] * stride_x + (k0 + rk)[None, :], mask=valid[:, None], other=0.0)
             acc_g += _fp8_tile_product(a, w_ptr, s_ptr, gate0, rn, k0, rk, H, BO, BI, IEEE)
             acc_u += _fp8_tile_product(a, w_ptr, s_ptr, gate0 + I, rn, k0, rk, H, BO, BI, IEEE)
-        dt = h_ptr.dtype.element_ty
-        g = acc_g.to(dt).to(tl.float32)
-        u = acc_u.to(dt).to(tl.float32)
-        silu = (g * tl.sigmoid(g)).to(dt).to(tl.float32)
-        tl.store(h_ptr + pair[:, None] * I + (n0 + rn)[None, :], (silu * u).to(dt), mask=valid[:, None])
+        tl.store(h_ptr + pair[:, None] * I + (n0 + rn)[None, :], silu_mul(acc_g, acc_u, h_ptr), mask=valid[:, None])
 
 
 @triton.jit

@@ -45,6 +45,15 @@ def _sum_splits(p_ptr, y_ptr, size, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def scaled_dot(x, w, scale, IEEE: tl.constexpr):
+    """x [M, K] times an FP8 weight tile w [K, N] widened to x's dtype, times the tile's one block
+    scale: float32 [M, N]. IEEE: float32 products (test runs in float32), not TF32."""
+    if IEEE:
+        return tl.dot(x, w.to(x.dtype), input_precision="ieee") * scale
+    return tl.dot(x, w.to(x.dtype)) * scale
+
+
+@triton.jit
 def unpack_int4(words, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     """Packed words [BLOCK_K / 8, BLOCK_N] -> their 4-bit values [BLOCK_K, BLOCK_N] in float32: row
     8w + j is nibble j of word w (`model/quant/packed.py`'s layout)."""
@@ -99,12 +108,7 @@ def _fp8_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, stride_xm, stride_ym, scale_cols,
         x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=(rm[:, None] < M) & (k[None, :] < K),
                     other=0.0)
         w = tl.load(w_ptr + rn[None, :] * K + k[:, None], mask=(k[:, None] < K) & (rn[None, :] < N), other=0.0)
-        s = tl.load(s_ptr + scale_row * scale_cols + k0 // BLOCK_IN)
-        if IEEE:
-            part = tl.dot(x, w.to(x.dtype), input_precision="ieee")
-        else:
-            part = tl.dot(x, w.to(x.dtype))
-        acc += part * s
+        acc += scaled_dot(x, w, tl.load(s_ptr + scale_row * scale_cols + k0 // BLOCK_IN), IEEE)
     _store(y_ptr, acc, rm, rn, M, N, stride_ym, tl.program_id(2), SPLIT_K)
 
 

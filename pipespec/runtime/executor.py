@@ -5,8 +5,8 @@ plans may be outstanding (1 for a single stage, 2 with async scheduling, P for P
 """
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 import time
+from abc import ABC, abstractmethod
 from collections import deque
 from typing import Callable
 
