@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -38,6 +38,16 @@ from pipespec.plan import StepPlan, StepResult, draft_chain_overrun
 from pipespec.sampling import SamplingTensors
 
 logger = logging.getLogger(__name__)
+
+
+class _Line(NamedTuple):
+    """One picked request's part of a step: its query rows, the real drafts it verifies, its draft
+    rows (real, then dummy: `_pad_lines`), and whether it samples."""
+    req: Request
+    rows: int
+    drafts: int
+    draft_rows: int
+    samples: bool
 
 
 @dataclass
@@ -195,27 +205,27 @@ class Scheduler:
         self._step_id += 1
         self._last_k = k
         plan = self._build_plan(lines, k)
-        samples = [r.num_scheduled_tokens + n - rows == r.num_expected_tokens for r, n, _, rows in lines]
-        for row, ((req, n, _, rows), sampled) in enumerate(zip(lines, samples)):
-            req.num_pending_tokens += n - rows
-            req.num_pending_samples += sampled
-            req.carry_row = row
-        return ScheduledBatch(plan, [r for r, *_ in lines], [n for _, n, _, _ in lines], [d for _, _, d, _ in lines],
-                              [rows for *_, rows in lines], samples)
+        for row, line in enumerate(lines):
+            line.req.num_pending_tokens += line.rows - line.draft_rows
+            line.req.num_pending_samples += line.samples
+            line.req.carry_row = row
+        requests, rows, drafts, draft_rows, samples = map(list, zip(*lines))
+        return ScheduledBatch(plan, requests, rows, drafts, draft_rows, samples)
 
-    def _pad_lines(self, picked: list[tuple[Request, int, int]], k: int) -> list[tuple[Request, int, int, int]]:
-        """(request, rows, real drafts, draft rows) of each picked request. A decoding request with
-        fewer drafts than K (the step after a smaller K, near max_model_len) gets dummy draft rows up
-        to K, within the step's budget: verification masks them (`StepPlan.real_drafts`), they write
-        KV where rejected drafts would, and the step keeps the shape a CUDA graph replays."""
+    def _pad_lines(self, picked: list[tuple[Request, int, int]], k: int) -> list[_Line]:
+        """The lines of the picked (request, rows, drafts). A decoding request with fewer drafts than
+        K (the step after a smaller K, near max_model_len) gets dummy draft rows up to K, within the
+        step's budget: verification masks them (`StepPlan.real_drafts`), they write KV where rejected
+        drafts would, and the step keeps the shape a CUDA graph replays."""
         spare = self.config.max_num_batched_tokens - sum(n for _, n, _ in picked)
         lines = []
         for req, n, d in picked:
-            pad = k - d if k and n - d == 1 and req.num_scheduled_tokens + 1 == req.num_expected_tokens else 0
+            samples = req.num_scheduled_tokens + n - d == req.num_expected_tokens
+            pad = k - d if k and n - d == 1 and samples else 0
             if pad > spare:
                 pad = 0
             spare -= pad
-            lines.append((req, n + pad, d, d + pad))
+            lines.append(_Line(req, n + pad, d, d + pad, samples))
         return lines
 
     def _continues(self, req: Request) -> bool:
@@ -251,11 +261,11 @@ class Scheduler:
             return end
         return req.num_expected_tokens + self.num_spec_tokens + draft_chain_overrun(self.num_spec_tokens)
 
-    def _build_plan(self, lines: list[tuple[Request, int, int, int]], k: int) -> StepPlan:
+    def _build_plan(self, lines: list[_Line], k: int) -> StepPlan:
         bs = self.block_size
         input_ids, positions, slots, qsl, seq_lens, tables, sample_rows, samplers = [], [], [], [0], [], [], [], []
         carried = []
-        for b, (req, n, d, rows) in enumerate(lines):
+        for b, (req, n, d, rows, samples) in enumerate(lines):
             start = req.num_scheduled_tokens
             pos = range(start, start + n)
             known = req.token_ids[start:start + n - rows]
@@ -268,7 +278,7 @@ class Scheduler:
             qsl.append(qsl[-1] + n)
             seq_lens.append(start + n)
             tables.append(req.block_ids)
-            if start + n - rows == req.num_expected_tokens:
+            if samples:
                 sample_rows.append(b)
                 samplers.append(req)
         self.num_carried_rows += sum(c >= 0 for c in carried)
@@ -284,13 +294,13 @@ class Scheduler:
             block_tables=block_tables,
             sample_rows=torch.tensor(sample_rows, dtype=torch.int64),
             sampling=sampling_tensors(samplers),
-            num_drafts=torch.tensor([rows for *_, rows in lines], dtype=torch.int64),
-            real_drafts=torch.tensor([d for _, _, d, _ in lines], dtype=torch.int64),
+            num_drafts=torch.tensor([line.draft_rows for line in lines], dtype=torch.int64),
+            real_drafts=torch.tensor([line.drafts for line in lines], dtype=torch.int64),
             next_token_ids=torch.tensor([r.token_ids[r.num_scheduled_tokens + n - rows]
                                          if r.num_scheduled_tokens + n - rows < r.num_tokens else -1
-                                         for r, n, _, rows in lines], dtype=torch.int64),
-            state_slots=torch.tensor([r.state_slot for r, *_ in lines], dtype=torch.int64),
-            state_commit=torch.tensor([r.state_commit for r, *_ in lines], dtype=torch.int64),
+                                         for r, n, _, rows, _ in lines], dtype=torch.int64),
+            state_slots=torch.tensor([line.req.state_slot for line in lines], dtype=torch.int64),
+            state_commit=torch.tensor([line.req.state_commit for line in lines], dtype=torch.int64),
             carried=torch.tensor(carried, dtype=torch.int64) if any(c >= 0 for c in carried) else None,
             num_spec_tokens=k,
         )
