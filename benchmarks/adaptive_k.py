@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from spec_decode import PROMPTS  # noqa: E402  (the same held-out-style chat prompts)
+from spec_decode import chat_ids  # noqa: E402  (the same held-out-style chat prompts)
 
 from pipespec import LLM, SamplingParams  # noqa: E402
 
@@ -112,8 +112,7 @@ def main():
     runners.append(Runner(f"adaptive (max K={args.max_k})",
                           {"method": "mtp", "num_speculative_tokens": args.max_k, "adaptive": True}, **share))
     tok = runners[0].llm.get_tokenizer()
-    chats = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]), add_special_tokens=False)
-             for p in PROMPTS]
+    chats = chat_ids(tok)
     rows = []
     for batch in args.batch:
         # batch 1: four prompts one after another (acceptance varies by prompt); else one batch

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from spec_decode import PROMPTS  # noqa: E402  (the same held-out-style chat prompts)
+from spec_decode import chat_ids  # noqa: E402  (the same held-out-style chat prompts)
 
 from pipespec import LLM, SamplingParams  # noqa: E402
 
@@ -161,8 +161,7 @@ def smollm2(args, table):
     # the same engine scheduling synchronously: async scheduling's peer (K > 0 runs synchronously)
     sync = PipespecRunner("pipespec sync", 0, async_scheduling=False, **share)
     tok = engines[0].llm.get_tokenizer()
-    chats = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]), add_special_tokens=False)
-             for p in PROMPTS]
+    chats = chat_ids(tok)
     path = default_model_path()
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                               dtype=torch.bfloat16).cuda().eval()
@@ -199,10 +198,10 @@ def llama8b(args, table):
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "t2", "bos_token": "t1"}))
 
     bandwidth = copy_bandwidth()
-    engine = PipespecRunner("pipespec", 0, model=str(folder), load_format="dummy", gpu_memory_utilization=0.3,
-                            max_num_seqs=64, max_model_len=2048)
-    sync = PipespecRunner("pipespec sync", 0, model=str(folder), load_format="dummy", gpu_memory_utilization=0.3,
-                          max_num_seqs=64, max_model_len=2048, async_scheduling=False)
+    shape = dict(model=str(folder), load_format="dummy", gpu_memory_utilization=0.3, max_num_seqs=64,
+                 max_model_len=2048)
+    engine = PipespecRunner("pipespec", 0, **shape)
+    sync = PipespecRunner("pipespec sync", 0, async_scheduling=False, **shape)     # async scheduling's peer
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.llm.engine.executor.stage.model.parameters())
     with torch.device("cuda"):
         hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from spec_decode import PROMPTS  # noqa: E402
+from spec_decode import chat_ids  # noqa: E402
 
 from pipespec import LLM, SamplingParams  # noqa: E402
 
@@ -73,8 +73,7 @@ def main():
     for k in (0, 1, 2, 3):
         engines = {pp: engine(pp, k, args.backend) for pp in (1, 2)}
         tok = engines[1].get_tokenizer()
-        chats = [{"prompt_token_ids": tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]),
-                                                 add_special_tokens=False)} for p in PROMPTS]
+        chats = [{"prompt_token_ids": ids} for ids in chat_ids(tok)]
         runs = {pp: timed(llm, chats, params) for pp, llm in engines.items()}
         row = {"k": k, "identical": runs[1]["outputs"] == runs[2]["outputs"],
                "acceptance_pp1": round(runs[1].get("acceptance_length", 1.0), 3),

@@ -27,6 +27,13 @@ PROMPTS = ["Write a short poem about autumn leaves.", "Explain how a bicycle gea
            "List the planets of the solar system.", "How do I make a good cup of tea?"]
 
 
+def chat_ids(tok) -> list[list[int]]:
+    """PROMPTS as user turns in the model's chat template, token ids (the template adds its own
+    special tokens)."""
+    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]), add_special_tokens=False)
+            for p in PROMPTS]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu")
@@ -47,8 +54,7 @@ def main():
                           speculative_config={"method": "mtp", "num_speculative_tokens": k} if k else None)
                    for k in [0] + args.k}
         tok = engines[0].get_tokenizer()
-        chats = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]), add_special_tokens=False)
-                 for p in PROMPTS]
+        chats = chat_ids(tok)
         params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
         for batch in args.batch:
             prompts = [{"prompt_token_ids": chats[i % len(chats)]} for i in range(batch)]

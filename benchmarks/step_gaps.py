@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from spec_decode import PROMPTS  # noqa: E402
+from spec_decode import chat_ids  # noqa: E402
 
 from pipespec import LLM, SamplingParams  # noqa: E402
 
@@ -41,9 +41,7 @@ def main():
             return measure(batch)
 
         eng._measure_step = logged
-        tok = llm.get_tokenizer()
-        chats = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]), add_special_tokens=False)
-                 for p in PROMPTS]
+        chats = chat_ids(llm.get_tokenizer())
         prompts = [{"prompt_token_ids": chats[i % len(chats)]} for i in range(args.batch)]
         params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
         for _ in range(3):                     # the last run is reported; adaptive K learns in the first
