@@ -246,9 +246,6 @@ class EngineConfig:
             _require(self.parallel.world_size == 1,
                      "async_scheduling needs one stage (pipeline_parallel_size = tensor_parallel_size = 1): "
                      "a pipeline already overlaps its micro-batches")
-            _require(self.num_spec_tokens == 0 or self.speculative.adaptive,
-                     "async_scheduling with speculative decoding needs \"adaptive\": true: only steps "
-                     "that verify no drafts overlap (a verifying step's next plan needs its result)")
 
     @property
     def num_spec_tokens(self) -> int:
@@ -258,7 +255,7 @@ class EngineConfig:
         """Whether the driver schedules step n + 1 while a stage on a `device_type` device runs step n: asked for,
         or by default on a GPU (where the step runs asynchronously to the host), where it applies."""
         asked = self.scheduler.async_scheduling
-        applies = self.parallel.world_size == 1 and (self.num_spec_tokens == 0 or self.speculative.adaptive)
+        applies = self.parallel.world_size == 1
         return applies and (asked if asked is not None else device_type == "cuda")
 
     @classmethod

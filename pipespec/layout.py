@@ -9,6 +9,7 @@ last accepted token, then its K drafts (fewer near max_model_len, then padded by
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -41,8 +42,8 @@ class StepLayout:
     state_commit: torch.Tensor | None = None
     req_num_drafts: torch.Tensor | None = None
     req_real_drafts: torch.Tensor | None = None    # [B] real drafts among them (CUDA graphs upload it)
-    # async scheduling, per request [B]: the previous result's row whose token is its first input
-    # (-1: input_ids holds it); None when no request's does (`carry_in`)
+    # async scheduling, per request [B]: the previous result's row whose sampled token (and drafts,
+    # and accepted count) its line takes (-1: input_ids holds them); None when no request's does (`carry_in`)
     carried: torch.Tensor | None = None
 
     @property
@@ -93,6 +94,17 @@ class StepLayout:
                 moved[name] = value.to(device, non_blocking=True)
         return StepLayout(**moved)
 
+    def carried_in(self, carry: "Carry", block_size: int) -> "StepLayout":
+        """This device layout with `carry_in` applied to copies of its tensors (on the CPU `to` keeps
+        the plan's own), and the verifier's draft ids read back from the rows it filled."""
+        names = ("input_ids", "positions", "slot_mapping", "seq_lens", "mtp_input_ids", "state_commit")
+        out = dataclasses.replace(self, **{n: getattr(self, n).clone() for n in names if getattr(self, n) is not None})
+        lens = self.query_start_loc[1:] - self.query_start_loc[:-1]
+        line = torch.repeat_interleave(torch.arange(self.num_reqs, device=lens.device), lens,
+                                       output_size=self.input_ids.shape[0])
+        carry_in(out, carry, line, block_size)
+        return dataclasses.replace(out, draft_ids=out.input_ids[self.verify_rows[:, 1:]])
+
     def draft_rows_of_input(self) -> torch.Tensor:
         """The ids stage 0 embeds at draft rows, in verify order [S, K] (-1 where no draft): for the
         I4 trace, compared with what the last stage verifies."""
@@ -101,13 +113,65 @@ class StepLayout:
         return torch.where(real, self.draft_ids, torch.full_like(self.draft_ids, -1))
 
 
-def carry_in(input_ids: torch.Tensor, query_start_loc: torch.Tensor, carried: torch.Tensor,
-             tokens: torch.Tensor) -> None:
-    """Async scheduling, in place: each carrying request's first input row becomes `tokens[carried]`,
-    the token its previous step sampled (on the device, so the host never waits for it)."""
-    first = query_start_loc[:-1]
-    known = input_ids[first]
-    input_ids[first] = torch.where(carried >= 0, tokens[carried.clamp(min=0)], known)
+@dataclass(frozen=True)
+class Carry:
+    """Async scheduling: what each row of the last sampling step's result leaves, on the device, for
+    the step scheduled before that result reached the host (`carry_in`)."""
+
+    tokens: torch.Tensor     # int64 [N] the last token it sampled (after its accepted drafts)
+    drafts: torch.Tensor     # int64 [N, K] the drafts it proposed
+    shift: torch.Tensor      # int64 [N] drafts it accepted: how far past the host's guess its line ends
+    commit: torch.Tensor     # int64 [N] the linear-attention candidate to commit next (-1: none)
+
+    @classmethod
+    def zeros(cls, num_rows: int, num_spec_tokens: int, device: torch.device) -> "Carry":
+        i64 = dict(dtype=torch.int64, device=device)
+        return cls(torch.zeros(num_rows, **i64), torch.zeros(num_rows, num_spec_tokens, **i64),
+                   torch.zeros(num_rows, **i64), torch.full((num_rows,), -1, **i64))
+
+    def keep(self, data: torch.Tensor, k: int, draft_rows: torch.Tensor) -> None:
+        """Keep a result's `data` [B, result_width(k)] (`StepResult`); draft_rows [B]: each line's
+        draft rows (a line with some verified, so it leaves a candidate state per row)."""
+        b = data.shape[0]
+        accepted = (data[:, k + 1] - 1).clamp(min=0)           # num_sampled - 1 (0 where none sampled)
+        self.tokens[:b].copy_(data.gather(1, accepted[:, None]).squeeze(1))
+        self.shift[:b].copy_(accepted)
+        self.commit[:b].copy_(torch.where(draft_rows > 0, accepted, -1))
+        if k:
+            self.drafts[:b, :k].copy_(data[:, k + 2:])
+
+
+def carry_in(layout: StepLayout, carry: Carry, line: torch.Tensor, block_size: int) -> None:
+    """Async scheduling, in place on `layout`'s tensors (on the device, so the host never waits): a
+    carrying request's line was planned before its previous step returned. Its first row becomes the
+    token that step sampled, its real draft rows the drafts it proposed, and the whole line moves
+    `shift` positions on (the drafts it accepted, which the host counted as none): positions, KV slots,
+    sequence length, the drafter's shifted ids and the linear-attention commit follow.
+    `line` [T]: each row's request."""
+    has = layout.carried >= 0
+    src = layout.carried.clamp(min=0)
+    rows = torch.arange(line.shape[0], device=line.device)
+    first, end = layout.query_start_loc[:-1][line], layout.query_start_loc[1:][line]
+    off, has_r, src_r = rows - first, has[line], src[line]
+    ids = torch.where(has_r & (off == 0), carry.tokens[src_r], layout.input_ids)
+    k = carry.drafts.shape[1]
+    if k:
+        real = has_r & (off >= 1) & (off <= layout.req_real_drafts[line])
+        ids = torch.where(real, carry.drafts[src_r, (off - 1).clamp(0, k - 1)], ids)
+    layout.input_ids.copy_(ids)
+    shift = torch.where(has_r, carry.shift[src_r], 0)
+    positions = layout.positions + shift
+    layout.positions.copy_(positions)
+    width = layout.block_tables.shape[1]
+    block = layout.block_tables[line, (positions // block_size).clamp(max=width - 1)]
+    layout.slot_mapping.copy_(torch.where(shift > 0, block * block_size + positions % block_size,
+                                          layout.slot_mapping))
+    layout.seq_lens.add_(torch.where(has, carry.shift[src], 0))
+    # the drafter's ids: each row's next row within the line (the last row keeps its placeholder)
+    after = ids[(rows + 1).clamp(max=line.shape[0] - 1)]
+    layout.mtp_input_ids.copy_(torch.where(has_r & (rows < end - 1), after, layout.mtp_input_ids))
+    if layout.state_commit is not None:
+        layout.state_commit.copy_(torch.where(has, carry.commit[src], layout.state_commit))
 
 
 def _shift_left(ids: np.ndarray, qsl: np.ndarray, next_token_ids: np.ndarray) -> np.ndarray:

@@ -38,8 +38,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-chunked-prefill", action="store_true",
                    help="prefill each prompt in one step (it must fit --max-num-batched-tokens)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="plan step n + 1 while the device runs step n (default: on with one stage on a GPU "
-                        "and no speculation; --no-async-scheduling turns it off)")
+                   help="plan step n + 1 while the device runs step n, speculative steps included (default: "
+                        "on with one stage on a GPU; --no-async-scheduling turns it off)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='MTP speculative decoding, e.g. \'{"method": "mtp", "num_speculative_tokens": 3}\' '
                         '(add "model": PATH for a head file; "adaptive": true to let the engine pick each '

@@ -5,17 +5,19 @@ StepResults back, so the same loop drives one process or a pipeline of them: wit
 up to P micro-batches in flight. A failed stage is final: every pending request ends with
 finish_reason "abort" and an error, every process stops, and `step` raises EngineDeadError.
 
-Async scheduling (one stage, without speculation or with adaptive K; on by default on a GPU) keeps
-two steps in flight so the host's work for step n + 1 -- applying step n - 1's result, detokenizing,
-scheduling, building and uploading the plan -- runs while the device runs step n. Step n + 1 may
-continue a request of step n whose sampled token the driver does not know yet; its plan names that
-token by result row (`StepPlan.carried`) and the stage substitutes it on the device. The invariants
-hold: the driver still owns every request's state (I1) and records the token from step n's result,
-the very value the stage embedded; positions, slots and shapes of step n + 1 are fixed by the plan
-alone (I2); and a continued request verifies no drafts and step n drafted none (I4: only a K = 0
-step is continued; with adaptive K a verifying step's successor waits for its result). A request
-that step n ends (a stop token, EOS) wastes its row of step n + 1, which is dropped on return;
-length limits are known ahead, so they never do.
+Async scheduling (one stage; on by default on a GPU) keeps two steps in flight so the host's work for
+step n + 1 -- applying step n - 1's result, detokenizing, scheduling, building and uploading the
+plan -- runs while the device runs step n. Step n + 1 may continue a request of step n before that
+step's result is known: its plan names the result row (`StepPlan.carried`), holds placeholders for
+the token step n samples and the K drafts it proposes, and puts the line where it would start had no
+draft been accepted; the stage fills the ids in and moves the line on by the drafts accepted, on the
+device (`layout.carry_in`). The invariants hold: the driver still owns every request's state (I1):
+it decides what is carried and from where, and records from step n's result the very token, drafts
+and acceptance the stage used; shapes are fixed by the plan alone (I2); and the one stage embeds and
+verifies the same draft rows, read back after the fill (I4). A request that step n ends (a stop
+token, EOS, or its accepted drafts reaching max_tokens) wastes its rows of step n + 1, which are
+dropped on return; the host's count of its tokens never crosses a length limit, and a continued
+line's drafts never cross max_model_len.
 """
 from __future__ import annotations
 

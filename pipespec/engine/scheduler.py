@@ -58,14 +58,17 @@ class ScheduledBatch:
     num_drafts: list[int]         # real drafts each request verifies
     draft_rows: list[int]         # its draft rows: the real drafts, then dummy ones (`_pad_lines`)
     samples: list[bool]           # whether each request samples this step
+    k_changed: bool = False       # the step before it had another K
     submitted_at: float = 0.0     # when the driver handed it to the executor (adaptive K's step cost)
 
     @property
     def steady(self) -> bool:
-        """Every request decodes with a line of exactly the step's K draft rows: the step adaptive K
-        costs (and the one a CUDA graph replays)."""
+        """Every request decodes verifying exactly the step's K real drafts, and K did not just
+        change: the step adaptive K costs. The first step at a new K is a transition whose time is not
+        K's: under async scheduling a step after K = 0 (padded, `_pad_lines`) overlaps the one before
+        it, and the first K = 0 step after drafts does not (its predecessor's result was awaited)."""
         k = self.plan.num_spec_tokens
-        return all(n - r == 1 and r == k for n, r in zip(self.num_new_tokens, self.draft_rows))
+        return not self.k_changed and all(n == k + 1 and d == k for n, d in zip(self.num_new_tokens, self.num_drafts))
 
 
 class Scheduler:
@@ -75,8 +78,8 @@ class Scheduler:
         """`choose_k(num_reqs)`: the K of a step of that many requests (adaptive K); None: always
         `num_spec_tokens`, the config's K (which also sizes the KV room drafts need).
         `async_scheduling`: a request of the step in flight may be scheduled again (`_continues`)."""
-        if async_scheduling and (num_micro_batches > 1 or (num_spec_tokens and choose_k is None)):
-            raise ValueError("async scheduling needs one micro-batch in flight, and with speculation adaptive K")
+        if async_scheduling and num_micro_batches > 1:
+            raise ValueError("async scheduling needs one micro-batch in flight")
         self.async_scheduling = async_scheduling
         self.num_carried_rows = 0          # rows whose input token was carried (async scheduling)
         self._last_k = 0                   # K of the last step scheduled
@@ -203,14 +206,17 @@ class Scheduler:
         # a request holds the drafts of its last step's K: verify at most this step's K of them
         lines = self._pad_lines([(r, n - d + min(d, k), min(d, k)) for r, n, d in picked], k)
         self._step_id += 1
-        self._last_k = k
+        k_changed, self._last_k = k != self._last_k, k
         plan = self._build_plan(lines, k)
         for row, line in enumerate(lines):
             line.req.num_pending_tokens += line.rows - line.draft_rows
             line.req.num_pending_samples += line.samples
             line.req.carry_row = row
+            # until its result says which: a line with draft rows leaves a candidate state to commit
+            # (a plan continuing it names one; the device puts the right one in, `carry_in`)
+            line.req.state_commit = 0 if line.draft_rows else -1
         requests, rows, drafts, draft_rows, samples = map(list, zip(*lines))
-        return ScheduledBatch(plan, requests, rows, drafts, draft_rows, samples)
+        return ScheduledBatch(plan, requests, rows, drafts, draft_rows, samples, k_changed)
 
     def _pad_lines(self, picked: list[tuple[Request, int, int]], k: int) -> list[_Line]:
         """The lines of the picked (request, rows, drafts). A decoding request with fewer drafts than
@@ -230,14 +236,22 @@ class Scheduler:
 
     def _continues(self, req: Request) -> bool:
         """Async scheduling: whether `req`, in the step in flight, runs again in the next one. Its
-        next rows are the rest of its prompt or the token that step samples; never when that token
-        could reach a length limit (an end by a stop or EOS token costs one row, dropped on return),
-        nor after a step with drafts (adaptive K): how many it accepts, and the drafts it proposes
-        for the next step, come with its result. (The step in flight is always the last one scheduled.)"""
-        if not self.async_scheduling or req.in_flight != 1 or self._last_k:
+        next rows are the rest of its prompt, or the token that step samples and the drafts it
+        proposes (`_carried_drafts`), at positions that move on by the drafts it accepts: all on the
+        device (`carry_in`). Never when the host's count of its tokens (that step accepting no draft)
+        already reaches a length limit, nor when its drafts could cross max_model_len (a longer end,
+        or one by a stop or EOS token, costs the rows planned past it, dropped on return). (The step
+        in flight is always the last one scheduled.)"""
+        if not self.async_scheduling or req.in_flight != 1:
             return False
         n = req.num_expected_tokens
-        return not req.num_pending_samples or (n - req.num_prompt_tokens < req.max_tokens and n < self.max_model_len)
+        return not req.num_pending_samples or (n - req.num_prompt_tokens < req.max_tokens
+                                               and n + self._last_k + self.num_spec_tokens < self.max_model_len)
+
+    def _carried_drafts(self, req: Request) -> int:
+        """Drafts the step in flight proposes for `req` when it samples there (its K): the drafts a
+        continued line verifies, and the most positions that line moves on by."""
+        return self._last_k if req.in_flight and req.num_pending_samples else 0
 
     @staticmethod
     def _chunk(req: Request, budget: int, limit: int) -> int:
@@ -247,11 +261,15 @@ class Scheduler:
         return min(n, limit) if limit else n
 
     def _num_drafts(self, req: Request, budget: int) -> int:
-        """Drafts verified this step: only in steady decode, within budget and max_model_len (none
-        while a step is out: its result brings the request's drafts)."""
-        if not req.draft_ids or req.in_flight or req.num_computed_tokens != req.num_tokens - 1:
+        """Drafts verified this step, within budget and max_model_len: in steady decode the ones the
+        request holds; continued, the ones its step in flight proposes (on the device)."""
+        if req.in_flight:
+            held, end = self._carried_drafts(req), req.num_expected_tokens + self._carried_drafts(req)
+        elif req.draft_ids and req.num_computed_tokens == req.num_tokens - 1:
+            held, end = len(req.draft_ids), req.num_tokens
+        else:
             return 0
-        return max(min(len(req.draft_ids), budget, self.max_model_len - req.num_tokens), 0)
+        return max(min(held, budget, self.max_model_len - end), 0)
 
     def _tokens_with_draft_room(self, req: Request, n: int) -> int:
         """KV room for a step of n rows: a sampling line may hold up to K draft rows, real or dummy
@@ -259,7 +277,9 @@ class Scheduler:
         end = req.num_scheduled_tokens + n
         if end < req.num_expected_tokens:
             return end
-        return req.num_expected_tokens + self.num_spec_tokens + draft_chain_overrun(self.num_spec_tokens)
+        # (a continued line starts up to its carried drafts later: the ones its step in flight accepts)
+        return (req.num_expected_tokens + self._carried_drafts(req) + self.num_spec_tokens
+                + draft_chain_overrun(self.num_spec_tokens))
 
     def _build_plan(self, lines: list[_Line], k: int) -> StepPlan:
         bs = self.block_size
@@ -269,10 +289,13 @@ class Scheduler:
             start = req.num_scheduled_tokens
             pos = range(start, start + n)
             known = req.token_ids[start:start + n - rows]
-            # async scheduling: the one token still unknown here is the one its step in flight samples
-            carried.append(req.carry_row if len(known) < n - rows else -1)
+            # async scheduling: the one token still unknown here is the one its step in flight
+            # samples, and its drafts the ones that step proposes (both filled in on the device)
+            carries = len(known) < n - rows
+            carried.append(req.carry_row if carries else -1)
             # (dummy draft rows hold token 0: verification never reads them)
-            input_ids += known + [0] * (n - rows - len(known)) + req.draft_ids[:d] + [0] * (rows - d)
+            input_ids += known + [0] * (n - rows - len(known)) + ([0] * d if carries else req.draft_ids[:d])
+            input_ids += [0] * (rows - d)
             positions += pos
             slots += [req.block_ids[p // bs] * bs + p % bs for p in pos]
             qsl.append(qsl[-1] + n)
@@ -321,8 +344,10 @@ class Scheduler:
             accepted = len(result.tokens(row)) - 1 if rows else 0
             req.num_computed_tokens += n - rows + accepted
             # a verify line leaves a candidate linear-attention state per row: the next plan names
-            # the one to commit (committed at once otherwise)
-            req.state_commit = accepted if rows else -1
+            # the one to commit (committed at once otherwise); with a later step of it in flight, that
+            # step's result names it (until then the plans continuing it carry it in on the device)
+            if not req.in_flight:
+                req.state_commit = accepted if rows else -1
 
 
 def sampling_tensors(reqs: list[Request]) -> SamplingTensors:

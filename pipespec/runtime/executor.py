@@ -52,7 +52,7 @@ class Executor(ABC):
 class LocalExecutor(Executor):
     """PP = 1: the stage lives in the driver's process; no collective is used.
 
-    With async scheduling (a stage keeping its sampled tokens: `Stage.carry_tokens`) two steps may be
+    With async scheduling (a stage keeping what each step leaves for the next: `Stage.carry`) two steps may be
     in flight: `submit` only enqueues a step's kernels and its result's copy to the host, so the
     driver plans and submits the next step while the device runs this one, and `receive` waits for
     the copy. On the CPU the step runs inside `submit`; the bookkeeping is the same."""
@@ -60,7 +60,7 @@ class LocalExecutor(Executor):
     def __init__(self, make_stage: Callable[[], Stage], hidden_size: int, num_spec_tokens: int):
         self.stage = make_stage()
         self.hidden_size, self.num_spec_tokens = hidden_size, num_spec_tokens
-        self.overlaps = getattr(self.stage, "carry_tokens", None) is not None
+        self.overlaps = getattr(self.stage, "carry", None) is not None
         self.max_in_flight = 2 if self.overlaps else 1
         self._results: deque[_HostCopy] = deque()
 

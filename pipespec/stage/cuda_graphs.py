@@ -26,7 +26,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from pipespec.layout import StepLayout, carry_in
+from pipespec.layout import Carry, StepLayout, carry_in
 from pipespec.model.attention import AttentionBackend, ForwardContext, KVCache
 from pipespec.model.linear_state import LinearFlags, LinearMeta
 from pipespec.stage.target import run_target
@@ -110,12 +110,12 @@ class CudaGraphs:
     def __init__(self, model, drafter, backend: AttentionBackend, kv_caches: list[KVCache], block_size: int,
                  num_spec_tokens: int, max_batch: int, pad_block: int, max_blocks_per_seq: int,
                  linear_states: list | None = None, pad_slot: int = 0, mixed_k: bool = False,
-                 carry_tokens: torch.Tensor | None = None):
+                 carry: Carry | None = None):
         """`mixed_k`: steps of other K run between this set's (adaptive K), so a K = 0 step may follow
         a verify step and must adopt its candidate linear-attention state (a masked commit).
-        `carry_tokens`: async scheduling's buffer of the previous step's sampled tokens, which the
-        forward graph reads where a request's first input is carried (`carry_in`)."""
-        self.carry_tokens = carry_tokens
+        `carry`: async scheduling's buffers of the previous step's result, which the forward graph
+        reads where a request's line is carried (`carry_in`)."""
+        self.carry = carry
         self.model, self.drafter, self.backend, self.kv_caches = model, drafter, backend, kv_caches
         self.mixed_k = mixed_k
         self.linear_states = linear_states
@@ -138,6 +138,7 @@ class CudaGraphs:
         self.sample_rows = torch.arange(nb, **i64)
         self.draft_rows = torch.full((nb,), num_spec_tokens, **i64)
         self.verify_rows = torch.arange(nb * q, **i64).view(nb, q)
+        self.line_of_row = torch.arange(nb * q, **i64) // q
         if not self.is_first:
             h = model.arch.hidden_size
             self.inbound = torch.zeros(2, nb * q, h, dtype=next(model.parameters()).dtype, device=device)
@@ -170,15 +171,16 @@ class CudaGraphs:
                           carried=ints.carried[:b])
 
     def _forward(self, layout: StepLayout, ctx: ForwardContext) -> Forward:
+        n = layout.input_ids.shape[0]
+        if self.carry is not None and self.is_first:
+            # before anything reads the rows: the carried lines' ids, positions, slots, lengths, commits
+            carry_in(layout, self.carry, self.line_of_row[:n], self.block_size)
         if self.linear_states is not None:
             # built inside the capture: its tensors (which requests start fresh, ...) live in the
             # graph's pool and are recomputed from the static inputs at every replay
             ctx.linear = LinearMeta.build(layout.query_start_loc, layout.positions, layout.state_slots,
                                           layout.state_commit, layout.req_num_drafts, self.linear_states,
                                           LinearFlags.steady(self.num_spec_tokens, self.mixed_k))
-        n = layout.input_ids.shape[0]
-        if self.carry_tokens is not None and self.is_first:
-            carry_in(layout.input_ids, layout.query_start_loc, layout.carried, self.carry_tokens)
         inbound = None if self.is_first else self.inbound[:, :n]
         hidden, residual = run_target(self.model, ctx, layout.input_ids, inbound)
         logits = self.model.compute_logits(hidden) if self.is_last else None   # all rows verify
@@ -272,7 +274,8 @@ class CudaGraphs:
                 seq_lens=full.seq_lens[:n_req], block_tables=full.block_tables[:n_req],
                 max_query_len=full.max_query_len, sample_rows=full.sample_rows[:n_req],
                 verify_rows=full.verify_rows[:n_req], num_drafts=full.num_drafts[:n_req],
-                draft_ids=full.draft_ids[:n_req], mtp_input_ids=full.mtp_input_ids[:n])
+                draft_ids=full.draft_ids[:n_req], mtp_input_ids=full.mtp_input_ids[:n],
+                req_num_drafts=full.req_num_drafts[:n_req])
         return self._live_layouts[n_req]
 
     def forward(self, layout: StepLayout, inbound: torch.Tensor | None) -> Forward:

@@ -22,14 +22,13 @@ embedded never differ.
 """
 from __future__ import annotations
 
-import dataclasses
 import gc
 import logging
 
 import torch
 
 from pipespec.config import EngineConfig
-from pipespec.layout import StepLayout, carry_in
+from pipespec.layout import Carry, StepLayout
 from pipespec.model.attention import CacheShape, ForwardContext, allocate_caches, cache_bytes_per_block
 from pipespec.model.linear_state import LinearFlags, LinearMeta, allocate_states, state_bytes
 from pipespec.model.placement import resolve_device, resolve_dtype
@@ -75,10 +74,10 @@ class Stage:
         self.num_blocks = 0
         self.graphs: GraphsByK | None = None
         self.trace = DraftTrace() if config.parallel.check_collectives else None
-        # async scheduling: each row's first sampled token of the last sampling step, on the device
-        self.carry_tokens = None
+        # async scheduling: what each row of the last sampling step leaves for the next, on the device
+        self.carry = None
         if config.overlaps_steps(self.device.type):
-            self.carry_tokens = torch.zeros(config.scheduler.max_num_seqs, dtype=torch.int64, device=self.device)
+            self.carry = Carry.zeros(config.scheduler.max_num_seqs, self.num_spec_tokens, self.device)
         self._sampled_step = -1
 
     @property
@@ -157,7 +156,7 @@ class Stage:
                                                    pad_block=num_blocks, max_blocks_per_seq=max_blocks,
                                                    linear_states=self.linear_states,
                                                    pad_slot=self._state_slots() - 1, mixed_k=self._adaptive,
-                                                   carry_tokens=self.carry_tokens)
+                                                   carry=self.carry)
                                      for k in ks})
             self.graphs.capture()
         off = tensors_off_device(self, self.device)
@@ -190,9 +189,9 @@ class Stage:
         data [B, result_width(K)]; both on the stage's device (the runtime moves a result to the host).
         """
         layout = StepLayout.from_plan(plan, plan.num_spec_tokens)
-        if layout.carried is not None and (self.carry_tokens is None or self._sampled_step != plan.step_id - 1):
+        if layout.carried is not None and (self.carry is None or self._sampled_step != plan.step_id - 1):
             raise RuntimeError(f"step {plan.step_id} carries tokens of step {plan.step_id - 1}, which this stage "
-                               + ("does not keep (async scheduling is off)" if self.carry_tokens is None
+                               + ("does not keep (async scheduling is off)" if self.carry is None
                                   else f"did not sample (its last sampling step was {self._sampled_step})"))
         if self.trace is not None:
             self.trace.record(plan.step_id, layout, embeds=self.is_first, verifies=self.is_last)
@@ -219,10 +218,8 @@ class Stage:
 
     def _forward(self, host_layout: StepLayout, inbound: torch.Tensor | None) -> Forward:
         layout = host_layout.to(self.device)
-        if layout.carried is not None:     # (on the CPU `to` keeps the plan's tensors: not in place)
-            input_ids = layout.input_ids.clone()
-            carry_in(input_ids, layout.query_start_loc, layout.carried, self.carry_tokens)
-            layout = dataclasses.replace(layout, input_ids=input_ids)
+        if layout.carried is not None:
+            layout = layout.carried_in(self.carry, self.block_size)
         attn = self.backend.prepare(layout.query_start_loc, layout.seq_lens, layout.positions,
                                     layout.block_tables, self.block_size, max_query_len=layout.max_query_len)
         ctx = ForwardContext(layout.positions, layout.slot_mapping, self.backend, attn, self.kv_caches)
@@ -262,8 +259,8 @@ class Stage:
         self._bounded_wait(f"step {plan.step_id}")      # before the result's copy to the host, a sync without a bound
         data = StepResult.from_verification(plan.step_id, plan.num_reqs, k, layout.sample_rows, tokens,
                                             num_sampled, drafts).data
-        if self.carry_tokens is not None:
-            self.carry_tokens[:plan.num_reqs].copy_(data[:, 0])
+        if self.carry is not None:
+            self.carry.keep(data, k, layout.req_num_drafts)
             self._sampled_step = plan.step_id
         return data
 

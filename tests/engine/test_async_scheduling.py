@@ -94,9 +94,27 @@ def test_adaptive_k_overlaps_its_k0_steps_and_stays_lossless(llm):
         assert_engine_clean(spec_llm)
 
 
-@pytest.mark.parametrize("extra, match", [(dict(pipeline_parallel_size=2), "one stage"),
-                                          (dict(speculative_config={"method": "mtp", "num_speculative_tokens": 2}),
-                                           "adaptive")])
-def test_async_scheduling_where_it_does_not_apply_is_refused_by_name(extra, match):
-    with pytest.raises(ValueError, match=match):
-        LLM(model=None, **dict(DEFAULT_LLM_KWARGS, async_scheduling=True, **extra))
+@pytest.mark.parametrize("k", [1, 3])
+def test_fixed_k_speculation_continues_verify_steps_and_stays_lossless(llm, k):
+    """Steps that verify drafts are continued too: the next line takes the token, the drafts and the
+    shift from the result on the device. Greedy output equals plain decoding, seeded sampling the
+    synchronous speculative engine's."""
+    spec = {"method": "mtp", "num_speculative_tokens": k}
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    seeded = [SamplingParams(temperature=0.8, top_p=0.9, seed=11 + i, max_tokens=17, ignore_eos=True)
+              for i in range(len(PROMPTS))]
+    want = texts(llm.generate(PROMPTS, greedy, use_tqdm=False))
+    with LLM(model=None, **dict(DEFAULT_LLM_KWARGS, speculative_config=spec)) as sync_llm:
+        want_seeded = texts(sync_llm.generate(PROMPTS, seeded, use_tqdm=False))
+    with LLM(model=None, **dict(DEFAULT_LLM_KWARGS, async_scheduling=True, speculative_config=spec)) as spec_llm:
+        assert spec_llm.engine.executor.overlaps
+        assert texts(spec_llm.generate(PROMPTS, greedy, use_tqdm=False)) == want
+        assert texts(spec_llm.generate(PROMPTS, seeded, use_tqdm=False)) == want_seeded
+        stats = spec_llm.engine.stats()
+        assert stats["num_carried_rows"] > 0 and stats["spec_decode"]["num_accepted_tokens"] > 0, stats
+        assert_engine_clean(spec_llm)
+
+
+def test_async_scheduling_with_a_pipeline_is_refused_by_name():
+    with pytest.raises(ValueError, match="one stage"):
+        LLM(model=None, **dict(DEFAULT_LLM_KWARGS, async_scheduling=True, pipeline_parallel_size=2))

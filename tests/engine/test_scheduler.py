@@ -7,6 +7,7 @@ import torch
 from pipespec.config import SchedulerConfig
 from pipespec.engine.request import RequestStatus
 from pipespec.engine.scheduler import Scheduler
+from pipespec.plan import StepResult
 from pipespec.sampling import SamplingParams
 from tests.helpers import make_request
 
@@ -286,7 +287,8 @@ def test_default_chunk_limit_is_a_quarter_of_the_budget():
 
 def test_a_line_short_of_drafts_is_padded_to_the_steps_k_within_the_budget():
     """After a K = 0 step a request holds no drafts: at K = 2 its line is padded with two dummy draft
-    rows (real drafts 0), so the step keeps a graph's shape; the budget caps the padding."""
+    rows (real drafts 0), so the step keeps a graph's shape; the budget caps the padding. Only steps
+    that verify K real drafts at an unchanged K are steady (adaptive K's costs)."""
     for budget, padded in ((32, True), (4, False)):
         ks = iter([0, 2])
         cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=4, long_prefill_token_threshold=0)
@@ -301,9 +303,29 @@ def test_a_line_short_of_drafts_is_padded_to_the_steps_k_within_the_budget():
         step = sched.schedule()
         assert step.plan.num_spec_tokens == 2 and step.num_drafts == [0, 0]
         if padded:
-            assert step.draft_rows == [2, 2] and step.steady
+            # a transition: the same shape as a steady K = 2 step, but not K = 2's cost
+            assert step.draft_rows == [2, 2] and not step.steady
             assert step.plan.num_drafts.tolist() == [2, 2] and step.plan.real_drafts.tolist() == [0, 0]
             assert step.plan.positions.tolist() == [2, 3, 4, 2, 3, 4]
             assert all(len(r.block_ids) * BS >= 5 for r in (a, b))
+            # its result brings two drafts each: the next K = 2 step verifies them, the one K costs
+            sched.complete(step, StepResult.from_verification(
+                step.plan.step_id, 2, 2, torch.tensor([0, 1]), torch.tensor([[5, -1, -1], [6, -1, -1]]),
+                torch.tensor([1, 1]), torch.tensor([[7, 8], [7, 8]])))
+            for r, t in ((a, 5), (b, 6)):
+                r.token_ids.append(t)
+                r.draft_ids = [7, 8]
+            ks = iter([2, 0, 0])
+            step = sched.schedule()
+            assert step.num_drafts == [2, 2] and step.steady
+            # back to K = 0: the first step after drafts is a transition, the next one steady
+            for steady in (False, True):
+                sched.complete(step, StepResult.from_verification(
+                    step.plan.step_id, 2, step.plan.num_spec_tokens, torch.tensor([0, 1]),
+                    torch.tensor([[1] + [-1] * step.plan.num_spec_tokens] * 2), torch.tensor([1, 1])))
+                for r in (a, b):
+                    r.token_ids.append(1)
+                step = sched.schedule()
+                assert step.plan.num_spec_tokens == 0 and step.steady is steady
         else:                     # 2 rows of budget left after the two real rows: one line padded
             assert step.draft_rows == [2, 0] and not step.steady

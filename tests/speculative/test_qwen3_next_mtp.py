@@ -105,6 +105,20 @@ def test_adaptive_k_keeps_linear_states_right_across_k_changes(pp, checkpoints, 
     assert 0.02 < stats["draft_acceptance_rate"] < 0.98
 
 
+@pytest.mark.parametrize("kind,spec", [(kind, _spec(2)) for kind in ht.KINDS] + [
+    ("qwen3_next", {"method": "mtp", "num_speculative_tokens": 3, "adaptive": True, "k_sequence": [3, 3, 0, 1, 0, 2, 2]})])
+def test_async_scheduling_commits_the_carried_candidate_state(kind, spec, checkpoints, prompts, references):
+    """Steps continued before the verify step ahead returns: the device fills in the drafts, moves
+    the line on by the drafts accepted and commits that step's candidate linear-attention state (its
+    accepted count, which the host does not know yet). Greedy output stays that of plain decoding."""
+    with LLM(model=checkpoints[kind, 0.2], async_scheduling=True, speculative_config=spec, **KWARGS) as llm:
+        got = _generate(llm, prompts)
+        stats = llm.stats()
+        assert_engine_clean(llm)
+    assert got == references[kind]
+    assert stats["num_carried_rows"] > 0 and 0.02 < stats["spec_decode"]["draft_acceptance_rate"] < 0.98
+
+
 def test_seeded_sampling_with_mtp_is_the_same_at_every_pipeline_size(checkpoints, prompts):
     params = [SamplingParams(temperature=0.8, top_k=20, seed=100 + i, max_tokens=MAX_TOKENS, ignore_eos=True)
               for i in range(len(prompts))]

@@ -91,3 +91,18 @@ def test_miswired_mtp_layer_drafts_badly(folders, prompts, reference):
     got, stats = _run(folders[key], "lora_yarn", prompts, 1, 2)
     assert got == reference[key]
     assert stats["draft_acceptance_rate"] < 0.2, stats
+
+
+@pytest.mark.parametrize("shape", ["lora_yarn", "glm", "v32"])
+def test_async_scheduling_continues_verify_steps_losslessly(shape, folders, prompts, reference):
+    """Steps planned before the verify step ahead returns, their lines moved on by the drafts it
+    accepts on the device: the latent cache, GLM's GQA cache and V3.2's indexer keys land where they
+    belong (greedy output is plain decoding's)."""
+    key = (shape, "embedding")
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    with LLM(model=folders[key], async_scheduling=True, speculative_config=spec, **KWARGS) as llm:
+        got = _generate(llm, prompts)
+        stats = llm.stats()
+        assert_engine_clean(llm)
+    assert got == reference[key]
+    assert stats["num_carried_rows"] > 0 and stats["spec_decode"]["num_accepted_tokens"] > 0, stats
