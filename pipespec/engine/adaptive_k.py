@@ -11,10 +11,11 @@ seconds. Both are measured here:
 `best_k` then takes the k with the most expected tokens per second. Every k of a bucket is measured
 before its figures are trusted: the first bucket met at once, the others once they have lasted
 SWEEP_AFTER steps (until then, e.g. while the last requests of a batch finish one by one, a bucket
-borrows the figures of the nearest measured one). A small fraction of steps (~3%) tries a neighbour
-of the best k, so the figures around the choice stay current (if acceptance or costs drift, the
-choice walks there) while exploring costs little. A chosen exploration k is held for a few steps, so that some of them are
-steady (the first one after a change verifies the old k's drafts).
+borrows the figures of the nearest measured one). A small fraction of steps (~3%) tries another k,
+the one measured longest ago, so every k's figures stay current (if acceptance or costs drift, the
+choice follows; a figure taken while the engine warmed up does not stand for good) while exploring
+costs little. A chosen exploration k is held for a few steps, so that some of them are steady (the
+first one after a change is a transition).
 
 The cost of a step is the time between its result and the previous one: the driver's work and the
 device's, overlapped or not (with PP the pipeline's throughput; async scheduling overlaps K = 0
@@ -30,7 +31,7 @@ from typing import Sequence
 MIN_SAMPLES = 3          # steady-step costs of a (bucket, k) before best_k trusts it
 SWEEP_AFTER = 16         # steps at a batch size before all its k are measured (before: a neighbour's)
 COST_WINDOW = 8          # the last steady-step costs of a (bucket, k) whose median is its cost
-EXPLORE = 0.03           # fraction of steps that try a neighbour of the best k
+EXPLORE = 0.03           # fraction of steps that try another k than the best
 ACCEPT_DECAY = 0.995     # per observation: acceptance follows the last few hundred drafts
 ACCEPT_PRIOR = (0.5, 2.0)   # (rate, weight in observations) before anything is measured
 
@@ -66,6 +67,7 @@ class AdaptiveK:
         self._accepted = [0.0] * max_k            # ... and accepted
         self._costs: dict[int, list[deque]] = {}     # bucket -> per k, the last steady-step seconds
         self._visits: dict[int, int] = {}            # bucket -> steps chosen for it
+        self._measured_at: dict[int, list[int]] = {}  # bucket -> per k, the choice count at its last cost
         self._rng = random.Random(seed)
         self._held, self._hold_left = 0, 0
         self.k_steps = [0] * (max_k + 1)          # how often each k was chosen (stats, /metrics)
@@ -84,7 +86,9 @@ class AdaptiveK:
 
     def record_step(self, num_reqs: int, k: int, seconds: float) -> None:
         """A steady decode step of num_reqs requests with k drafts each took `seconds`."""
-        self._window(bucket(num_reqs))[k].append(seconds)
+        b = bucket(num_reqs)
+        self._window(b)[k].append(seconds)
+        self._measured_at.setdefault(b, [-1] * (self.max_k + 1))[k] = sum(self.k_steps)
 
     def _window(self, b: int) -> list[deque]:
         return self._costs.setdefault(b, [deque(maxlen=COST_WINDOW) for _ in range(self.max_k + 1)])
@@ -115,8 +119,8 @@ class AdaptiveK:
             costs = self.costs(near)       # a batch size met in passing borrows its neighbour's figures
         best = best_k(self.acceptance(), costs)
         if self._rng.random() < EXPLORE / self.hold:     # each exploration holds its k `hold` steps
-            # a neighbour: costs and acceptance change smoothly with k, and a far k costs more to try
-            return self._hold_k(self._rng.choice([k for k in (best - 1, best + 1) if 0 <= k <= self.max_k]))
+            at = self._measured_at.get(b, [-1] * (self.max_k + 1))
+            return self._hold_k(min((k for k in range(self.max_k + 1) if k != best), key=lambda k: at[k]))
         return best
 
     def _nearest_measured(self, b: int) -> int | None:

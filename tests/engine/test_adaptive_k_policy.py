@@ -61,7 +61,12 @@ def test_policy_measures_then_settles_on_the_best_k(accept, cost, want):
     policy = AdaptiveK(max_k=3)
     chosen = _simulate(policy, accept, cost, 400)
     late = chosen[200:]
-    assert late.count(want) / len(late) > 0.85, (want, policy.as_dict())
+    speed = [expected_tokens([accept] * 3, k) / cost(k) for k in range(4)]
+    assert max(speed) == speed[want]
+    # what counts is the speed reached; where another k is within 3% (the last case) either will do
+    assert sum(speed[k] for k in late) / len(late) > 0.97 * speed[want], (want, policy.as_dict())
+    if sorted(speed)[-2] < 0.97 * speed[want]:
+        assert late.count(want) / len(late) > 0.85, (want, policy.as_dict())
     assert all(policy.k_steps[k] > 0 for k in range(4))       # every k was measured first
     assert sum(policy.k_steps) == 400
 
@@ -71,6 +76,24 @@ def test_policy_follows_a_change_of_acceptance():
     _simulate(policy, 0.95, lambda k: 1 + 0.2 * k, 300)
     late = _simulate(policy, 0.02, lambda k: 1 + 0.2 * k, 600, seed=2)[300:]
     assert late.count(0) / len(late) > 0.85
+
+
+def test_a_k_measured_slow_while_warming_up_is_measured_again():
+    """K = 0's first figures (the sweep, while the engine warmed up) are 5x its true cost, so K = 2
+    wins at first (speeds 1.0 / 0.89 / 0.93 for K = 0 / 1 / 2 once K = 0 is measured right). Exploring
+    the k measured longest ago, not only the best's neighbour (K = 1), measures K = 0 again and the
+    choice follows."""
+    calls = {0: 0}
+
+    def cost(k):
+        if k == 0:
+            calls[0] += 1
+            return 5.0 if calls[0] <= 3 else 1.0
+        return (1.75, 2.0)[k - 1]
+
+    chosen = _simulate(AdaptiveK(max_k=2), 0.55, cost, 3000)
+    assert chosen[20:60].count(2) > 30                 # misled first
+    assert chosen[-500:].count(0) / 500 > 0.85
 
 
 def test_a_step_slowed_by_other_work_does_not_mark_its_k_as_costly():
