@@ -94,15 +94,16 @@ class StepLayout:
                 moved[name] = value.to(device, non_blocking=True)
         return StepLayout(**moved)
 
-    def carried_in(self, carry: "Carry", block_size: int) -> "StepLayout":
-        """This device layout with `carry_in` applied to copies of its tensors (on the CPU `to` keeps
-        the plan's own), and the verifier's draft ids read back from the rows it filled."""
+    def carried_in(self, carry: "Carry", block_size: int, fill=None) -> "StepLayout":
+        """This device layout with `carry_in` (or `fill`, the same in one kernel) applied to copies of
+        its tensors (on the CPU `to` keeps the plan's own), and the verifier's draft ids read back
+        from the rows it filled."""
         names = ("input_ids", "positions", "slot_mapping", "seq_lens", "mtp_input_ids", "state_commit")
         out = dataclasses.replace(self, **{n: getattr(self, n).clone() for n in names if getattr(self, n) is not None})
         lens = self.query_start_loc[1:] - self.query_start_loc[:-1]
         line = torch.repeat_interleave(torch.arange(self.num_reqs, device=lens.device), lens,
                                        output_size=self.input_ids.shape[0])
-        carry_in(out, carry, line, block_size)
+        (fill or carry_in)(out, carry, line, block_size)
         return dataclasses.replace(out, draft_ids=out.input_ids[self.verify_rows[:, 1:]])
 
     def draft_rows_of_input(self) -> torch.Tensor:

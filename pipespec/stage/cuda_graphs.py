@@ -110,12 +110,12 @@ class CudaGraphs:
     def __init__(self, model, drafter, backend: AttentionBackend, kv_caches: list[KVCache], block_size: int,
                  num_spec_tokens: int, max_batch: int, pad_block: int, max_blocks_per_seq: int,
                  linear_states: list | None = None, pad_slot: int = 0, mixed_k: bool = False,
-                 carry: Carry | None = None):
+                 carry: Carry | None = None, fill=carry_in):
         """`mixed_k`: steps of other K run between this set's (adaptive K), so a K = 0 step may follow
         a verify step and must adopt its candidate linear-attention state (a masked commit).
         `carry`: async scheduling's buffers of the previous step's result, which the forward graph
-        reads where a request's line is carried (`carry_in`)."""
-        self.carry = carry
+        reads where a request's line is carried (`carry_in`, or `fill`: the same in one kernel)."""
+        self.carry, self.fill = carry, fill
         self.model, self.drafter, self.backend, self.kv_caches = model, drafter, backend, kv_caches
         self.mixed_k = mixed_k
         self.linear_states = linear_states
@@ -174,7 +174,7 @@ class CudaGraphs:
         n = layout.input_ids.shape[0]
         if self.carry is not None and self.is_first:
             # before anything reads the rows: the carried lines' ids, positions, slots, lengths, commits
-            carry_in(layout, self.carry, self.line_of_row[:n], self.block_size)
+            self.fill(layout, self.carry, self.line_of_row[:n], self.block_size)
         if self.linear_states is not None:
             # built inside the capture: its tensors (which requests start fresh, ...) live in the
             # graph's pool and are recomputed from the static inputs at every replay

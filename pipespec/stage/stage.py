@@ -28,7 +28,7 @@ import logging
 import torch
 
 from pipespec.config import EngineConfig
-from pipespec.layout import Carry, StepLayout
+from pipespec.layout import Carry, StepLayout, carry_in
 from pipespec.model.attention import CacheShape, ForwardContext, allocate_caches, cache_bytes_per_block
 from pipespec.model.linear_state import LinearFlags, LinearMeta, allocate_states, state_bytes
 from pipespec.model.placement import resolve_device, resolve_dtype
@@ -75,9 +75,12 @@ class Stage:
         self.graphs: GraphsByK | None = None
         self.trace = DraftTrace() if config.parallel.check_collectives else None
         # async scheduling: what each row of the last sampling step leaves for the next, on the device
-        self.carry = None
+        self.carry, self._fill = None, carry_in
         if config.overlaps_steps(self.device.type):
             self.carry = Carry.zeros(config.scheduler.max_num_seqs, self.num_spec_tokens, self.device)
+            if self.device.type == "cuda":       # one kernel instead of ~30 small ops, in every graph
+                from pipespec.kernels.carry_in import carry_in as fill
+                self._fill = fill
         self._sampled_step = -1
 
     @property
@@ -156,7 +159,7 @@ class Stage:
                                                    pad_block=num_blocks, max_blocks_per_seq=max_blocks,
                                                    linear_states=self.linear_states,
                                                    pad_slot=self._state_slots() - 1, mixed_k=self._adaptive,
-                                                   carry=self.carry)
+                                                   carry=self.carry, fill=self._fill)
                                      for k in ks})
             self.graphs.capture()
         off = tensors_off_device(self, self.device)
@@ -219,7 +222,7 @@ class Stage:
     def _forward(self, host_layout: StepLayout, inbound: torch.Tensor | None) -> Forward:
         layout = host_layout.to(self.device)
         if layout.carried is not None:
-            layout = layout.carried_in(self.carry, self.block_size)
+            layout = layout.carried_in(self.carry, self.block_size, self._fill)
         attn = self.backend.prepare(layout.query_start_loc, layout.seq_lens, layout.positions,
                                     layout.block_tables, self.block_size, max_query_len=layout.max_query_len)
         ctx = ForwardContext(layout.positions, layout.slot_mapping, self.backend, attn, self.kv_caches)
