@@ -158,7 +158,7 @@ def smollm2(args, table):
     share = dict(gpu_memory_utilization=0.12, max_num_seqs=64)
     engines = {k: PipespecRunner(f"pipespec K={k}" if k else "pipespec", k, **share) for k in (0, 1, 2, 3)}
     eager = PipespecRunner("pipespec eager", 0, enforce_eager=True, **share)
-    # the same engine scheduling synchronously: async scheduling's peer (K > 0 runs synchronously)
+    # the same engine scheduling synchronously: async scheduling's peer (the K > 0 engines overlap too)
     sync = PipespecRunner("pipespec sync", 0, async_scheduling=False, **share)
     tok = engines[0].llm.get_tokenizer()
     chats = chat_ids(tok)
