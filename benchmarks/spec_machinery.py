@@ -74,6 +74,8 @@ def main():
     ap.add_argument("--k", type=int, nargs="+", default=[1, 2, 3])
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--profile", action="store_true",
+                    help="then profile a generate of K = 0 and the largest K at the first batch size")
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                     help="as the engine's flag (default: on on a GPU)")
     args = ap.parse_args()
@@ -111,8 +113,23 @@ def main():
     for r in rows:
         print(f"| {r['batch']} | {r['K']} | {r['tokens_per_s']} | {r['vs_k0']}x | {r['acceptance_length']} | "
               f"{r['speedup_per_acceptance_length']} |")
+    if args.profile:
+        prompts = [{"prompt_token_ids": torch.randint(3, VOCAB, (24,), generator=g).tolist()} for _ in range(args.batch[0])]
+        for k in (0, max(args.k)):
+            profile(engines[k], prompts, params, f"K={k}, batch {args.batch[0]}")
     for llm in engines.values():
         llm.shutdown()
+
+
+def profile(llm: LLM, prompts, params: SamplingParams, title: str) -> None:
+    """Where a run's time goes, on the device and on the host (kernels and launches by total time)."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts, params, use_tqdm=False)
+    events = prof.key_averages()
+    print(f"--- {title}: {params.max_tokens} tokens")
+    print(events.table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=70))
+    print(events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70))
 
 
 if __name__ == "__main__":
