@@ -35,7 +35,7 @@ def rejection_sample(target_logits: torch.Tensor, draft_ids: torch.Tensor, num_d
     k = rows - 1
     device = target_logits.device
     if st.all_greedy and draft_probs is None:
-        return _greedy(target_logits, draft_ids, num_drafts)
+        return verify_greedy(target_logits, draft_ids, num_drafts)
     pos = first_position[:, None] + torch.arange(rows, device=device)[None, :]          # [B, K+1]
     flat = _repeat_rows(st, rows)
     p = processed_probs(target_logits.reshape(b * rows, vocab), flat).reshape(b, rows, vocab)
@@ -66,9 +66,10 @@ def rejection_sample(target_logits: torch.Tensor, draft_ids: torch.Tensor, num_d
     return tokens, n_acc.long() + 1
 
 
-def _greedy(target_logits, draft_ids, num_drafts):
+def verify_greedy(target_logits, draft_ids, num_drafts):
     """Greedy rows with deterministic drafts: accept while the draft is the argmax (the general path
-    computes the same thing with one-hot distributions; this one skips the softmax)."""
+    computes the same thing with one-hot distributions; this one skips the softmax). No host read:
+    a CUDA graph's forward runs it for every step (`stage/cuda_graphs.py`)."""
     best = target_logits.argmax(dim=-1)                                                     # [B, K+1]
     k = best.shape[1] - 1
     col = torch.arange(k, device=best.device)[None, :]

@@ -1,13 +1,14 @@
-"""CUDA graphs of a stage's steady steps: the step's forward and its draft pass, replayed from static
-buffers, one pair per padded batch size and per K a step may use (`GraphsByK`).
+"""CUDA graphs of a stage's steady steps: the step's forward and, on the last stage, its finish
+(drafting, the result, the carry: `stage/result.py`), replayed from static buffers, one pair per
+padded batch size and per K a step may use (`GraphsByK`).
 
 A steady step is one where every request runs exactly 1 + K query rows and, on the last stage, every
 request samples with K draft rows (its real drafts, then dummy rows the scheduler pads a short line
 with, which verification masks by the uploaded count). Its shapes then depend on the batch size
 alone, so the stage's whole forward (on the last stage with the LM head over every row, all of them
-verify rows) is captured once per bucket of batch sizes, and the MTP draft steps are a second graph.
-Between the two replays the verifier runs eagerly, with no host sync. Any other step runs eagerly
-(`Stage._forward`).
+verify rows, and greedy verification) is captured once per bucket of batch sizes, and the finish is
+a second graph. A greedy step is then two replays and an upload; a step that samples verifies
+eagerly between them, with no host sync. Any other step runs eagerly (`Stage._forward`).
 
 The graphs read a typed static buffer (`StepInts`, views of one flat int64 tensor uploaded in one
 copy from a pinned mirror) and the attention metadata the backend built over it at capture
@@ -29,6 +30,8 @@ import torch
 from pipespec.layout import Carry, StepLayout, carry_in
 from pipespec.model.attention import AttentionBackend, ForwardContext, KVCache
 from pipespec.model.linear_state import LinearFlags, LinearMeta
+from pipespec.speculative.rejection import verify_greedy
+from pipespec.stage.result import finish_step
 from pipespec.stage.target import run_target
 
 logger = logging.getLogger(__name__)
@@ -100,8 +103,8 @@ class _Bucket:
     forward: torch.cuda.CUDAGraph
     out: Forward
     attn: object                       # the backend's metadata over the static buffers
-    draft: torch.cuda.CUDAGraph | None = None
-    drafts: torch.Tensor | None = None
+    finish: torch.cuda.CUDAGraph | None = None     # last stage: drafting, the result, the carry
+    data: torch.Tensor | None = None
 
 
 class CudaGraphs:
@@ -143,10 +146,9 @@ class CudaGraphs:
             h = model.arch.hidden_size
             self.inbound = torch.zeros(2, nb * q, h, dtype=next(model.parameters()).dtype, device=device)
         self.drafting = drafter is not None and self.is_last
-        if self.drafting:
-            self.pad_last_rows = torch.arange(nb, **i64) * q
-            self.last_rows = self.pad_last_rows.clone()
-            self.last_tokens = torch.zeros(nb, **i64)
+        if self.is_last:        # verification's output, which the finish graph reads
+            self.tokens = torch.zeros(nb, q, **i64)
+            self.num_sampled = torch.ones(nb, **i64)
         self._buckets: dict[int, _Bucket] = {}
         self._live_layouts: dict[int, StepLayout] = {}
         self._live = 0
@@ -183,7 +185,14 @@ class CudaGraphs:
                                           LinearFlags.steady(self.num_spec_tokens, self.mixed_k))
         inbound = None if self.is_first else self.inbound[:, :n]
         hidden, residual = run_target(self.model, ctx, layout.input_ids, inbound)
-        logits = self.model.compute_logits(hidden) if self.is_last else None   # all rows verify
+        logits = None
+        if self.is_last:      # all rows verify; greedily here (a step that samples redoes it eagerly)
+            logits = self.model.compute_logits(hidden)
+            b = layout.num_reqs
+            tokens, num_sampled = verify_greedy(logits.view(b, self.rows_per_req, -1), layout.draft_ids,
+                                                layout.num_drafts)
+            self.tokens[:b].copy_(tokens)
+            self.num_sampled[:b].copy_(num_sampled)
         return Forward(layout, None, hidden, residual, logits)
 
     @staticmethod
@@ -208,9 +217,10 @@ class CudaGraphs:
             ctx = ForwardContext(layout.positions, layout.slot_mapping, self.backend, attn, self.kv_caches)
             graph, out = self._capture(pool, lambda: self._forward(layout, ctx))
             bucket = _Bucket(layout, graph, out, attn)
-            if self.drafting:
-                bucket.draft, bucket.drafts = self._capture(pool, lambda: self.drafter.propose(
-                    ctx, layout, out.hidden, self.last_rows[:b], self.last_tokens[:b], self.num_spec_tokens))
+            if self.is_last:
+                bucket.finish, bucket.data = self._capture(pool, lambda: finish_step(
+                    self.drafter if self.drafting else None, ctx, layout, out.hidden, self.tokens[:b],
+                    self.num_sampled[:b], self.num_spec_tokens, b, self.carry))
             self._buckets[b] = bucket
         torch.cuda.synchronize()
         logger.info("Captured CUDA graphs for %d batch sizes (up to %d, %d rows per request, K=%d) in %.1f s",
@@ -223,8 +233,8 @@ class CudaGraphs:
         torch.cuda.synchronize()
         for bucket in self._buckets.values():
             bucket.forward.reset()
-            if bucket.draft is not None:
-                bucket.draft.reset()
+            if bucket.finish is not None:
+                bucket.finish.reset()
         self._buckets.clear()
 
     # -- replay ---------------------------------------------------------------------------------
@@ -295,28 +305,27 @@ class CudaGraphs:
                        None if out.residual is None else out.residual[:n],
                        None if out.logits is None else out.logits[:n])
 
-    def propose(self, last_rows: torch.Tensor, last_tokens: torch.Tensor) -> torch.Tensor:
-        """Replay the draft graph of the step just replayed; drafts [B, K]."""
+    def finish(self, tokens: torch.Tensor | None = None, num_sampled: torch.Tensor | None = None) -> torch.Tensor:
+        """Replay the finish graph of the step just replayed (drafting, the result, the carry), from
+        the forward graph's greedy verification or from `tokens` / `num_sampled` verified eagerly (a
+        step that samples); the result data of its live requests (a view the next replay rewrites:
+        the runtime copies it to the host first, in stream order)."""
         n_req = self._live
-        b = self._bucket(n_req)
-        self.last_rows[:n_req].copy_(last_rows)
-        self.last_tokens[:n_req].copy_(last_tokens)
-        if b > n_req:
-            self.last_rows[n_req:b].copy_(self.pad_last_rows[n_req:b])
-        bucket = self._buckets[b]
-        bucket.draft.replay()
-        return bucket.drafts[:n_req]
+        if tokens is not None:
+            self.tokens[:n_req].copy_(tokens)
+            self.num_sampled[:n_req].copy_(num_sampled)
+        bucket = self._buckets[self._bucket(n_req)]
+        bucket.finish.replay()
+        return bucket.data[:n_req]
 
     @torch.inference_mode()
     def time_replay(self, batch: int, iters: int = 50) -> dict[str, float]:
         """Median GPU milliseconds of one replay of each graph of `batch`'s bucket, on padding inputs
         (for benchmarks: the device's share of a step, without the host's)."""
         self._flat.copy_(self._pad_flat)
-        if self.drafting:
-            self.last_rows.copy_(self.pad_last_rows)
         bucket = self._buckets[self._bucket(batch)]
         out = {}
-        for name, graph in (("forward", bucket.forward), ("draft", bucket.draft)):
+        for name, graph in (("forward", bucket.forward), ("finish", bucket.finish)):
             if graph is not None:
                 out[f"{name}_gpu_ms"] = round(gpu_ms(graph.replay, iters), 3)
         return out
@@ -379,9 +388,9 @@ class GraphsByK:
         self._replayed = self.by_k[layout.num_spec_tokens]
         return self._replayed.forward(layout, inbound)
 
-    def propose(self, last_rows: torch.Tensor, last_tokens: torch.Tensor) -> torch.Tensor:
-        """The draft graph of the set whose forward was just replayed."""
-        return self._replayed.propose(last_rows, last_tokens)
+    def finish(self, tokens: torch.Tensor | None = None, num_sampled: torch.Tensor | None = None) -> torch.Tensor:
+        """The finish graph of the set whose forward was just replayed."""
+        return self._replayed.finish(tokens, num_sampled)
 
     @property
     def replays(self) -> int:

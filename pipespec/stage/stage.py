@@ -42,6 +42,7 @@ from pipespec.stage.cuda_graphs import CudaGraphs, Forward, GraphsByK
 from pipespec.stage.target import load_target, run_target
 from pipespec.stage.device import (choose_backend, finish_within, prefer_column_major, tensors_off_device,
                                    use_device)
+from pipespec.stage.result import finish_step
 from pipespec.stage.trace import DraftTrace
 
 logger = logging.getLogger(__name__)
@@ -243,27 +244,24 @@ class Stage:
             if self.drafter is not None:      # keep the MTP KV written where later steps attend
                 self.drafter.write_kv(fwd.ctx, layout, fwd.hidden)
             return StepResult.empty(plan.step_id, plan.num_reqs, k).data
-        logits = fwd.logits
-        if logits is None:
-            logits = self.model.compute_logits(fwd.hidden[layout.verify_rows.reshape(-1)])
-        logits = logits.view(s, k + 1, -1)
-        # greedy verification reads no sampling tensor: spare their upload
-        sampling = plan.sampling if plan.sampling.all_greedy else plan.sampling.to(self.device)
-        tokens, num_sampled = verify(logits, layout, sampling)
-        drafts = None
-        if self.drafter is not None:
-            last = num_sampled - 1
-            last_rows = layout.verify_rows[:, 0] + last
-            last_tokens = tokens.gather(1, last[:, None]).squeeze(1)
-            if fwd.ctx is None:               # replayed: the draft graph of the same bucket
-                drafts = self.graphs.propose(last_rows, last_tokens)
+        replayed = fwd.ctx is None
+        if replayed and plan.sampling.all_greedy:
+            data = self.graphs.finish()       # the forward graph verified greedily
+        else:
+            logits = fwd.logits
+            if logits is None:
+                logits = self.model.compute_logits(fwd.hidden[layout.verify_rows.reshape(-1)])
+            logits = logits.view(s, k + 1, -1)
+            # greedy verification reads no sampling tensor: spare their upload
+            sampling = plan.sampling if plan.sampling.all_greedy else plan.sampling.to(self.device)
+            tokens, num_sampled = verify(logits, layout, sampling)
+            if replayed:
+                data = self.graphs.finish(tokens, num_sampled)
             else:
-                drafts = self.drafter.propose(fwd.ctx, layout, fwd.hidden, last_rows, last_tokens, k)
+                data = finish_step(self.drafter, fwd.ctx, layout, fwd.hidden, tokens, num_sampled, k,
+                                   plan.num_reqs, self.carry)
         self._bounded_wait(f"step {plan.step_id}")      # before the result's copy to the host, a sync without a bound
-        data = StepResult.from_verification(plan.step_id, plan.num_reqs, k, layout.sample_rows, tokens,
-                                            num_sampled, drafts).data
         if self.carry is not None:
-            self.carry.keep(data, k, layout.req_num_drafts)
             self._sampled_step = plan.step_id
         return data
 
