@@ -115,6 +115,45 @@ def test_fixed_k_speculation_continues_verify_steps_and_stays_lossless(llm, k):
         assert_engine_clean(spec_llm)
 
 
+def test_with_drafts_stops_and_aborts_end_where_the_sync_engine_ends(llm):
+    """K = 3 with steps continued before the verify step ahead returns: a stop token (at three places,
+    so a step may bring it among accepted drafts, with tokens after it) or a stop string ends the
+    request where plain decoding does (the continued step's rows are dropped); an abort while its
+    next step is out leaves the others untouched; nothing leaks."""
+    spec = {"method": "mtp", "num_speculative_tokens": 3}
+    ref = llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    stops = [SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[ref.token_ids[i]], ignore_eos=True)
+             for i in (5, 9, 14)]
+    stops.append(SamplingParams(temperature=0.0, max_tokens=24, stop=[ref.text[len(ref.text) // 2:][:3]],
+                                ignore_eos=True))
+    with LLM(model=None, **dict(DEFAULT_LLM_KWARGS, async_scheduling=True, speculative_config=spec)) as spec_llm:
+        for sp in stops:
+            want = llm.generate(PROMPTS[0], sp, use_tqdm=False)[0].outputs[0]
+            got = spec_llm.generate(PROMPTS[0], sp, use_tqdm=False)[0].outputs[0]
+            assert want.finish_reason == "stop" and len(want.token_ids) < 24
+            assert (got.token_ids, got.text, got.stop_reason) == (want.token_ids, want.text, want.stop_reason)
+        sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        want = texts(llm.generate(PROMPTS[:3], sp, use_tqdm=False))
+        eng = spec_llm.engine
+        for i, p in enumerate(PROMPTS[:3]):
+            eng.add_request(f"a{i}", p, sp)
+        done = {}
+        for step in range(200):
+            if step == 2:
+                assert len(eng._in_flight) == 1 and len(eng._in_flight[0].requests) == 3
+                eng.abort_request("a1")
+            for out in eng.step():
+                if out.finished:
+                    done[out.request_id] = out
+            if not eng.has_unfinished_requests():
+                break
+        assert sorted(done) == ["a0", "a2"]
+        assert [texts([done["a0"]])[0], texts([done["a2"]])[0]] == [want[0], want[2]]
+        assert spec_llm.engine.stats()["spec_decode"]["num_accepted_tokens"] > 0
+        assert_engine_clean(spec_llm)
+
+
 def test_async_scheduling_with_a_pipeline_is_refused_by_name():
     with pytest.raises(ValueError, match="one stage"):
         LLM(model=None, **dict(DEFAULT_LLM_KWARGS, async_scheduling=True, pipeline_parallel_size=2))
