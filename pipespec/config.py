@@ -86,8 +86,8 @@ class SchedulerConfig:
     # requests (vLLM's name); None: a quarter of the step budget, 0: no limit
     long_prefill_token_threshold: int | None = None
     # vLLM's name: schedule step n + 1 while the device runs step n (engine/llm_engine.py says how).
-    # None: on where it applies (one stage on a GPU, no speculation or adaptive K, whose K = 0 steps
-    # overlap); True elsewhere is an error
+    # None: on where it applies (one stage, on a GPU; speculative steps included); True with a
+    # pipeline is an error
     async_scheduling: bool | None = None
 
     def __post_init__(self):

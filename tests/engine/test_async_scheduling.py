@@ -57,15 +57,17 @@ def test_stops_end_where_the_sync_engine_ends(llm, async_llm):
     assert_engine_clean(async_llm)
 
 
-def test_an_abort_while_its_next_step_is_out_leaves_the_others_untouched(llm, async_llm):
+def abort_while_out(llm, engine_llm, at_step: int) -> None:
+    """Three requests; a1 aborted after `at_step` engine steps, while the step ahead holding it is
+    out: the other two end as in the synchronous engine `llm`."""
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     want = texts(llm.generate(PROMPTS[:3], sp, use_tqdm=False))
-    eng = async_llm.engine
+    eng = engine_llm.engine
     for i, p in enumerate(PROMPTS[:3]):
         eng.add_request(f"a{i}", p, sp)
     done = {}
     for step in range(200):
-        if step == 3:
+        if step == at_step:
             # between steps one is out: the step ahead, holding a1 already
             assert [r.request_id for r in eng._in_flight[0].requests] == ["a0", "a1", "a2"]
             eng.abort_request("a1")
@@ -76,6 +78,10 @@ def test_an_abort_while_its_next_step_is_out_leaves_the_others_untouched(llm, as
             break
     assert sorted(done) == ["a0", "a2"]
     assert [texts([done["a0"]])[0], texts([done["a2"]])[0]] == [want[0], want[2]]
+
+
+def test_an_abort_while_its_next_step_is_out_leaves_the_others_untouched(llm, async_llm):
+    abort_while_out(llm, async_llm, 3)
     assert_engine_clean(async_llm)
 
 
@@ -133,23 +139,7 @@ def test_with_drafts_stops_and_aborts_end_where_the_sync_engine_ends(llm):
             got = spec_llm.generate(PROMPTS[0], sp, use_tqdm=False)[0].outputs[0]
             assert want.finish_reason == "stop" and len(want.token_ids) < 24
             assert (got.token_ids, got.text, got.stop_reason) == (want.token_ids, want.text, want.stop_reason)
-        sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-        want = texts(llm.generate(PROMPTS[:3], sp, use_tqdm=False))
-        eng = spec_llm.engine
-        for i, p in enumerate(PROMPTS[:3]):
-            eng.add_request(f"a{i}", p, sp)
-        done = {}
-        for step in range(200):
-            if step == 2:
-                assert len(eng._in_flight) == 1 and len(eng._in_flight[0].requests) == 3
-                eng.abort_request("a1")
-            for out in eng.step():
-                if out.finished:
-                    done[out.request_id] = out
-            if not eng.has_unfinished_requests():
-                break
-        assert sorted(done) == ["a0", "a2"]
-        assert [texts([done["a0"]])[0], texts([done["a2"]])[0]] == [want[0], want[2]]
+        abort_while_out(llm, spec_llm, 2)
         assert spec_llm.engine.stats()["spec_decode"]["num_accepted_tokens"] > 0
         assert_engine_clean(spec_llm)
 
