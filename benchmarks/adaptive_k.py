@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from spec_decode import chat_ids  # noqa: E402  (the same held-out-style chat prompts)
+from spec_decode import chat_ids, print_table  # noqa: E402  (the same held-out-style chat prompts)
 
 from pipespec import LLM, SamplingParams  # noqa: E402
 
@@ -123,11 +123,10 @@ def main():
     out = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
            "model": "SmolLM2-135M-Instruct (bf16, bundled MTP head)", "new_tokens": args.new_tokens,
            "repeats": args.repeats, "rows": rows}
-    print("\n| batch | engine | tokens/s | vs K=0 | acceptance length | adaptive: share of steps per K |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['batch']} | {r['engine']} | {r['tokens_per_s']} | {r['vs_k0']}x | "
-              f"{r['acceptance_length'] or '-'} | {r.get('k_share', '-')} |")
+    print_table(rows, {"batch": lambda r: r["batch"], "engine": lambda r: r["engine"],
+                       "tokens/s": lambda r: r["tokens_per_s"], "vs K=0": lambda r: f"{r['vs_k0']}x",
+                       "acceptance length": lambda r: r["acceptance_length"] or "-",
+                       "adaptive: share of steps per K": lambda r: r.get("k_share", "-")})
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from spec_decode import chat_ids  # noqa: E402  (the same held-out-style chat prompts)
+from spec_decode import chat_ids, print_table  # noqa: E402  (the same held-out-style chat prompts)
 
 from pipespec import LLM, SamplingParams  # noqa: E402
 
@@ -255,12 +255,10 @@ def main():
     if not args.skip_8b:
         out["roofline"] = llama8b(args, table)
     out["rows"] = table
-    print("\n| model | batch | engine | K | tokens/s | acceptance length | vs peer |")
-    print("|---|---|---|---|---|---|---|")
-    for r in table:
-        peer = next((v for key, v in r.items() if key.startswith("vs_")), None)
-        print(f"| {r['model']} | {r['batch']} | {r['engine']} | {r['k']} | {r['tokens_per_s']} | "
-              f"{r['acceptance_length'] or '-'} | {peer} |")
+    print_table(table, {"model": lambda r: r["model"], "batch": lambda r: r["batch"], "engine": lambda r: r["engine"],
+                        "K": lambda r: r["k"], "tokens/s": lambda r: r["tokens_per_s"],
+                        "acceptance length": lambda r: r["acceptance_length"] or "-",
+                        "vs peer": lambda r: next((v for key, v in r.items() if key.startswith("vs_")), None)})
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
 

@@ -27,6 +27,14 @@ PROMPTS = ["Write a short poem about autumn leaves.", "Explain how a bicycle gea
            "List the planets of the solar system.", "How do I make a good cup of tea?"]
 
 
+def print_table(rows: list[dict], columns: dict) -> None:
+    """`rows` as a markdown table; `columns`: header -> the cell of a row (a function of it)."""
+    print("\n| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
+    for r in rows:
+        print("| " + " | ".join(str(cell(r)) for cell in columns.values()) + " |")
+
+
 def chat_ids(tok) -> list[list[int]]:
     """PROMPTS as user turns in the model's chat template, token ids (the template adds its own
     special tokens)."""

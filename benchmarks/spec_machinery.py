@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -26,6 +27,9 @@ import torch
 from safetensors.torch import save_file
 
 from pipespec import LLM, SamplingParams
+
+sys.path.insert(0, str(Path(__file__).parent))
+from spec_decode import print_table  # noqa: E402
 
 H, I, HEADS, KV_HEADS, VOCAB = 576, 1536, 9, 3, 49152
 
@@ -108,11 +112,9 @@ def main():
                          "acceptance_length": round(accept, 3),
                          "speedup_per_acceptance_length": round(tps / base / accept, 3)})
             print(json.dumps(rows[-1]), flush=True)
-    print("\n| batch | K | tokens/s | vs K=0 | acceptance length | speedup / acceptance length |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['batch']} | {r['K']} | {r['tokens_per_s']} | {r['vs_k0']}x | {r['acceptance_length']} | "
-              f"{r['speedup_per_acceptance_length']} |")
+    print_table(rows, {"batch": lambda r: r["batch"], "K": lambda r: r["K"], "tokens/s": lambda r: r["tokens_per_s"],
+                       "vs K=0": lambda r: f"{r['vs_k0']}x", "acceptance length": lambda r: r["acceptance_length"],
+                       "speedup / acceptance length": lambda r: r["speedup_per_acceptance_length"]})
     if args.profile:
         prompts = [{"prompt_token_ids": torch.randint(3, VOCAB, (24,), generator=g).tolist()} for _ in range(args.batch[0])]
         for k in (0, max(args.k)):
