@@ -8,7 +8,8 @@ seconds. Both are measured here:
   (every request decodes with exactly k drafts: steps that mix in prefill chunks, or the first step
   after k changed, cost something else). A median, because a step that other work on the machine
   slowed down would otherwise mark its k as costly for a long time.
-`best_k` then takes the k with the most expected tokens per second. Every k of a bucket is measured
+`best_k` then takes the k with the most expected tokens per second (keeping the k in use unless
+another is expected 3% faster: near-ties would flip on noise, and each change costs a transition). Every k of a bucket is measured
 before its figures are trusted: the first bucket met at once, the others once they have lasted
 SWEEP_AFTER steps (until then, e.g. while the last requests of a batch finish one by one, a bucket
 borrows the figures of the nearest measured one). A small fraction of steps (~3%) tries another k,
@@ -32,6 +33,8 @@ MIN_SAMPLES = 3          # steady-step costs of a (bucket, k) before best_k trus
 SWEEP_AFTER = 16         # steps at a batch size before all its k are measured (before: a neighbour's)
 COST_WINDOW = 8          # the last steady-step costs of a (bucket, k) whose median is its cost
 EXPLORE = 0.03           # fraction of steps that try another k than the best
+HYSTERESIS = 0.03        # a k replaces the one in use only if expected this much faster: near-ties
+                         # would flip on noise, and every change costs a transition step
 ACCEPT_DECAY = 0.995     # per observation: acceptance follows the last few hundred drafts
 ACCEPT_PRIOR = (0.5, 2.0)   # (rate, weight in observations) before anything is measured
 
@@ -46,12 +49,16 @@ def expected_tokens(accept: Sequence[float], k: int) -> float:
     return total
 
 
-def best_k(accept: Sequence[float], cost: Sequence[float | None]) -> int:
+def best_k(accept: Sequence[float], cost: Sequence[float | None], in_use: int | None = None) -> int:
     """The decision: the k in 0..len(cost)-1 with the most expected tokens per second,
     expected_tokens(k) / cost[k]. Unmeasured costs (None) are skipped; a tie goes to the smaller k
-    (fewer drafts: less work for the same speed)."""
+    (fewer drafts: less work for the same speed); `in_use` stays unless another k is expected
+    HYSTERESIS faster."""
     speed = {k: expected_tokens(accept, k) / c for k, c in enumerate(cost) if c}
-    return max(speed, key=speed.get) if speed else 0
+    if not speed:
+        return 0
+    best = max(speed, key=speed.get)
+    return in_use if in_use in speed and speed[in_use] >= (1 - HYSTERESIS) * speed[best] else best
 
 
 def bucket(num_reqs: int) -> int:
@@ -70,6 +77,7 @@ class AdaptiveK:
         self._measured_at: dict[int, list[int]] = {}  # bucket -> per k, the choice count at its last cost
         self._rng = random.Random(seed)
         self._held, self._hold_left = 0, 0
+        self._in_use: int | None = None           # the last k chosen as the best (not explored)
         self.k_steps = [0] * (max_k + 1)          # how often each k was chosen (stats, /metrics)
 
     # -- what it measures ----------------------------------------------------------------------
@@ -117,7 +125,7 @@ class AdaptiveK:
                 # measure every k of this batch size, the largest (most drafts) first
                 return self._hold_k(unmeasured[-1])
             costs = self.costs(near)       # a batch size met in passing borrows its neighbour's figures
-        best = best_k(self.acceptance(), costs)
+        best = self._in_use = best_k(self.acceptance(), costs, self._in_use)
         if self._rng.random() < EXPLORE / self.hold:     # each exploration holds its k `hold` steps
             at = self._measured_at.get(b, [-1] * (self.max_k + 1))
             return self._hold_k(min((k for k in range(self.max_k + 1) if k != best), key=lambda k: at[k]))

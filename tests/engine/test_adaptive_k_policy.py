@@ -96,6 +96,20 @@ def test_a_k_measured_slow_while_warming_up_is_measured_again():
     assert chosen[-500:].count(0) / 500 > 0.85
 
 
+def test_a_near_tie_does_not_flip_the_k_in_use():
+    """K = 1 and K = 2 within 0.5% of each other: acceptance noise must not switch between them
+    (each switch costs a transition step); a k clearly faster still replaces the one in use."""
+    assert best_k([0.6, 0.6], [1.0, 1.3, 1.6], in_use=2) == 2 and best_k([0.6, 0.6], [1.0, 1.3, 1.6]) == 1
+    assert best_k([0.6, 0.6], [1.0, 1.3, 2.0], in_use=2) == 1
+    for seed in range(3):
+        policy, in_use = AdaptiveK(max_k=3), []
+        choose = policy.choose
+        policy.choose = lambda n: (choose(n), in_use.append(policy._in_use))[0]      # noqa: E731
+        _simulate(policy, 0.6, lambda k: 1 + 0.3 * k, 3000, seed=seed)
+        changes = sum(a != b for a, b in zip(in_use[100:], in_use[101:]))
+        assert changes <= 1, (seed, changes)
+
+
 def test_a_step_slowed_by_other_work_does_not_mark_its_k_as_costly():
     policy = AdaptiveK(max_k=1)
     for seconds in (1.0, 1.0, 1.0):
