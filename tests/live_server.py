@@ -81,3 +81,11 @@ class LiveServer:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
         self.log.close()
+
+
+def metric(text: str, name: str) -> float:
+    """The value of metric `name` in a /metrics page (its first sample)."""
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"metric {name} not found")

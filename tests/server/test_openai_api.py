@@ -6,6 +6,7 @@ import pytest
 from openai import AsyncOpenAI, AuthenticationError, OpenAI
 
 from pipespec import LLM, SamplingParams
+from tests.live_server import metric
 
 KEY = "sk-test"
 
@@ -101,12 +102,6 @@ def test_greedy_matches_offline_llm(client, model):
     assert served == offline
 
 
-def _metric(text: str, name: str) -> float:
-    for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"metric {name} not found")
-
 
 def test_concurrent_streams_with_aborts_free_every_block(server, model):
     async def one(i: int, client: AsyncOpenAI) -> int:
@@ -131,15 +126,15 @@ def test_concurrent_streams_with_aborts_free_every_block(server, model):
     usage = None
     for _ in range(100):                       # aborts reach the engine thread asynchronously
         text = httpx.get(f"{server.url}/metrics").text
-        usage = _metric(text, "pipespec:kv_cache_usage_perc")
-        if usage == 0.0 and _metric(text, "pipespec:num_requests_running") == 0:
+        usage = metric(text, "pipespec:kv_cache_usage_perc")
+        if usage == 0.0 and metric(text, "pipespec:num_requests_running") == 0:
             break
         asyncio.run(asyncio.sleep(0.1))
     assert usage == 0.0
     aborted = [line for line in text.splitlines()
                if line.startswith("pipespec:request_success_total{") and 'finished_reason="abort"' in line]
     assert aborted and float(aborted[0].rsplit(" ", 1)[1]) >= 8
-    assert _metric(text, "pipespec:generation_tokens_total") > 0
+    assert metric(text, "pipespec:generation_tokens_total") > 0
     assert "pipespec:time_to_first_token_seconds_bucket" in text
     assert "pipespec:inter_token_latency_seconds_bucket" in text
     assert httpx.get(f"{server.url}/health").status_code == 200
