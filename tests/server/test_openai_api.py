@@ -102,7 +102,6 @@ def test_greedy_matches_offline_llm(client, model):
     assert served == offline
 
 
-
 def test_concurrent_streams_with_aborts_free_every_block(server, model):
     async def one(i: int, client: AsyncOpenAI) -> int:
         stream = await client.completions.create(model=model, prompt=f"Story number {i}:", max_tokens=24,
