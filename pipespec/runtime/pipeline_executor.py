@@ -229,6 +229,8 @@ class PipelineExecutor(Executor):
             self._waiting += time.perf_counter() - t0
         except StageError as e:
             self._fail(e)
+        except Exception as e:        # e.g. gloo's "connection closed by peer" from a killed worker
+            self._fail(StageError(f"pipeline failed while waiting for step {step_id}: {error_text(e)}"))
         except BaseException as e:
             self._failed = self._failed or f"interrupted while waiting for step {step_id}: {error_text(e)}"
             raise
