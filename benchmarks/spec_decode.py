@@ -35,6 +35,17 @@ def print_table(rows: list[dict], columns: dict) -> None:
         print("| " + " | ".join(str(cell(r)) for cell in columns.values()) + " |")
 
 
+def print_profile(llm: LLM, prompts, params: SamplingParams, title: str, sorts: dict[str, int]) -> None:
+    """Profile one `generate` on the host and the device; print a table per sort key (-> its rows)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts, params, use_tqdm=False)
+    events = prof.key_averages()
+    print(f"--- {title}: {params.max_tokens} tokens")
+    for key, rows in sorts.items():
+        print(events.table(sort_by=key, row_limit=rows, max_name_column_width=70))
+
+
 def chat_ids(tok) -> list[list[int]]:
     """PROMPTS as user turns in the model's chat template, token ids (the template adds its own
     special tokens)."""

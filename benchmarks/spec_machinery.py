@@ -30,7 +30,7 @@ from safetensors.torch import save_file
 from pipespec import LLM, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).parent))
-from spec_decode import print_table  # noqa: E402
+from spec_decode import print_profile, print_table  # noqa: E402
 
 H, I, HEADS, KV_HEADS, VOCAB = 576, 1536, 9, 3, 49152
 
@@ -128,20 +128,10 @@ def main():
     if args.profile:
         prompts = [{"prompt_token_ids": torch.randint(3, VOCAB, (24,), generator=g).tolist()} for _ in range(args.batch[0])]
         for k in (0, max(args.k)):
-            profile(engines[k], prompts, params, f"K={k}, batch {args.batch[0]}")
+            print_profile(engines[k], prompts, params, f"K={k}, batch {args.batch[0]}",
+                          {"cuda_time_total": 20, "self_cpu_time_total": 25})
     for llm in engines.values():
         llm.shutdown()
-
-
-def profile(llm: LLM, prompts, params: SamplingParams, title: str) -> None:
-    """Where a run's time goes, on the device and on the host (kernels and launches by total time)."""
-    from torch.profiler import ProfilerActivity, profile as torch_profile
-    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        llm.generate(prompts, params, use_tqdm=False)
-    events = prof.key_averages()
-    print(f"--- {title}: {params.max_tokens} tokens")
-    print(events.table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=70))
-    print(events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70))
 
 
 if __name__ == "__main__":

@@ -18,20 +18,16 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from spec_decode import chat_ids  # noqa: E402
+from spec_decode import chat_ids, print_profile  # noqa: E402
 
 from pipespec import LLM, SamplingParams  # noqa: E402
 
 
 def profile_first(llm, prompts, name: str) -> None:
-    """The host and device time of a request's first step: a one-token generate, profiled."""
-    from torch.profiler import ProfilerActivity, profile
+    """The host and device time of a request's first step: a one-token generate (after one unprofiled)."""
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     llm.generate(prompts, params, use_tqdm=False)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        llm.generate(prompts, params, use_tqdm=False)
-    print(f"--- {name}: one-token request")
-    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60))
+    print_profile(llm, prompts, params, f"{name}, one-token request", {"cpu_time_total": 25})
 
 
 def main():

@@ -100,10 +100,7 @@ class StepLayout:
         from the rows it filled."""
         names = ("input_ids", "positions", "slot_mapping", "seq_lens", "mtp_input_ids", "state_commit")
         out = dataclasses.replace(self, **{n: getattr(self, n).clone() for n in names if getattr(self, n) is not None})
-        lens = self.query_start_loc[1:] - self.query_start_loc[:-1]
-        line = torch.repeat_interleave(torch.arange(self.num_reqs, device=lens.device), lens,
-                                       output_size=self.input_ids.shape[0])
-        (fill or carry_in)(out, carry, line, block_size)
+        (fill or carry_in)(out, carry, row_lines(self.query_start_loc, self.input_ids.shape[0]), block_size)
         return dataclasses.replace(out, draft_ids=out.input_ids[self.verify_rows[:, 1:]])
 
     def draft_rows_of_input(self) -> torch.Tensor:
@@ -112,6 +109,13 @@ class StepLayout:
         k = self.num_spec_tokens
         real = torch.arange(k, device=self.draft_ids.device)[None, :] < self.num_drafts[:, None]
         return torch.where(real, self.draft_ids, torch.full_like(self.draft_ids, -1))
+
+
+def row_lines(query_start_loc: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """int64 [num_rows]: each flat row's request (line), from the lines' start offsets; no host read."""
+    lengths = query_start_loc[1:] - query_start_loc[:-1]
+    return torch.repeat_interleave(torch.arange(lengths.shape[0], device=lengths.device), lengths,
+                                   output_size=num_rows)
 
 
 @dataclass(frozen=True)

@@ -9,18 +9,18 @@ seconds. Both are measured here:
   after k changed, cost something else). A median, because a step that other work on the machine
   slowed down would otherwise mark its k as costly for a long time.
 `best_k` then takes the k with the most expected tokens per second (keeping the k in use unless
-another is expected 3% faster: near-ties would flip on noise, and each change costs a transition). Every k of a bucket is measured
-before its figures are trusted: the first bucket met at once, the others once they have lasted
-SWEEP_AFTER steps (until then, e.g. while the last requests of a batch finish one by one, a bucket
-borrows the figures of the nearest measured one). A small fraction of steps (~3%) tries another k,
+another is expected 3% faster: near-ties would flip on noise, and each change costs a transition).
+Every k of a bucket is measured before its figures are trusted: the first bucket met at once, the
+others once they have lasted SWEEP_AFTER steps (until then, e.g. while the last requests of a batch
+finish one by one, a bucket borrows the figures of the nearest measured one). A small fraction of steps (~3%) tries another k,
 the one measured longest ago, so every k's figures stay current (if acceptance or costs drift, the
 choice follows; a figure taken while the engine warmed up does not stand for good) while exploring
 costs little. A chosen exploration k is held for a few steps, so that some of them are steady (the
 first one after a change is a transition).
 
 The cost of a step is the time between its result and the previous one: the driver's work and the
-device's, overlapped or not (with PP the pipeline's throughput; async scheduling overlaps K = 0
-steps), so each K is charged its host time too; or since its submission after the engine was idle.
+device's, overlapped or not (with PP the pipeline's throughput; async scheduling overlaps the steps
+of one stage), so each K is charged its host time too; or since its submission after the engine was idle.
 """
 from __future__ import annotations
 

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pipespec.layout import row_lines
+
 
 @dataclass(frozen=True)
 class StateShape:
@@ -114,8 +116,7 @@ class LinearMeta:
         off = torch.arange(flags.width, device=positions.device)
         valid = off[None, :] < lengths[:, None]
         rows = torch.where(valid, starts[:, None] + off[None, :], torch.zeros_like(valid, dtype=torch.int64))
-        line = torch.repeat_interleave(torch.arange(lengths.shape[0], device=positions.device), lengths,
-                                       output_size=positions.shape[0])
+        line = row_lines(query_start_loc, positions.shape[0])
         offset = torch.arange(positions.shape[0], device=positions.device) - starts[line]
         fresh = positions[starts] == 0
         verifies = num_drafts > 0
