@@ -202,7 +202,10 @@ def llama8b(args, table):
                  max_model_len=2048)
     engine = PipespecRunner("pipespec", 0, **shape)
     sync = PipespecRunner("pipespec sync", 0, async_scheduling=False, **shape)     # async scheduling's peer
-    weight_bytes = sum(p.numel() * p.element_size() for p in engine.llm.engine.executor.stage.model.parameters())
+    params = dict(engine.llm.engine.executor.stage.model.named_parameters())
+    weight_bytes = sum(p.numel() * p.element_size() for p in params.values())
+    # what a batch-1 step reads: every weight but the embedding table, of which it reads one row
+    read_bytes = sum(p.numel() * p.element_size() for name, p in params.items() if "embed" not in name)
     with torch.device("cuda"):
         hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
     hf_eager = TransformersRunner("transformers eager", hf, 0)
@@ -222,13 +225,21 @@ def llama8b(args, table):
             text = io.StringIO()
             pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
             print(text.getvalue(), flush=True)
+        if batch == 1 and args.kernel_profile:     # where a batch-1 step's GPU time goes, kernel by kernel
+            from kernel_profile import kernel_profile
+            print(json.dumps(kernel_profile(lambda: engine.run(prompts, args.new_tokens), args.new_tokens, top=30)),
+                  flush=True)
     roofline = bandwidth / weight_bytes          # steps (= tokens at batch 1) per second
     gemv = gemv_bandwidth(engine.llm.engine.executor.stage.model)
     row = next(r for r in table if r["model"].startswith("Llama") and r["batch"] == 1 and r["engine"] == "pipespec")
+    read_roofline = bandwidth / read_bytes
     info = {"copy_bandwidth_TBps": round(bandwidth / 1e12, 2), "weight_GB": round(weight_bytes / 1e9, 2),
             "roofline_tokens_per_s_batch1": round(roofline, 1),
             "pipespec_fraction_of_roofline": round(row["tokens_per_s"] / roofline, 3),
+            "read_GB_per_step": round(read_bytes / 1e9, 2),
+            "pipespec_fraction_of_read_roofline": round(row["tokens_per_s"] / read_roofline, 3),
             "graph_replay_fraction_of_roofline": round(1e3 / roofline / row["forward_gpu_ms"], 3),
+            "graph_replay_fraction_of_read_roofline": round(1e3 / read_roofline / row["forward_gpu_ms"], 3),
             "batch1_matmul_TBps": gemv}
     print(json.dumps(info), flush=True)
     engine.close()
@@ -245,6 +256,7 @@ def main():
     ap.add_argument("--skip-8b", action="store_true")
     ap.add_argument("--skip-smollm2", action="store_true")
     ap.add_argument("--profile", action="store_true", help="cProfile one batch-1 8B run (host time)")
+    ap.add_argument("--kernel-profile", action="store_true", help="kernel times of one batch-1 8B run")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     table: list[dict] = []

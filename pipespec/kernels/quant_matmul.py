@@ -19,29 +19,7 @@ import triton
 import triton.language as tl
 
 from pipespec.kernels import sm_count
-
-
-@triton.jit
-def _store(y_ptr, acc, rm, rn, M, N, stride_ym, split, SPLIT_K: tl.constexpr):
-    """The tile's sum, or with split-K this split's float32 partial (plane `split` of [S, M, N])."""
-    mask = (rm[:, None] < M) & (rn[None, :] < N)
-    if SPLIT_K == 1:
-        tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.store(y_ptr + split * M * N + rm[:, None] * N + rn[None, :], acc, mask=mask)
-
-
-@triton.jit
-def _sum_splits(p_ptr, y_ptr, size, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
-    """y (contiguous) = the float32 partials [SPLIT_K, size] summed in split order (deterministic,
-    unlike atomics) and cast, in one launch. The splits are unrolled so that their loads are all in
-    flight at once."""
-    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = r < size
-    acc = tl.load(p_ptr + r, mask=mask, other=0.0)
-    for s in tl.static_range(1, SPLIT_K):
-        acc += tl.load(p_ptr + s * size + r, mask=mask, other=0.0)
-    tl.store(y_ptr + r, acc.to(y_ptr.dtype.element_ty), mask=mask)
+from pipespec.kernels.gemv import Gemv, _launch_gemv, _run, _store, gemv_split_k, rowmajor_gemv  # noqa: F401
 
 
 @triton.jit
@@ -170,43 +148,6 @@ def _int4_gemv_kernel(x_ptr, q_ptr, z_ptr, s_ptr, y_ptr, M, stride_xm, stride_ym
            M, N, stride_ym, tl.program_id(1), SPLIT_K)
 
 
-@triton.jit
-def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, stride_xm, stride_ym, scale_cols, k_per_split,
-                     N: tl.constexpr, K: tl.constexpr, BLOCK_OUT: tl.constexpr, BLOCK_IN: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
-                     SPLIT_K: tl.constexpr):
-    """Decode on CUDA cores: all M (<= BLOCK_M) rows against BLOCK_N weight rows (inside one scale
-    row), a chunk of BLOCK_K a step. A lane loads VEC consecutive bytes of a row (coalesced along K)
-    and sums their products itself; that sum is scaled by its scale block (VEC divides the block) and
-    kept apart per lane, [rows, N rows, K / VEC], so lanes are summed once, at the end."""
-    rm = tl.arange(0, BLOCK_M)
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    rc = tl.arange(0, BLOCK_K // VEC)
-    x_row = x_ptr + tl.minimum(rm, M - 1)[:, None] * stride_xm      # rows past M repeat the last: no mask
-    s_row = s_ptr + (tl.program_id(0) * BLOCK_N // BLOCK_OUT) * scale_cols
-    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // VEC), dtype=tl.float32)
-    k_start = tl.program_id(1) * k_per_split
-    for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
-        k = k0 + rk
-        # x before w: Triton's layout pass then keeps the weight tile's layout (VEC bytes a lane) and
-        # moves x, the small operand, through shared memory; in the other order it moves the weights.
-        if K % BLOCK_K == 0:
-            x = tl.load(x_row + k[None, :])
-        else:
-            x = tl.load(x_row + k[None, :], mask=k[None, :] < K, other=0.0)
-        if (K % BLOCK_K == 0) and (N % BLOCK_N == 0):
-            w = tl.load(w_ptr + rn[:, None] * K + k[None, :])
-        else:
-            w = tl.load(w_ptr + rn[:, None] * K + k[None, :], mask=(rn[:, None] < N) & (k[None, :] < K), other=0.0)
-        w = tl.reshape(w.to(tl.float32), (1, BLOCK_N, BLOCK_K // VEC, VEC))
-        x = tl.reshape(x.to(tl.float32), (BLOCK_M, 1, BLOCK_K // VEC, VEC))
-        kc = k0 + rc * VEC
-        s = tl.load(s_row + kc // BLOCK_IN, mask=kc < K, other=0.0)
-        acc += tl.sum(x * w, axis=3) * s[None, None, :]
-    _store(y_ptr, tl.sum(acc, axis=2), rm, rn, M, N, stride_ym, tl.program_id(1), SPLIT_K)
-
-
 def _tile(size: int, what: str) -> int:
     """The largest power of two <= 64 dividing `size` (a group or scale block), at least 16 (tl.dot)."""
     tile = 64
@@ -215,26 +156,6 @@ def _tile(size: int, what: str) -> int:
     if tile < 16:
         raise ValueError(f"{what} of {size} is not a multiple of 16; the quantized kernels need one")
     return tile
-
-
-@dataclass(frozen=True)
-class Gemv:
-    """Launch shape of a decode kernel (`_int4_gemv_kernel`, `_fp8_gemv_kernel`), used up to `max_m`
-    rows (more go to the tl.dot kernels). block_n: output features a program (int4: columns, each
-    warp >= 128 of them; fp8: rows, inside one scale block); block_k: K a loop step at one row (int4:
-    inside one group, and shrunk as rows add registers); split_k: 0 lets `gemv_split_k` pick.
-
-    max_m = 8: besides unpacking (~3.4 issue slots an int4 weight, ~2.5 an fp8 one in the sm_90 SASS)
-    these kernels spend about one FMA per weight and row on CUDA cores, where an H200 streaming ~4
-    TB/s has ~4 slots an int4 weight and ~8 an fp8 one. At 8 rows (~17 and ~12 slots, counted) int4
-    is estimated near bf16's speed and fp8 above it, still well above the tl.dot kernels measured
-    at batch 1 (their BLOCK_M = 16 tiles cost the same at 1 row as at 16); by 16 rows CUDA-core FMAs
-    should lose to tensor cores."""
-    block_n: int
-    block_k: int
-    num_warps: int
-    split_k: int = 0
-    max_m: int = 8
 
 
 @dataclass(frozen=True)
@@ -280,39 +201,6 @@ def split_k_for(programs: int, k_tiles: int, sms: int) -> int:
     return max(1, min(MAX_SPLIT_K, -(-2 * sms // programs), k_tiles // 4))
 
 
-def gemv_split_k(programs: int, k_steps: int, sms: int, step_bytes: int, weight_bytes: int, out_features: int) -> int:
-    """An H200 streams ~4 TB/s with ~30 KB of loads in flight per SM; a decode program has about one
-    step's weights in flight (int4: the next step's, prefetched; fp8: its own, all issued at the
-    step's start). Split K until the programs hold that much, while each row's float32 partials (4
-    bytes an output and split, read back by `_sum_splits`) stay under 1/8 of the weight's bytes
-    (more rows cost more partials, and more FMAs: the ratio to the kernel's time holds)."""
-    want = -(-32768 * sms // step_bytes)
-    if programs >= want:
-        return 1
-    return max(1, min(-(-want // programs), k_steps, weight_bytes // (32 * out_features)))
-
-
-def _run(kernel, grid: tuple, x: torch.Tensor, out_features: int, in_features: int, block_k: int, split: int,
-         args: tuple, **meta) -> torch.Tensor:
-    """`kernel` on x [M, K] over grid + (K splits,): the split of program id len(grid) takes whole
-    block_k steps; with splits > 1 each writes a float32 partial and `_sum_splits` gives y."""
-    m = x.shape[0]
-    y = torch.empty(m, out_features, device=x.device, dtype=x.dtype)
-    if m == 0:
-        return y
-    k_tiles = triton.cdiv(in_features, block_k)
-    split = max(1, min(split, k_tiles))
-    k_per_split = triton.cdiv(k_tiles, split) * block_k
-    split = triton.cdiv(in_features, k_per_split)          # no empty splits
-    dest = y if split == 1 else torch.empty(split, m, out_features, device=x.device, dtype=torch.float32)
-    weights, scalars = args
-    kernel[(*grid, split)](x, *weights, dest, m, x.stride(0), y.stride(0), *scalars, k_per_split,
-                           N=out_features, K=in_features, BLOCK_K=block_k, SPLIT_K=split, **meta)
-    if split > 1:       # 128 outputs a one-warp program: a 4,096-wide row is read by 32 SMs
-        _sum_splits[(triton.cdiv(y.numel(), 128),)](dest, y, y.numel(), SPLIT_K=split, BLOCK=128, num_warps=1)
-    return y
-
-
 def _launch(kernel, x: torch.Tensor, out_features: int, in_features: int, block_n: int, block_k: int,
             tiles: Tiles, args: tuple, **constexprs) -> torch.Tensor:
     """A tl.dot kernel over (M tiles, N tiles, K splits)."""
@@ -322,17 +210,6 @@ def _launch(kernel, x: torch.Tensor, out_features: int, in_features: int, block_
     return _run(kernel, grid, x, out_features, in_features, block_k, split, args, IEEE=x.dtype == torch.float32,
                 BLOCK_M=block_m, BLOCK_N=block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
                 **constexprs)
-
-
-def _launch_gemv(kernel, x: torch.Tensor, out_features: int, in_features: int, block_n: int, block_k: int,
-                 num_warps: int, gemv: Gemv, bits: int, args: tuple, **constexprs) -> torch.Tensor:
-    """A decode kernel over (N tiles, K splits), all M rows in each program; `bits` a weight."""
-    grid = (triton.cdiv(out_features, block_n),)
-    split = gemv.split_k or gemv_split_k(grid[0], triton.cdiv(in_features, block_k), sm_count(x.device),
-                                         block_n * block_k * bits // 8, out_features * in_features * bits // 8,
-                                         out_features)
-    return _run(kernel, grid, x, out_features, in_features, block_k, split, args,
-                BLOCK_M=triton.next_power_of_2(x.shape[0]), BLOCK_N=block_n, num_warps=num_warps, **constexprs)
 
 
 def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group: int,
@@ -366,20 +243,23 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, sca
 
 
 def fp8_block_matmul(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
-                     block: tuple[int, int], tiles: Tiles = DEFAULT_TILES) -> torch.Tensor:
-    """x [..., K] @ (weight [N, K] e4m3 times its [N / bo, K / bi] block scales).T -> [..., N]."""
+                     block: tuple[int, int], tiles: Tiles = DEFAULT_TILES, gated: bool = False) -> torch.Tensor:
+    """x [..., K] @ (weight [N, K] e4m3 times its [N / bo, K / bi] block scales).T -> [..., N].
+    gated: x is [..., 2K] = cat[gate, up] and the product is of silu(gate) * up (the decode kernel
+    reads the gate/up row itself)."""
     out_features, in_features = weight.shape
     bo, bi = block
     lead = x.shape[:-1]
-    x = x.reshape(-1, in_features).contiguous()
-    args = (weight, scale_inv.float().contiguous()), (scale_inv.shape[1],)
+    x = x.reshape(-1, x.shape[-1]).contiguous()
     g = tiles.fp8_gemv
     if x.shape[0] <= g.max_m:
-        vec = min(16, bi & -bi)                            # a lane's bytes share one scale
-        y = _launch_gemv(_fp8_gemv_kernel, x, out_features, in_features, min(g.block_n, bo & -bo),
-                         max(g.block_k, vec), g.num_warps, g, 8, args, BLOCK_OUT=bo, BLOCK_IN=bi, VEC=vec)
+        y = rowmajor_gemv(x, weight, scale_inv, block, gated=gated, shape=g)
     else:
+        if gated:
+            from pipespec.kernels.fused_ops import silu_mul
+            x = silu_mul(x)
         block_n = tiles.block_n if tiles.block_n and bo % tiles.block_n == 0 else _tile(bo, "fp8 scale block rows")
+        args = (weight, scale_inv.float().contiguous()), (scale_inv.shape[1],)
         y = _launch(_fp8_kernel, x, out_features, in_features, block_n, tiles.k_tile(bi, "fp8 scale block columns"),
                     tiles, args, BLOCK_OUT=bo, BLOCK_IN=bi)
     return y.view(*lead, out_features)

@@ -9,6 +9,7 @@ from torch import nn
 
 from pipespec import kernels
 from pipespec.model.arch import ArchConfig
+from pipespec.model.linear import linear
 from pipespec.model.tp_layers import SINGLE, Shard, gate_up_parallel, gather_vocab, RowParallelLinear, vocab_shard
 from pipespec.parallel import TensorParallel
 
@@ -18,7 +19,7 @@ def head_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     fastest as weight @ x.T (one row padded to two: one row alone takes a slower matrix-vector
     path); measured on SmolLM2's 49152 x 576 head, RESULTS.md."""
     if x.device.type != "cpu" or x.dim() != 2 or weight.stride(1) != 1:
-        return nn.functional.linear(x, weight)
+        return linear(x, weight)
     rows = x if x.shape[0] > 1 else x.expand(2, -1).contiguous()   # a real second row: BLAS needs it
     return (weight @ rows.t()).t()[:x.shape[0]]
 
@@ -141,8 +142,4 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate, hidden, False, tp, what, reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if kernels.enabled(x):
-            from pipespec.kernels.fused_ops import silu_mul
-            return self.down_proj(silu_mul(self.gate_up_proj(x)))
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(self.gate_up_proj(x), gated=True)

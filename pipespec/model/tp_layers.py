@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pipespec.model.linear import linear
 from pipespec.parallel import TensorParallel
 
 SINGLE = TensorParallel()      # size 1: holds no group and no state, safe to share
@@ -55,6 +56,9 @@ class ColumnParallelLinear(nn.Linear):
         self.ranges = tuple((s, s + n) for s, n in parts)
         self.sizes = tuple(sizes)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
     def checkpoint_shards(self) -> dict[str, Shard]:
         shard = Shard(0, self.ranges, self.sizes)
         return {"weight": shard, "bias": shard} if self.bias is not None else {"weight": shard}
@@ -78,10 +82,11 @@ class RowParallelLinear(nn.Linear):
             raise ValueError("a row-parallel layer that does not reduce cannot add its bias")
         self.tp, self.start, self.full, self.reduce = tp, start, in_features, reduce
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
+        """gated: x is a fused gate/up row and the layer multiplies silu(gate) * up (`linear`)."""
         if self.tp.size == 1:
-            return super().forward(x)
-        out = nn.functional.linear(x, self.weight)
+            return linear(x, self.weight, self.bias, gated)
+        out = linear(x, self.weight, gated=gated)
         if not self.reduce:
             return out
         out = self.tp.all_reduce(out)

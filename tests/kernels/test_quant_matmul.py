@@ -137,10 +137,11 @@ def _tiles(kind, shape, max_m=None):
 @pytest.fixture
 def gemv_calls(monkeypatch):
     """The row counts that reached the decode kernels' launcher (which path served a call)."""
-    from pipespec.kernels import quant_matmul
-    calls, launch = [], quant_matmul._launch_gemv
-    monkeypatch.setattr(quant_matmul, "_launch_gemv", lambda kernel, x, *a, **k: calls.append(x.shape[0]) or
-                        launch(kernel, x, *a, **k))
+    from pipespec.kernels import gemv, quant_matmul
+    calls, launch = [], gemv._launch_gemv
+    for module in (gemv, quant_matmul):     # the fp8 path launches from gemv.py, int4's from quant_matmul.py
+        monkeypatch.setattr(module, "_launch_gemv", lambda kernel, x, *a, **k: calls.append(x.shape[0]) or
+                            launch(kernel, x, *a, **k))
     return calls
 
 
@@ -185,3 +186,22 @@ def test_fp8_decode_kernel_equals_the_dequantized_product(block, m, shape, dtype
     assert gemv_calls == ([] if rows > max_m else [rows])
     assert got.shape == (rows, 200) and got.dtype == dtype
     assert _rel(got, x.float() @ ref.to(DEVICE).t()) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 5, 9])
+def test_fp8_gated_input_is_silu_mul_then_the_product(m, dtype):
+    """A down projection's gate/up row: read by the decode kernel itself (m <= 8), activated first
+    on the tl.dot path; either way the product of silu(gate) * up."""
+    from pipespec.kernels.fused_ops import silu_mul
+    from pipespec.kernels.quant_matmul import fp8_block_matmul
+    w = torch.randn(200, 320, generator=torch.Generator().manual_seed(13))
+    t, ref = writers.fp8(w, (128, 128))
+    weight, scales = t["weight"].to(DEVICE), t["weight_scale_inv"].to(DEVICE)
+    gate_up = _x(m, 640, dtype, seed=14)
+    with torch.inference_mode():
+        h = silu_mul(gate_up)
+    got = fp8_block_matmul(gate_up, weight, scales, (128, 128), gated=True)
+    assert got.shape == (m, 200)
+    assert _rel(got, fp8_block_matmul(h, weight, scales, (128, 128))) < (1e-6 if dtype == torch.float32 else 4e-3)
+    assert _rel(got, h.float() @ ref.to(DEVICE).t()) < TOL[dtype]

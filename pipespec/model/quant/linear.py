@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from pipespec import kernels
+from pipespec.model.linear import silu_mul
 from pipespec.model.quant.packed import Fp8Weight, Int4Weight, concat
 from pipespec.model.tp_layers import ColumnParallelLinear, RowParallelLinear, pairs
 
@@ -60,10 +61,12 @@ class QuantLinear(nn.Module):
                 setattr(self.packed, name, getattr(self, f"packed_{name}"))
         return self
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
+        """gated: x is a fused gate/up row, multiplied as silu(gate) * up (a down projection)."""
         if kernels.enabled(x):
-            y = self.packed.matmul(x)
+            y = self.packed.matmul(x, gated)
         else:   # training or autograd: the dense product (slow; the engine serves with the kernel)
+            x = silu_mul(x) if gated else x
             y = x @ self.packed.dequantize().to(x.device, x.dtype).t()
         if self.tp is not None:          # row-parallel: partial sums, bias after the reduce
             if not self.reduce:

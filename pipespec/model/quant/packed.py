@@ -65,8 +65,12 @@ class Int4Weight:
         return Int4Weight(self.qweight[start // 8:stop // 8], self.zeros[start // self.group:stop // self.group],
                           self.scales[start // self.group:stop // self.group], self.group)
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
+        """gated: x is a fused gate/up row, multiplied as silu(gate) * up."""
         from pipespec.kernels.quant_matmul import int4_matmul
+        if gated:
+            from pipespec.kernels.fused_ops import silu_mul
+            x = silu_mul(x)
         return int4_matmul(x, self.qweight, self.zeros, self.scales, self.group, self.perm)
 
     def dequantize(self) -> torch.Tensor:
@@ -129,9 +133,10 @@ class Fp8Weight:
             raise ValueError(f"input columns {start}:{stop} are not whole {bi}-column scale blocks")
         return Fp8Weight(self.weight[:, start:stop], self.scale_inv[:, start // bi:-(-stop // bi)], self.block)
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
+        """gated: x is a fused gate/up row, multiplied as silu(gate) * up (fused at decode)."""
         from pipespec.kernels.quant_matmul import fp8_block_matmul
-        return fp8_block_matmul(x, self.weight, self.scale_inv, self.block)
+        return fp8_block_matmul(x, self.weight, self.scale_inv, self.block, gated=gated)
 
     def dequantize(self) -> torch.Tensor:
         return dequant_fp8(self.weight, self.scale_inv, self.block)

@@ -1,0 +1,199 @@
+"""Decode matrix products on CUDA cores: y = x @ W.T for the few rows of a decode step (M <= 8).
+
+At batch 1 a projection reads its whole weight to make one row, so its speed is how close it
+streams the weight to the memory's bandwidth. Tensor-core tiles are at least 16 rows (mostly
+padding here), and cuBLAS's small-N shapes stream an 8B model's q/k/v and o projections at 2.6-3.1
+TB/s of the H200's ~4.2 (RESULTS.md). These kernels keep every row against each weight tile as it is
+loaded, split K over programs until the GPU has enough loads in flight, and sum the float32
+partials in split order (deterministic, no atomics).
+
+`rowmajor_gemv` serves weights laid out [N, K] (nn.Linear's): bf16/fp16/fp32 dense ones, and FP8
+e4m3 ones with block scales (`quant_matmul.fp8_block_matmul`). With `gated` its input is a fused
+gate/up row [M, 2K] and the kernel multiplies silu(gate) * up, rounded as `fused_ops.silu_mul`
+rounds it: the MLP's activation never makes a round trip through memory, nor a launch of its own.
+The launch machinery (`_run`, `Gemv`, `gemv_split_k`) also serves the int4 decode kernel.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from pipespec.kernels import sm_count
+
+
+@triton.jit
+def _store(y_ptr, acc, rm, rn, M, N, stride_ym, split, SPLIT_K: tl.constexpr):
+    """The tile's sum, or with split-K this split's float32 partial (plane `split` of [S, M, N])."""
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    if SPLIT_K == 1:
+        tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(y_ptr + split * M * N + rm[:, None] * N + rn[None, :], acc, mask=mask)
+
+
+@triton.jit
+def _sum_splits(p_ptr, y_ptr, size, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    """y (contiguous) = the float32 partials [SPLIT_K, size] summed in split order (deterministic,
+    unlike atomics) and cast, in one launch. The splits are unrolled so that their loads are all in
+    flight at once."""
+    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = r < size
+    acc = tl.load(p_ptr + r, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):
+        acc += tl.load(p_ptr + s * size + r, mask=mask, other=0.0)
+    tl.store(y_ptr + r, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gemv_input(x_row, k, K: tl.constexpr, GATED: tl.constexpr, MASK_K: tl.constexpr):
+    """The step's input [BM, BK] at columns k: x, or silu(gate) * up of a gate/up row (up at K),
+    each factor rounded to the input's dtype as `fused_ops.silu_mul` stores them."""
+    if MASK_K:
+        x = tl.load(x_row + k[None, :], mask=k[None, :] < K, other=0.0)
+    else:
+        x = tl.load(x_row + k[None, :])
+    if GATED:
+        if MASK_K:
+            up = tl.load(x_row + K + k[None, :], mask=k[None, :] < K, other=0.0)
+        else:
+            up = tl.load(x_row + K + k[None, :])
+        gate = x.to(tl.float32)
+        x = ((gate / (1.0 + tl.exp(-gate))).to(up.dtype) * up).to(up.dtype)
+    return x
+
+
+@triton.jit
+def _rowmajor_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, stride_xm, stride_ym, scale_cols, k_per_split,
+                          N: tl.constexpr, K: tl.constexpr, BLOCK_OUT: tl.constexpr, BLOCK_IN: tl.constexpr,
+                          SCALED: tl.constexpr, GATED: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
+                          SPLIT_K: tl.constexpr):
+    """All M (<= BLOCK_M) rows against BLOCK_N weight rows (with SCALED: inside one scale row), a
+    chunk of BLOCK_K a step. A lane loads VEC consecutive elements of a row (16 bytes, coalesced
+    along K) and sums their products itself; with SCALED that sum is scaled by its block (VEC
+    divides the block). Sums are kept apart per lane, [rows, N rows, K / VEC], so lanes are summed
+    once, at the end."""
+    rm = tl.arange(0, BLOCK_M)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    rc = tl.arange(0, BLOCK_K // VEC)
+    x_row = x_ptr + tl.minimum(rm, M - 1)[:, None] * stride_xm      # rows past M repeat the last: no mask
+    s_row = s_ptr + (tl.program_id(0) * BLOCK_N // BLOCK_OUT) * scale_cols
+    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // VEC), dtype=tl.float32)
+    k_start = tl.program_id(1) * k_per_split
+    for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
+        k = k0 + rk
+        # x before w: Triton's layout pass then keeps the weight tile's layout (VEC elements a lane)
+        # and moves x, the small operand, through shared memory; in the other order it moves the weights.
+        x = _gemv_input(x_row, k, K, GATED, K % BLOCK_K != 0)
+        if (K % BLOCK_K == 0) and (N % BLOCK_N == 0):
+            w = tl.load(w_ptr + rn[:, None] * K + k[None, :])
+        else:
+            w = tl.load(w_ptr + rn[:, None] * K + k[None, :], mask=(rn[:, None] < N) & (k[None, :] < K), other=0.0)
+        w = tl.reshape(w.to(tl.float32), (1, BLOCK_N, BLOCK_K // VEC, VEC))
+        x = tl.reshape(x.to(tl.float32), (BLOCK_M, 1, BLOCK_K // VEC, VEC))
+        if SCALED:
+            kc = k0 + rc * VEC
+            s = tl.load(s_row + kc // BLOCK_IN, mask=kc < K, other=0.0)
+            acc += tl.sum(x * w, axis=3) * s[None, None, :]
+        else:
+            acc += tl.sum(x * w, axis=3)
+    _store(y_ptr, tl.sum(acc, axis=2), rm, rn, M, N, stride_ym, tl.program_id(1), SPLIT_K)
+
+
+@dataclass(frozen=True)
+class Gemv:
+    """Launch shape of a decode kernel (`_rowmajor_gemv_kernel`, `quant_matmul._int4_gemv_kernel`),
+    used up to `max_m` rows (more go to tensor cores). block_n: output features a program (int4:
+    columns, each warp >= 128 of them; row-major: rows, inside one scale block); block_k: K a loop
+    step at one row (int4: inside one group, and shrunk as rows add registers; row-major: elements,
+    a multiple of the 16 bytes a lane loads); split_k: 0 lets `gemv_split_k` pick.
+
+    max_m = 8: besides unpacking (~3.4 issue slots an int4 weight, ~2.5 an fp8 one in the sm_90 SASS)
+    these kernels spend about one FMA per weight and row on CUDA cores, where an H200 streaming ~4
+    TB/s has ~4 slots an int4 weight and ~8 an fp8 one. At 8 rows (~17 and ~12 slots, counted) int4
+    is estimated near bf16's speed and fp8 above it, still well above the tl.dot kernels measured
+    at batch 1 (their BLOCK_M = 16 tiles cost the same at 1 row as at 16); by 16 rows CUDA-core FMAs
+    should lose to tensor cores."""
+    block_n: int
+    block_k: int
+    num_warps: int
+    split_k: int = 0
+    max_m: int = 8
+
+
+# bf16: 8 rows by 512 elements (16 bytes a lane: two warps a row, four warps two rows at a time), an
+# 8 KB step: the best or within 2% of it on the 8B and Qwen3.5-2B projections at one row (H200 sweep,
+# RESULTS.md). At 4 rows cuBLAS is as fast or faster (the kernel's FMAs per weight grow with the rows).
+DENSE_GEMV = Gemv(block_n=8, block_k=512, num_warps=4, max_m=2)
+
+
+def gemv_split_k(programs: int, k_steps: int, sms: int, step_bytes: int, weight_bytes: int, out_features: int) -> int:
+    """An H200 streams ~4 TB/s with ~30 KB of loads in flight per SM; a decode program has about one
+    step's weights in flight (int4: the next step's, prefetched; row-major: its own, all issued at
+    the step's start). Split K until the programs hold that much, while each row's float32 partials
+    (4 bytes an output and split, read back by `_sum_splits`) stay under 1/8 of the weight's bytes
+    (more rows cost more partials, and more FMAs: the ratio to the kernel's time holds)."""
+    want = -(-32768 * sms // step_bytes)
+    if programs >= want:
+        return 1
+    return max(1, min(-(-want // programs), k_steps, weight_bytes // (32 * out_features)))
+
+
+def _run(kernel, grid: tuple, x: torch.Tensor, out_features: int, in_features: int, block_k: int, split: int,
+         args: tuple, **meta) -> torch.Tensor:
+    """`kernel` on x [M, K] over grid + (K splits,): the split of program id len(grid) takes whole
+    block_k steps; with splits > 1 each writes a float32 partial and `_sum_splits` gives y."""
+    m = x.shape[0]
+    y = torch.empty(m, out_features, device=x.device, dtype=x.dtype)
+    if m == 0:
+        return y
+    k_tiles = triton.cdiv(in_features, block_k)
+    split = max(1, min(split, k_tiles))
+    k_per_split = triton.cdiv(k_tiles, split) * block_k
+    split = triton.cdiv(in_features, k_per_split)          # no empty splits
+    dest = y if split == 1 else torch.empty(split, m, out_features, device=x.device, dtype=torch.float32)
+    weights, scalars = args
+    kernel[(*grid, split)](x, *weights, dest, m, x.stride(0), y.stride(0), *scalars, k_per_split,
+                           N=out_features, K=in_features, BLOCK_K=block_k, SPLIT_K=split, **meta)
+    if split > 1:       # 128 outputs a one-warp program: a 4,096-wide row is read by 32 SMs
+        _sum_splits[(triton.cdiv(y.numel(), 128),)](dest, y, y.numel(), SPLIT_K=split, BLOCK=128, num_warps=1)
+    return y
+
+
+def _launch_gemv(kernel, x: torch.Tensor, out_features: int, in_features: int, block_n: int, block_k: int,
+                 num_warps: int, gemv: Gemv, bits: int, args: tuple, **constexprs) -> torch.Tensor:
+    """A decode kernel over (N tiles, K splits), all M rows in each program; `bits` a weight."""
+    grid = (triton.cdiv(out_features, block_n),)
+    split = gemv.split_k or gemv_split_k(grid[0], triton.cdiv(in_features, block_k), sm_count(x.device),
+                                         block_n * block_k * bits // 8, out_features * in_features * bits // 8,
+                                         out_features)
+    return _run(kernel, grid, x, out_features, in_features, block_k, split, args,
+                BLOCK_M=triton.next_power_of_2(x.shape[0]), BLOCK_N=block_n, num_warps=num_warps, **constexprs)
+
+
+def rowmajor_gemv(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | None = None,
+                  block: tuple[int, int] = (1, 1), gated: bool = False, shape: Gemv = DENSE_GEMV) -> torch.Tensor:
+    """x [M, K] @ weight [N, K].T -> [M, N] in x's dtype, M <= shape.max_m. With `scale_inv` the
+    weight is FP8 scaled by its [N / bo, K / bi] blocks (`block` = (bo, bi)); with `gated`, x is
+    [M, 2K] = cat[gate, up] and the product is of silu(gate) * up."""
+    out_features, in_features = weight.shape
+    if x.shape[-1] != in_features * (2 if gated else 1):
+        raise ValueError(f"input of width {x.shape[-1]} for a weight of {in_features} columns"
+                         f"{' (gated: twice that)' if gated else ''}")
+    x = x.contiguous()
+    bo, bi = block
+    elems = 16 // weight.element_size()                    # a lane's 16 bytes
+    block_k = max(shape.block_k, elems)
+    if scale_inv is None:
+        vec, block_n = elems, shape.block_n
+    else:
+        vec = min(elems, bi & -bi)                          # inside one scale block
+        block_n = min(shape.block_n, bo & -bo)
+    scales = (weight, 1) if scale_inv is None else (scale_inv.float().contiguous(), scale_inv.shape[1])
+    return _launch_gemv(_rowmajor_gemv_kernel, x, out_features, in_features, block_n, block_k,
+                        shape.num_warps, shape, 8 * weight.element_size(), ((weight, scales[0]), (scales[1],)),
+                        BLOCK_OUT=bo, BLOCK_IN=bi, VEC=vec, SCALED=scale_inv is not None, GATED=gated)

@@ -1,0 +1,42 @@
+"""The product of a dense linear layer, y = x @ W.T (+ b), on the path that serves it fastest.
+
+Decode rows on the GPU (at most `DENSE_GEMV.max_m` of them, weight and input of one dtype) take the
+CUDA-core GEMV kernel (`kernels/gemv.py`), which streams a small projection's weight closer to the
+memory bandwidth than cuBLAS does at one row; everything else (prefill, CPU, training) is
+`F.linear`. With `gated`, x is a fused gate/up row cat[gate, up] and the product is of
+silu(gate) * up: the decode kernel fuses the activation, the other paths apply it first.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pipespec import kernels
+
+
+def _decode_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    if not (kernels.enabled(x) and x.dtype == weight.dtype and weight.is_contiguous()):
+        return False
+    from pipespec.kernels.gemv import DENSE_GEMV
+    return x.numel() <= DENSE_GEMV.max_m * x.shape[-1]
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           gated: bool = False) -> torch.Tensor:
+    if x.numel() and _decode_gemv(x, weight):
+        from pipespec.kernels.gemv import rowmajor_gemv
+        lead = x.shape[:-1]
+        y = rowmajor_gemv(x.reshape(-1, x.shape[-1]), weight, gated=gated).view(*lead, weight.shape[0])
+        return y if bias is None else y + bias
+    if gated:
+        x = silu_mul(x)
+    return nn.functional.linear(x, weight, bias)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up = cat[gate, up] along the last dim (the fused kernel on the GPU)."""
+    if kernels.enabled(gate_up):
+        from pipespec.kernels.fused_ops import silu_mul as fused
+        return fused(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return nn.functional.silu(gate) * up

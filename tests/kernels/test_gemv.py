@@ -1,0 +1,76 @@
+"""The dense decode GEMV (`kernels/gemv.py`) against x @ W.T, and its gated input against the
+unfused silu_mul then product. On a GPU; on CPU only under the Triton interpreter."""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRET),
+                                 reason="needs a CUDA device (or TRITON_INTERPRET=1 with triton)")]
+DTYPES = [torch.float32, torch.bfloat16] if torch.cuda.is_available() else [torch.float32]
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+SAME = {torch.float32: 1e-6, torch.bfloat16: 4e-3}     # the same products summed in another order
+
+
+def _rand(*shape, seed, dtype=torch.float32):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(DEVICE, dtype)
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+# (N, K): whole tiles; a partial N tile and K steps that do not divide K
+SHAPES = [(256, 512), (200, 328)]
+LAUNCH = [None, dict(block_n=8, block_k=64, num_warps=2, split_k=3), dict(block_n=32, block_k=128, num_warps=4,
+                                                                          split_k=1)]
+
+
+def _shape(launch):
+    from pipespec.kernels.gemv import DENSE_GEMV, Gemv
+    return DENSE_GEMV if launch is None else Gemv(**launch)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("launch", LAUNCH, ids=lambda s: "default" if s is None else "n{block_n}_k{block_k}".format(**s))
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("nk", SHAPES, ids=str)
+def test_dense_gemv_equals_the_product(nk, m, launch, dtype):
+    from pipespec.kernels.gemv import rowmajor_gemv
+    n, k = nk
+    w, x = _rand(n, k, seed=1, dtype=dtype), _rand(m, k, seed=2, dtype=dtype)
+    got = rowmajor_gemv(x, w, shape=_shape(launch))
+    assert got.shape == (m, n) and got.dtype == dtype
+    assert _rel(got, x.float() @ w.float().t()) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("launch", LAUNCH[:2], ids=["default", "split3"])
+@pytest.mark.parametrize("m", [1, 5])
+@pytest.mark.parametrize("nk", SHAPES, ids=str)
+def test_gated_input_is_silu_mul_then_the_product(nk, m, launch, dtype):
+    """The fused activation rounds as silu_mul does, so fused and unfused multiply the same values;
+    only the order of the sums may differ (the input's layout in registers does): float32's error."""
+    from pipespec.kernels.fused_ops import silu_mul
+    from pipespec.kernels.gemv import rowmajor_gemv
+    n, k = nk
+    w, gate_up = _rand(n, k, seed=3, dtype=dtype), _rand(m, 2 * k, seed=4, dtype=dtype)
+    with torch.inference_mode():
+        h = silu_mul(gate_up)
+    shape = _shape(launch)
+    got = rowmajor_gemv(gate_up, w, gated=True, shape=shape)
+    assert _rel(got, rowmajor_gemv(h, w, shape=shape)) < SAME[dtype]
+    ref = torch.nn.functional.silu(gate_up[:, :k].float()) * gate_up[:, k:].float()
+    assert _rel(got, ref @ w.float().t()) < TOL[dtype]
+
+
+def test_a_gated_input_of_the_wrong_width_is_refused():
+    from pipespec.kernels.gemv import rowmajor_gemv
+    with pytest.raises(ValueError, match="gated: twice that"):
+        rowmajor_gemv(_rand(1, 64, seed=5), _rand(16, 64, seed=6), gated=True)

@@ -1,0 +1,44 @@
+"""`model/linear.py`: which path a dense product takes, and that every path computes the same."""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from pipespec.model.linear import linear
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _rand(*shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+
+
+def test_gated_product_is_silu_of_the_gate_times_up_then_the_projection():
+    w, b, gate_up = _rand(24, 40, seed=1), _rand(24, seed=2), _rand(3, 80, seed=3)
+    want = (torch.nn.functional.silu(gate_up[:, :40]) * gate_up[:, 40:]) @ w.t() + b
+    torch.testing.assert_close(linear(gate_up, w, b, gated=True), want)
+    torch.testing.assert_close(linear(gate_up[:, :40], w, b), gate_up[:, :40] @ w.t() + b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRET),
+                    reason="needs a CUDA device (or TRITON_INTERPRET=1 with triton)")
+@pytest.mark.parametrize("gated", [False, True])
+def test_decode_rows_take_the_gemv_kernel_and_prefill_rows_do_not(monkeypatch, gated):
+    from pipespec.kernels import gemv
+    calls, kernel = [], gemv.rowmajor_gemv
+    monkeypatch.setattr(gemv, "rowmajor_gemv", lambda x, w, **kw: calls.append(x.shape[0]) or kernel(x, w, **kw))
+    w, b = _rand(48, 64, seed=4), _rand(48, seed=5)
+    width = 128 if gated else 64
+    with torch.inference_mode():
+        for rows in (1, 2, 3, 16):
+            x = _rand(rows, width, seed=rows)
+            ref = (torch.nn.functional.silu(x[:, :64]) * x[:, 64:]) if gated else x
+            torch.testing.assert_close(linear(x, w, b, gated=gated), ref @ w.t() + b, rtol=1e-5, atol=1e-5)
+        assert calls == [1, 2], "only decode rows (at most DENSE_GEMV.max_m) take the GEMV"
+        linear(_rand(1, 64, seed=6), w.t().contiguous().t())      # a transposed weight: F.linear
+        assert calls == [1, 2]
