@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from spec_decode import print_table  # noqa: E402
 
 from pipespec.kernels.fused_ops import silu_mul  # noqa: E402
-from pipespec.kernels.gemv import DENSE_GEMV, Gemv, rowmajor_gemv  # noqa: E402
+from pipespec.kernels.gemv import Gemv, dense_shape, rowmajor_gemv  # noqa: E402
 from pipespec.stage.cuda_graphs import graph_ms  # noqa: E402
 
 # (model, projection): (N, K)
@@ -35,9 +35,11 @@ PROJECTIONS = {
     ("SmolLM2", "down"): (576, 1536),
 }
 L2_PASS = 512 << 20
-SWEEP = [Gemv(n, k, w) for n, k, w in ((16, 256, 4), (8, 256, 4), (32, 256, 4), (16, 128, 4), (16, 512, 4),
-                                          (8, 512, 4), (32, 128, 4), (16, 256, 8), (32, 256, 8), (8, 256, 2),
-                                          (4, 512, 4), (64, 128, 8))]
+# (block_n, block_k, warps, split_k; 0: `gemv_split_k` picks)
+SWEEP = [Gemv(n, k, w, split) for n, k, w, split in (
+    (8, 512, 4, 0), (16, 256, 4, 0), (8, 256, 4, 0), (32, 256, 4, 0), (16, 128, 4, 0), (16, 512, 4, 0),
+    (32, 128, 4, 0), (16, 256, 8, 0), (32, 256, 8, 0), (8, 256, 2, 0), (4, 512, 4, 0), (64, 128, 8, 0),
+    (8, 512, 4, 1), (4, 512, 4, 1), (4, 1024, 4, 1), (2, 1024, 4, 1), (8, 512, 4, 2))]
 
 
 def _us(calls) -> float:
@@ -48,12 +50,15 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--rows", default="1,2,4,8")
+    ap.add_argument("--models", default="8B,Qwen3.5-2B,SmolLM2")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     dev = torch.device("cuda")
     rows_out, sweeps = [], []
     with torch.inference_mode():
         for (model, proj), (n, k) in PROJECTIONS.items():
+            if model not in args.models.split(","):
+                continue
             copies = max(1, L2_PASS // (n * k * 2))
             ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
             gated = proj == "down"
@@ -73,11 +78,12 @@ def main():
                 rows_out.append(row)
                 print(json.dumps(row), flush=True)
                 if args.sweep and m == 1:
-                    times = {f"n{s.block_n}_k{s.block_k}_w{s.num_warps}": round(_us(
+                    times = {f"n{s.block_n}_k{s.block_k}_w{s.num_warps}_split{s.split_k or 'auto'}": round(_us(
                         [lambda w=w, s=s: rowmajor_gemv(h, w, shape=s) for w in ws]), 1) for s in SWEEP}
                     best = min(times, key=times.get)
                     sweep = {"model": model, "proj": proj, "best": best, "best_us": times[best],
-                             "default_us": times[f"n{DENSE_GEMV.block_n}_k{DENSE_GEMV.block_k}_w{DENSE_GEMV.num_warps}"],
+                             "default_us": round(_us([lambda w=w: rowmajor_gemv(h, w) for w in ws]), 1),
+                             "default": str(dense_shape(n)),
                              "us": times}
                     sweeps.append(sweep)
                     print(json.dumps(sweep), flush=True)
