@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from spec_decode import print_table  # noqa: E402
 
 from pipespec.kernels.fused_ops import silu_mul  # noqa: E402
-from pipespec.kernels.gemv import Gemv, dense_shape, rowmajor_gemv  # noqa: E402
+from pipespec.kernels.gemv import DENSE_GEMV, Gemv, rowmajor_gemv  # noqa: E402
 from pipespec.stage.cuda_graphs import graph_ms  # noqa: E402
 
 # (model, projection): (N, K)
@@ -83,7 +83,7 @@ def main():
                     best = min(times, key=times.get)
                     sweep = {"model": model, "proj": proj, "best": best, "best_us": times[best],
                              "default_us": round(_us([lambda w=w: rowmajor_gemv(h, w) for w in ws]), 1),
-                             "default": str(dense_shape(n)),
+                             "default": str(DENSE_GEMV),
                              "us": times}
                     sweeps.append(sweep)
                     print(json.dumps(sweep), flush=True)

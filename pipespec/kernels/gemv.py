@@ -125,19 +125,13 @@ class Gemv:
     max_m: int = 8
 
 
-# Dense weights at one or two rows, from H200 sweeps (RESULTS.md): wide outputs (the 8B model's gate/up,
-# LM heads) stream best as 8 rows by 512 elements a step (16 bytes a lane: two warps a row); narrower
-# ones (q/k/v, o and down of an 8B model) as 2 rows by 1,024 with no split of K: 2,048 programs or
-# more keep the loads in flight without a pass summing partials (o: 10.4 us against 11.4 split).
-# From 4 rows up cuBLAS is as fast or faster (the kernel's FMAs per weight grow with the rows).
+# Dense weights at one or two rows: 8 rows by 512 elements (16 bytes a lane: two warps a row), an 8 KB
+# step; the best or within 2% of it on the 8B and Qwen3.5-2B projections at one row (H200 sweep,
+# RESULTS.md). From 4 rows up cuBLAS is as fast or faster (the kernel's FMAs per weight grow with the
+# rows). A narrower shape for outputs of up to 8,192 rows (2 by 1,024, no split of K) won 1-2 us a
+# projection alone, but not inside the 8B engine's graph (3.75 ms of GEMVs a token against 3.70 with
+# the split sums, one run each), so it is not used.
 DENSE_GEMV = Gemv(block_n=8, block_k=512, num_warps=4, max_m=2)
-NARROW_DENSE_GEMV = Gemv(block_n=2, block_k=1024, num_warps=4, split_k=1, max_m=2)
-NARROW_ROWS = 8192
-
-
-def dense_shape(out_features: int) -> Gemv:
-    """The launch shape for a dense weight of `out_features` rows."""
-    return NARROW_DENSE_GEMV if out_features <= NARROW_ROWS else DENSE_GEMV
 
 
 def gemv_split_k(programs: int, k_steps: int, sms: int, step_bytes: int, weight_bytes: int, out_features: int) -> int:
@@ -185,12 +179,11 @@ def _launch_gemv(kernel, x: torch.Tensor, out_features: int, in_features: int, b
 
 
 def rowmajor_gemv(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | None = None,
-                  block: tuple[int, int] = (1, 1), gated: bool = False, shape: Gemv | None = None) -> torch.Tensor:
+                  block: tuple[int, int] = (1, 1), gated: bool = False, shape: Gemv = DENSE_GEMV) -> torch.Tensor:
     """x [M, K] @ weight [N, K].T -> [M, N] in x's dtype, M <= shape.max_m. With `scale_inv` the
     weight is FP8 scaled by its [N / bo, K / bi] blocks (`block` = (bo, bi)); with `gated`, x is
-    [M, 2K] = cat[gate, up] and the product is of silu(gate) * up. shape: `dense_shape`'s by default."""
+    [M, 2K] = cat[gate, up] and the product is of silu(gate) * up."""
     out_features, in_features = weight.shape
-    shape = shape or dense_shape(out_features)
     if x.shape[-1] != in_features * (2 if gated else 1):
         raise ValueError(f"input of width {x.shape[-1]} for a weight of {in_features} columns"
                          f"{' (gated: twice that)' if gated else ''}")

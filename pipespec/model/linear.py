@@ -1,6 +1,6 @@
 """The product of a dense linear layer, y = x @ W.T (+ b), on the path that serves it fastest.
 
-Decode rows on the GPU (at most `gemv.dense_shape(N).max_m` of them, weight and input of one dtype) take the
+Decode rows on the GPU (at most `DENSE_GEMV.max_m` of them, weight and input of one dtype) take the
 CUDA-core GEMV kernel (`kernels/gemv.py`), which streams a small projection's weight closer to the
 memory bandwidth than cuBLAS does at one row; everything else (prefill, CPU, training) is
 `F.linear`. With `gated`, x is a fused gate/up row cat[gate, up] and the product is of
@@ -17,8 +17,8 @@ from pipespec import kernels
 def _decode_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     if not (kernels.enabled(x) and x.dtype == weight.dtype and weight.is_contiguous()):
         return False
-    from pipespec.kernels.gemv import dense_shape
-    return x.numel() <= dense_shape(weight.shape[0]).max_m * x.shape[-1]
+    from pipespec.kernels.gemv import DENSE_GEMV
+    return x.numel() <= DENSE_GEMV.max_m * x.shape[-1]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

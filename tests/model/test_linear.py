@@ -39,6 +39,6 @@ def test_decode_rows_take_the_gemv_kernel_and_prefill_rows_do_not(monkeypatch, g
             x = _rand(rows, width, seed=rows)
             ref = (torch.nn.functional.silu(x[:, :64]) * x[:, 64:]) if gated else x
             torch.testing.assert_close(linear(x, w, b, gated=gated), ref @ w.t() + b, rtol=1e-5, atol=1e-5)
-        assert calls == [1, 2], "only decode rows (at most dense_shape(N).max_m) take the GEMV"
+        assert calls == [1, 2], "only decode rows (at most DENSE_GEMV.max_m) take the GEMV"
         linear(_rand(1, 64, seed=6), w.t().contiguous().t())      # a transposed weight: F.linear
         assert calls == [1, 2]
