@@ -29,6 +29,7 @@ from torch import nn
 
 from pipespec.layout import StepLayout
 from pipespec.model.attention import ForwardContext, KVCache
+from pipespec.speculative.rejection import greedy_tokens
 
 
 class MTPProposer(nn.Module):
@@ -107,4 +108,4 @@ class MTPProposer(nn.Module):
         return self.layers[i % n](ctx, tokens, hidden, embed_weight=embed, cache=self.kv_caches[i % n])
 
     def _argmax(self, layer, h: torch.Tensor) -> torch.Tensor:
-        return layer.compute_logits(h, self._head_weight()).argmax(dim=-1)
+        return greedy_tokens(layer.compute_logits(h, self._head_weight()))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from pipespec import kernels
 from pipespec.layout import StepLayout
 from pipespec.sampling import SamplingTensors, draw, processed_probs, uniform_keyed
 
@@ -66,11 +67,20 @@ def rejection_sample(target_logits: torch.Tensor, draft_ids: torch.Tensor, num_d
     return tokens, n_acc.long() + 1
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(dim=-1); on the GPU the two-pass kernel (`kernels/argmax.py`), which spreads a
+    row over many programs where torch's reduction reads it in one thread block."""
+    if kernels.enabled(logits):
+        from pipespec.kernels.argmax import argmax_rows
+        return argmax_rows(logits)
+    return logits.argmax(dim=-1)
+
+
 def verify_greedy(target_logits, draft_ids, num_drafts):
     """Greedy rows with deterministic drafts: accept while the draft is the argmax (the general path
     computes the same thing with one-hot distributions; this one skips the softmax). No host read:
     a CUDA graph's forward runs it for every step (`stage/cuda_graphs.py`)."""
-    best = target_logits.argmax(dim=-1)                                                     # [B, K+1]
+    best = greedy_tokens(target_logits)                                                     # [B, K+1]
     k = best.shape[1] - 1
     col = torch.arange(k, device=best.device)[None, :]
     accept = (best[:, :k] == draft_ids) & (col < num_drafts[:, None])
