@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from pipespec.kernels import sm_count
-from pipespec.kernels.gemv import Gemv, _launch_gemv, _run, _store, gemv_split_k, rowmajor_gemv  # noqa: F401
+from pipespec.kernels.gemv import Gemv, _launch_gemv, _run, _store, rowmajor_gemv
 
 
 @triton.jit

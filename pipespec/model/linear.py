@@ -23,6 +23,7 @@ def _decode_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            gated: bool = False) -> torch.Tensor:
+    """x [..., K] (gated: [..., 2K]) @ weight [N, K].T + bias -> [..., N]."""
     if x.numel() and _decode_gemv(x, weight):
         from pipespec.kernels.gemv import rowmajor_gemv
         lead = x.shape[:-1]

@@ -9,10 +9,9 @@ import pytest
 import torch
 
 from pipespec.layout import Carry, StepLayout, carry_in
-from tests.kernels import test_moe_experts
-from tests.kernels.test_moe_experts import DEVICE
+from tests.kernels import DEVICE, ON_KERNELS
 
-pytestmark = test_moe_experts.pytestmark
+pytestmark = ON_KERNELS
 
 BS, W, N = 4, 9, 16
 

@@ -3,20 +3,15 @@ candidate, the conv with its SiLU on every real row (`causal_conv_lines`), and t
 state update (`LinearMeta.store`): a plain line's last inputs to its slot, a verify line's window
 after each row to its candidates. GPU; on CPU under TRITON_INTERPRET=1 in float32."""
 import copy
-import importlib.util
-import os
 
 import pytest
 import torch
 
 from pipespec.model.gated_deltanet import causal_conv_lines
 from pipespec.model.linear_state import LinearFlags, LinearMeta, LinearState
+from tests.kernels import DEVICE, ON_KERNELS
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRET),
-                                 reason="needs a CUDA device (or TRITON_INTERPRET=1 with triton)")]
+pytestmark = ON_KERNELS
 
 
 @pytest.mark.parametrize("lengths,drafts", [([1, 1, 1], [0, 0, 0]), ([3, 1, 2], [0, 0, 1]), ([4, 4], [3, 3])])

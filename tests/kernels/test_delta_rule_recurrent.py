@@ -4,19 +4,14 @@ equals the PyTorch preparation and recurrence: outputs of real rows, the state e
 and each verifying line's state after every row to its candidates; padding rows leave the state as
 it was. GPU; on CPU under
 TRITON_INTERPRET=1 in float32."""
-import importlib.util
-import os
 
 import pytest
 import torch
 
 from pipespec.model.gated_deltanet import delta_rule_inputs, gated_delta_rule
+from tests.kernels import DEVICE, ON_KERNELS
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRET),
-                                 reason="needs a CUDA device (or TRITON_INTERPRET=1 with triton)")]
+pytestmark = ON_KERNELS
 
 
 @pytest.mark.parametrize("rows,lengths", [(1, [1, 1, 1]), (4, [4, 2, 1]), (9, [9, 9, 3])])

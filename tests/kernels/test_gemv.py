@@ -2,17 +2,12 @@
 unfused silu_mul then product. On a GPU; on CPU only under the Triton interpreter."""
 from __future__ import annotations
 
-import importlib.util
-import os
 
 import pytest
 import torch
+from tests.kernels import DEVICE, ON_KERNELS
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRET),
-                                 reason="needs a CUDA device (or TRITON_INTERPRET=1 with triton)")]
+pytestmark = ON_KERNELS
 DTYPES = [torch.float32, torch.bfloat16] if torch.cuda.is_available() else [torch.float32]
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 SAME = {torch.float32: 1e-6, torch.bfloat16: 4e-3}     # the same products summed in another order

@@ -3,18 +3,13 @@ grouped-GEMM path: odd sizes, experts repeated across tokens, pairs of other ran
 different weight per slot. On a GPU; on CPU under the Triton interpreter (TRITON_INTERPRET=1)."""
 from __future__ import annotations
 
-import importlib.util
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
+from tests.kernels import DEVICE, ON_KERNELS
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRET),
-                                 reason="needs a CUDA device (or TRITON_INTERPRET=1 with triton)")]
+pytestmark = ON_KERNELS
 
 
 def _loop(x, ids, weights, gate_up, down, first=0):

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels import test_moe_experts
-from tests.kernels.test_moe_experts import DEVICE, _case, _close, _loop
+from tests.kernels import DEVICE, ON_KERNELS
+from tests.kernels.test_moe_experts import _case, _close, _loop
 
-pytestmark = test_moe_experts.pytestmark
+pytestmark = ON_KERNELS
 
 
 def _fp8_stacks(gate_up, down, block):

@@ -3,19 +3,14 @@ with correction bias and group-limited top-k; Qwen softmax): the same experts in
 same weights. On a GPU; on CPU under the Triton interpreter (TRITON_INTERPRET=1 with triton)."""
 from __future__ import annotations
 
-import importlib.util
-import os
 
 import pytest
 import torch
 
 from pipespec.kernels import fused_routing_supported
+from tests.kernels import DEVICE, ON_KERNELS
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRET),
-                                 reason="needs a CUDA device (or TRITON_INTERPRET=1 with triton)")]
+pytestmark = ON_KERNELS
 
 
 def _router(experts, top_k, n_group, topk_group, norm, scale, seed):

@@ -1,20 +1,15 @@
 """The Triton paged-attention kernel against the PyTorch reference backend, whole and with the KV
 split across programs (GPU; on CPU under TRITON_INTERPRET=1 in float32)."""
-import importlib.util
-import os
 
 import pytest
 import torch
 
 from pipespec.model.attention import ForwardContext, KVCache, TorchReferenceBackend
+from tests.kernels import DEVICE, ON_KERNELS
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # the interpreter multiplies bf16 tiles as their bit patterns: float32 only there
 DTYPES = [torch.bfloat16, torch.float32] if torch.cuda.is_available() else [torch.float32]
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRET),
-                                 reason="needs a CUDA device (or TRITON_INTERPRET=1 with triton)")]
+pytestmark = ON_KERNELS
 
 # (query rows, KV length after the step) per request: decode, verify, a whole prefill, a prefill
 # chunk reading earlier blocks, and a long context

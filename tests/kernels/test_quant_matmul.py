@@ -3,8 +3,6 @@ x @ W.T with the dequantized weight. On a GPU; on CPU only under the Triton inte
 (TRITON_INTERPRET=1 with triton installed), which is how the kernels were first checked."""
 from __future__ import annotations
 
-import importlib.util
-import os
 from dataclasses import replace
 
 import pytest
@@ -12,12 +10,9 @@ import torch
 
 from pipespec.model.quant.packed import Fp8Weight, Int4Weight
 from tests.model.quant import writers
+from tests.kernels import DEVICE, ON_KERNELS
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRET),
-                                 reason="needs a CUDA device (or TRITON_INTERPRET=1 with triton)")]
+pytestmark = ON_KERNELS
 # float32: exact products up to summation order; bf16: the activations' rounding (GPU only: the
 # interpreter multiplies bf16 tiles as their bit patterns)
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -103,7 +98,7 @@ def test_split_k_fills_the_gpu_only_when_the_grid_does_not():
 
 
 def test_decode_split_k_fills_the_gpu_while_partials_stay_small():
-    from pipespec.kernels.quant_matmul import gemv_split_k
+    from pipespec.kernels.gemv import gemv_split_k
     int4_o, fp8_o = 4096 * 4096 // 2, 4096 * 4096
     assert gemv_split_k(16, 128, 132, 4096, int4_o, 4096) == 64      # int4 o_proj at batch 1: partials cap it
     assert gemv_split_k(16, 32, 132, 4096, int4_o, 4096) == 32       # no more splits than K steps

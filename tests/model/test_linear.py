@@ -1,16 +1,13 @@
 """`model/linear.py`: which path a dense product takes, and that every path computes the same."""
 from __future__ import annotations
 
-import importlib.util
-import os
 
 import pytest
 import torch
 
 from pipespec.model.linear import linear
+from tests.kernels import DEVICE, INTERPRET
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _rand(*shape, seed):

@@ -68,8 +68,8 @@ class Int4Weight:
     def matmul(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
         """gated: x is a fused gate/up row, multiplied as silu(gate) * up."""
         from pipespec.kernels.quant_matmul import int4_matmul
+        from pipespec.model.linear import silu_mul
         if gated:
-            from pipespec.kernels.fused_ops import silu_mul
             x = silu_mul(x)
         return int4_matmul(x, self.qweight, self.zeros, self.scales, self.group, self.perm)
 
