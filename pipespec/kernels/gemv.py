@@ -11,7 +11,8 @@ partials in split order (deterministic, no atomics).
 e4m3 ones with block scales (`quant_matmul.fp8_block_matmul`). With `gated` its input is a fused
 gate/up row [M, 2K] and the kernel multiplies silu(gate) * up, rounded as `fused_ops.silu_mul`
 rounds it: the MLP's activation never makes a round trip through memory, nor a launch of its own.
-The launch machinery (`_run`, `Gemv`, `gemv_split_k`) also serves the int4 decode kernel.
+The launch machinery (`_run`, `Gemv`, `gemv_split_k`) and the gated input (`gemv_input`) also serve
+the int4 decode kernel.
 """
 from __future__ import annotations
 
@@ -48,18 +49,19 @@ def _sum_splits(p_ptr, y_ptr, size, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _gemv_input(x_row, k, K: tl.constexpr, GATED: tl.constexpr, MASK_K: tl.constexpr):
-    """The step's input [BM, BK] at columns k: x, or silu(gate) * up of a gate/up row (up at K),
-    each factor rounded to the input's dtype as `fused_ops.silu_mul` stores them."""
-    if MASK_K:
-        x = tl.load(x_row + k[None, :], mask=k[None, :] < K, other=0.0)
+def gemv_input(ptrs, K, mask, GATED: tl.constexpr, MASKED: tl.constexpr):
+    """A decode kernel's input at `ptrs` (masked by `mask` if MASKED): x, or with GATED silu(gate) *
+    up of a gate/up row (up K further on), each factor rounded to the input's dtype as
+    `fused_ops.silu_mul` stores them."""
+    if MASKED:
+        x = tl.load(ptrs, mask=mask, other=0.0)
     else:
-        x = tl.load(x_row + k[None, :])
+        x = tl.load(ptrs)
     if GATED:
-        if MASK_K:
-            up = tl.load(x_row + K + k[None, :], mask=k[None, :] < K, other=0.0)
+        if MASKED:
+            up = tl.load(ptrs + K, mask=mask, other=0.0)
         else:
-            up = tl.load(x_row + K + k[None, :])
+            up = tl.load(ptrs + K)
         gate = x.to(tl.float32)
         x = ((gate / (1.0 + tl.exp(-gate))).to(up.dtype) * up).to(up.dtype)
     return x
@@ -88,7 +90,7 @@ def _rowmajor_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, stride_xm, stride_ym, s
         k = k0 + rk
         # x before w: Triton's layout pass then keeps the weight tile's layout (VEC elements a lane)
         # and moves x, the small operand, through shared memory; in the other order it moves the weights.
-        x = _gemv_input(x_row, k, K, GATED, K % BLOCK_K != 0)
+        x = gemv_input(x_row + k[None, :], K, k[None, :] < K, GATED, K % BLOCK_K != 0)
         if (K % BLOCK_K == 0) and (N % BLOCK_N == 0):
             w = tl.load(w_ptr + rn[:, None] * K + k[None, :])
         else:

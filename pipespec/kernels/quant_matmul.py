@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from pipespec.kernels import sm_count
-from pipespec.kernels.gemv import Gemv, _launch_gemv, _run, _store, rowmajor_gemv
+from pipespec.kernels.gemv import Gemv, _launch_gemv, _run, _store, gemv_input, rowmajor_gemv
 
 
 @triton.jit
@@ -106,7 +106,7 @@ def _int4_step_loads(q_ptr, z_ptr, s_ptr, k0, k_end, rw, rn, N: tl.constexpr, GR
 
 @triton.jit
 def _int4_gemv_kernel(x_ptr, q_ptr, z_ptr, s_ptr, y_ptr, M, stride_xm, stride_ym, k_per_split,
-                      N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr,
+                      N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr, GATED: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
     """Decode on CUDA cores: all M (<= BLOCK_M) rows against BLOCK_N output columns, BLOCK_K rows of
     K (inside one group) a step. A lane loads 4 words of each word row (16 bytes, coalesced along N;
@@ -137,7 +137,7 @@ def _int4_gemv_kernel(x_ptr, q_ptr, z_ptr, s_ptr, y_ptr, M, stride_xm, stride_ym
         qx = tl.zeros((BLOCK_M, BLOCK_K // 8, BLOCK_N), dtype=tl.float32)     # summed over words per step
         xs = tl.zeros((BLOCK_M, BLOCK_K // 8, 1), dtype=tl.float32)
         for j in tl.static_range(8):
-            x = tl.load(x_row + k0 + 8 * rw + j).to(tl.float32)                         # [BM, KW, 1]
+            x = gemv_input(x_row + k0 + 8 * rw + j, K, None, GATED, False).to(tl.float32)  # [BM, KW, 1]
             q = (halves[j // 4] & ((0xF << (4 * (j % 4))) | 0x4B000000)).to(tl.float32, bitcast=True)
             q = q * 2.0 ** -(4 * (j % 4)) - 2.0 ** (23 - 4 * (j % 4))                  # exact: q
             qx += q * x
@@ -213,12 +213,17 @@ def _launch(kernel, x: torch.Tensor, out_features: int, in_features: int, block_
 
 
 def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group: int,
-                perm: torch.Tensor | None = None, tiles: Tiles = DEFAULT_TILES) -> torch.Tensor:
+                perm: torch.Tensor | None = None, tiles: Tiles = DEFAULT_TILES, gated: bool = False) -> torch.Tensor:
     """x [..., K] @ W.T -> [..., N] in x's dtype, W the int4 weight in `model/quant/packed.py`'s
-    layout: qweight int32 [K / 8, N], zeros and scales float32 [K / group, N], perm (act-order) [K]."""
+    layout: qweight int32 [K / 8, N], zeros and scales float32 [K / group, N], perm (act-order) [K].
+    gated: x is [..., 2K] = cat[gate, up] and the product is of silu(gate) * up (read by the decode
+    kernel itself, except under act-order, whose permutation needs the activated row)."""
     in_features, out_features = qweight.shape[0] * 8, qweight.shape[1]
     lead = x.shape[:-1]
-    x = x.reshape(-1, in_features)
+    x = x.reshape(-1, x.shape[-1])
+    if gated and (perm is not None or x.shape[0] > tiles.int4_gemv.max_m):
+        from pipespec.kernels.fused_ops import silu_mul
+        x, gated = silu_mul(x), False
     if perm is not None:
         x = x.index_select(1, perm)                        # act-order: rows in group order
     x = x.contiguous()
@@ -235,7 +240,7 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, sca
         warps = max(1, min(g.block_n // 128, max(g.num_warps, g.block_n * rows // 2048)))
         block_k = max(8, min(g.block_k // rows, group & -group, 128 * warps // rows))
         y = _launch_gemv(_int4_gemv_kernel, x, out_features, in_features, g.block_n, block_k, warps, g, 4, args,
-                         GROUP=group)
+                         GROUP=group, GATED=gated)
     else:
         y = _launch(_int4_kernel, x, out_features, in_features, tiles.block_n, tiles.k_tile(group, "int4 group size"),
                     tiles, args, GROUP=group)

@@ -200,3 +200,21 @@ def test_fp8_gated_input_is_silu_mul_then_the_product(m, dtype):
     assert got.shape == (m, 200)
     assert _rel(got, fp8_block_matmul(h, weight, scales, (128, 128))) < (1e-6 if dtype == torch.float32 else 4e-3)
     assert _rel(got, h.float() @ ref.to(DEVICE).t()) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 5, 9])
+@pytest.mark.parametrize("layout", ["awq", "gptq_act_order"])
+def test_int4_gated_input_is_silu_mul_then_the_product(layout, m, dtype):
+    """Read by the decode kernel itself (m <= 8, in group order), activated first under act-order
+    and on the tl.dot path; either way the product of silu(gate) * up."""
+    from pipespec.kernels.fused_ops import silu_mul
+    packed, ref = _int4(layout)
+    packed = packed.to(torch.device(DEVICE))
+    gate_up = _x(m, 1024, dtype, seed=15)
+    with torch.inference_mode():
+        h = silu_mul(gate_up)
+    got = packed.matmul(gate_up, gated=True)
+    assert got.shape == (m, 160)
+    assert _rel(got, packed.matmul(h)) < (1e-6 if dtype == torch.float32 else 4e-3)
+    assert _rel(got, h.float() @ ref.to(DEVICE).t()) < TOL[dtype]

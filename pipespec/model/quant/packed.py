@@ -66,12 +66,9 @@ class Int4Weight:
                           self.scales[start // self.group:stop // self.group], self.group)
 
     def matmul(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
-        """gated: x is a fused gate/up row, multiplied as silu(gate) * up."""
+        """gated: x is a fused gate/up row, multiplied as silu(gate) * up (fused at decode)."""
         from pipespec.kernels.quant_matmul import int4_matmul
-        from pipespec.model.linear import silu_mul
-        if gated:
-            x = silu_mul(x)
-        return int4_matmul(x, self.qweight, self.zeros, self.scales, self.group, self.perm)
+        return int4_matmul(x, self.qweight, self.zeros, self.scales, self.group, self.perm, gated=gated)
 
     def dequantize(self) -> torch.Tensor:
         """Dense float32 [out, in] in the checkpoint's input order (the reference)."""
