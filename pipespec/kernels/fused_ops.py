@@ -1,6 +1,6 @@
 """Fused elementwise kernels for the decoder: residual add + RMSNorm (plain or zero-centred), gated
 RMSNorm, RoPE (in place, or on a slice of each head as MLA and partial rotary use), SiLU-and-multiply,
-KV write.
+KV write, and MLA's cache entry (the latent's norm, the rope key's rotation and the write in one).
 
 Each replaces several PyTorch launches with one, which is what a small model's decode step is made
 of once CUDA graphs remove the launch overhead. Numerics follow the PyTorch path in `model.layers`:
@@ -24,14 +24,18 @@ def _rms_norm_kernel(x_ptr, res_ptr, out_ptr, res_out_ptr, w_ptr, n_cols, eps,
         x = (x.to(tl.float32) + tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32))
         x = x.to(res_out_ptr.dtype.element_ty)      # the sum is rounded to the model dtype, as in torch
         tl.store(res_out_ptr + row * n_cols + cols, x, mask=mask)
-    xf = x.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if ZERO_CENTRED:        # y = norm(x) * (1 + w), all in float32 (`model/norms.py`)
-        y = xf * rstd * (1.0 + w)
-    else:                   # Llama: the norm is rounded to the model dtype before the weight
-        y = (xf * rstd).to(out_ptr.dtype.element_ty).to(tl.float32) * w
+    y = _normed(x.to(tl.float32), tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32), n_cols, eps,
+                out_ptr.dtype.element_ty, ZERO_CENTRED)
     tl.store(out_ptr + row * n_cols + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _normed(xf, w, n_cols, eps, dtype: tl.constexpr, ZERO_CENTRED: tl.constexpr):
+    """RMSNorm of one float32 row (padding zero) by weight w, before the final cast to `dtype`."""
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
+    if ZERO_CENTRED:        # y = norm(x) * (1 + w), all in float32 (`model/norms.py`)
+        return xf * rstd * (1.0 + w)
+    return (xf * rstd).to(dtype).to(tl.float32) * w      # Llama: the norm is rounded before the weight
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
@@ -137,15 +141,21 @@ def _slice_rope_kernel(x_ptr, out_ptr, cos_ptr, sin_ptr, pos_ptr, stride_t, stri
     cos = tl.load(cos_ptr + pos * HALF + i)[None, :]
     sin = tl.load(sin_ptr + pos * HALF + i)[None, :]
     base = x_ptr + t * stride_t + h[:, None] * stride_h
+    _rotate_slice(base, out_ptr + (t * heads + h[:, None]) * (2 * HALF), i[None, :], cos, sin, ok, HALF, INTERLEAVED)
+
+
+@triton.jit
+def _rotate_slice(src, dst, i, cos, sin, ok, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """Rotate the pairs of a rotary slice at `src` (i: the pair indices, broadcast against the rows
+    of src/dst) and store it at `dst` in dst's dtype: first members, then second members."""
     if INTERLEAVED:          # pairs (2i, 2i + 1)
-        a = tl.load(base + 2 * i[None, :], mask=ok, other=0.0).to(tl.float32)
-        b = tl.load(base + 2 * i[None, :] + 1, mask=ok, other=0.0).to(tl.float32)
+        a = tl.load(src + 2 * i, mask=ok, other=0.0).to(tl.float32)
+        b = tl.load(src + 2 * i + 1, mask=ok, other=0.0).to(tl.float32)
     else:                    # pairs (i, i + D/2)
-        a = tl.load(base + i[None, :], mask=ok, other=0.0).to(tl.float32)
-        b = tl.load(base + HALF + i[None, :], mask=ok, other=0.0).to(tl.float32)
-    row = out_ptr + (t * heads + h[:, None]) * (2 * HALF)
-    tl.store(row + i[None, :], (a * cos - b * sin).to(out_ptr.dtype.element_ty), mask=ok)
-    tl.store(row + HALF + i[None, :], (b * cos + a * sin).to(out_ptr.dtype.element_ty), mask=ok)
+        a = tl.load(src + i, mask=ok, other=0.0).to(tl.float32)
+        b = tl.load(src + HALF + i, mask=ok, other=0.0).to(tl.float32)
+    tl.store(dst + i, (a * cos - b * sin).to(dst.dtype.element_ty), mask=ok)
+    tl.store(dst + HALF + i, (b * cos + a * sin).to(dst.dtype.element_ty), mask=ok)
 
 
 def slice_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
@@ -184,3 +194,38 @@ def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, k: torch.Tensor
     assert k.stride(1) == k.shape[2] and v.stride(1) == v.shape[2] and k.stride(2) == 1 and v.stride(2) == 1
     _write_kv_kernel[(k.shape[0],)](k, v, key_cache, value_cache, slot_mapping, k.stride(0), v.stride(0),
                                     ROW=row, BLOCK=triton.next_power_of_2(row))
+
+
+@triton.jit
+def _mla_entry_kernel(kv_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, cache_ptr, stride_kt, stride_ct, eps,
+                      R: tl.constexpr, R_PAD: tl.constexpr, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t)
+    if slot >= 0:
+        r = tl.arange(0, R_PAD)
+        mask = r < R
+        x = tl.load(kv_ptr + t * stride_kt + r, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + r, mask=mask, other=0.0).to(tl.float32)
+        dst = cache_ptr + slot * stride_ct
+        y = _normed(x, w, R, eps, kv_ptr.dtype.element_ty, False).to(kv_ptr.dtype.element_ty)   # kv_a_layernorm
+        tl.store(dst + r, y.to(cache_ptr.dtype.element_ty), mask=mask)
+        i = tl.arange(0, HALF)
+        pos = tl.load(pos_ptr + t)
+        cos = tl.load(cos_ptr + pos * HALF + i)
+        sin = tl.load(sin_ptr + pos * HALF + i)
+        _rotate_slice(kv_ptr + t * stride_kt + R, dst + R, i, cos, sin, i < HALF, HALF, INTERLEAVED)
+
+
+def mla_cache_entry(kv_a: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                    positions: torch.Tensor, interleaved: bool, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """MLA's cache entry of each row in one launch: kv_a [T, R + DR] (the kv_a projection's rows,
+    unit stride within a row) -> cache[slot, 0, :R] = RMSNorm(latent) (Llama rounding, as
+    `layers.RMSNorm`), cache[slot, 0, R:R + DR] = the rotated rope key (as `fused_ops.slice_rope`
+    lays it out); tables float32 [P, DR/2]. Rows whose slot is negative write nothing."""
+    t, width = kv_a.shape
+    rank, half = norm_weight.shape[0], (width - norm_weight.shape[0]) // 2
+    assert kv_a.stride(1) == 1 and cache.stride(-1) == 1 and half & (half - 1) == 0
+    if t:
+        _mla_entry_kernel[(t,)](kv_a, norm_weight, cos, sin, positions, slot_mapping, cache, kv_a.stride(0),
+                                cache.stride(0), eps, R=rank, R_PAD=triton.next_power_of_2(rank), HALF=half,
+                                INTERLEAVED=interleaved, num_warps=4)

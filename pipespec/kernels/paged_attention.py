@@ -28,6 +28,16 @@ from pipespec.kernels import sm_count
 
 
 @triton.jit
+def store_partial(part_m_ptr, part_l_ptr, part_acc_ptr, part, m_i, l_i, acc, d, row_ok, read_any, DIM: tl.constexpr):
+    """A split's partials at index `part` [rows] (values [rows, d]); a split that read no keys
+    stores its max alone, which `_combine_kernel` reads as empty."""
+    tl.store(part_m_ptr + part, m_i, mask=row_ok)
+    if read_any:
+        tl.store(part_l_ptr + part, l_i, mask=row_ok)
+        tl.store(part_acc_ptr + part[:, None] * DIM + d[None, :], acc, mask=row_ok[:, None] & (d[None, :] < DIM))
+
+
+@triton.jit
 def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, query_start_ptr, seq_lens_ptr,
         part_m_ptr, part_l_ptr, part_acc_ptr, num_heads, scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_ct, stride_ch, stride_bt,
@@ -90,10 +100,8 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     if NUM_SPLITS > 1:     # partials of (row, head, split); _combine_kernel merges a row's splits
-        part = (q_rows * num_heads + head) * NUM_SPLITS + split
-        tl.store(part_m_ptr + part, m_i, mask=row_ok)
-        tl.store(part_l_ptr + part, l_i, mask=row_ok)
-        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=row_ok[:, None])
+        store_partial(part_m_ptr, part_l_ptr, part_acc_ptr, (q_rows * num_heads + head) * NUM_SPLITS + split,
+                      m_i, l_i, acc, d, row_ok, lo < hi, HEAD_DIM)
     else:
         out = acc / tl.maximum(l_i, 1e-30)[:, None]
         tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
@@ -102,19 +110,34 @@ def _paged_attention_kernel(
 
 @triton.jit
 def _combine_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, num_heads, stride_ot, stride_oh,
-                    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS: tl.constexpr):
+                    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS: tl.constexpr):
+    """out[row, head] from its splits' partials. A split that read no keys stored only its max
+    (-1e30): it weighs 0 and its sum and values are not read, so the splits a short context leaves
+    empty cost one float each (MLA's partial is 512 values a head)."""
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     s = tl.arange(0, SPLITS)
     s_ok = s < NUM_SPLITS
     part = (row * num_heads + head) * NUM_SPLITS + s
     m = tl.load(part_m_ptr + part, mask=s_ok, other=float("-inf"))
-    w = tl.exp2(m - tl.max(m, axis=0))                  # an empty split (m = -1e30) weighs 0
-    l_sum = tl.sum(w * tl.load(part_l_ptr + part, mask=s_ok, other=0.0), axis=0)
-    d = tl.arange(0, HEAD_DIM)
-    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=s_ok[:, None], other=0.0)
+    used = m > -1.0e29
+    w = tl.where(used, tl.exp2(m - tl.max(m, axis=0)), 0.0)
+    l_sum = tl.sum(w * tl.load(part_l_ptr + part, mask=used, other=0.0), axis=0)
+    d = tl.arange(0, DIM_PAD)
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=used[:, None] & (d[None, :] < HEAD_DIM),
+                  other=0.0)
     out = tl.sum(w[:, None] * acc, axis=0) / tl.maximum(l_sum, 1e-30)
-    tl.store(out_ptr + row * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + row * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+def combine_splits(part_m: torch.Tensor, part_l: torch.Tensor, part_acc: torch.Tensor, out: torch.Tensor,
+                   num_splits: int) -> torch.Tensor:
+    """Merge the float32 partials [T * H * splits (, D)] of a split-KV launch into out [T, H, D]."""
+    t, heads, dim = out.shape
+    _combine_kernel[(t, heads)](part_m, part_l, part_acc, out, heads, out.stride(0), out.stride(1), HEAD_DIM=dim,
+                                DIM_PAD=triton.next_power_of_2(dim), NUM_SPLITS=num_splits,
+                                SPLITS=triton.next_power_of_2(num_splits), num_warps=4)
+    return out
 
 
 def _block_m(rows_per_request: int) -> int:
@@ -148,12 +171,14 @@ class Launch:
 DEFAULT_LAUNCH = Launch()
 
 
-def num_kv_splits(programs: int, max_kv: int, sms: int, per_sm: int = 4, max_splits: int = MAX_SPLITS) -> int:
+def num_kv_splits(programs: int, max_kv: int, sms: int, per_sm: int = 4, max_splits: int = MAX_SPLITS,
+                  min_kv: int = SPLIT_MIN_KV, keys_per_split: int = 256) -> int:
     """Splits of each program's keys: enough programs for about `per_sm` per SM, each split reading
-    at least 256 keys; 1 (no split) when the grid already has that many or contexts are short."""
-    if max_kv < SPLIT_MIN_KV or programs >= per_sm * sms:
+    at least `keys_per_split` keys; 1 (no split) when the grid already has that many or contexts
+    are shorter than `min_kv`."""
+    if max_kv < min_kv or programs >= per_sm * sms:
         return 1
-    return max(1, min(max_splits, -(-per_sm * sms // programs), max_kv // 256))
+    return max(1, min(max_splits, -(-per_sm * sms // programs), max_kv // keys_per_split))
 
 
 def kv_splits_for(batch: int, kv_heads: int, rows_per_request: int, max_kv: int, device: torch.device,
@@ -204,6 +229,5 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
         BLOCK_N=block_n, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 stays exact
         NUM_SPLITS=num_splits, num_warps=num_warps, num_stages=num_stages)
     if split:
-        _combine_kernel[(t, heads)](part_m, part_l, part_acc, out, heads, out.stride(0), out.stride(1), HEAD_DIM=dim,
-                                    NUM_SPLITS=num_splits, SPLITS=triton.next_power_of_2(num_splits), num_warps=4)
+        combine_splits(part_m, part_l, part_acc, out, num_splits)
     return out

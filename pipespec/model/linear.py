@@ -5,6 +5,8 @@ CUDA-core GEMV kernel (`kernels/gemv.py`), which streams a small projection's we
 memory bandwidth than cuBLAS does at one row; everything else (prefill, CPU, training) is
 `F.linear`. With `gated`, x is a fused gate/up row cat[gate, up] and the product is of
 silu(gate) * up: the decode kernel fuses the activation, the other paths apply it first.
+`Linear` is an `nn.Linear` whose product takes this path (a replicated projection: MLA's latent
+projections, Gated DeltaNet's input projection, an MTP layer's input projection).
 """
 from __future__ import annotations
 
@@ -32,6 +34,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if gated:
         x = silu_mul(x)
     return nn.functional.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` (same parameters, same checkpoint names) through `linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

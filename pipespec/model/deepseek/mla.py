@@ -25,11 +25,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipespec import kernels
 from pipespec.model.attention import CacheShape, ForwardContext, KVCache, TorchReferenceBackend
 from pipespec.model.deepseek.config import DeepSeekConfig
 from pipespec.model.deepseek.dsa import Indexer, Selection, index_scores, select_topk
 from pipespec.model.deepseek.rope import SliceRope
 from pipespec.model.layers import RMSNorm
+from pipespec.model.linear import Linear
 from pipespec.model.tp_layers import SINGLE, ColumnParallelLinear, RowParallelLinear
 from pipespec.parallel import TensorParallel
 
@@ -49,10 +51,10 @@ class MLAttention(nn.Module):
         if cfg.q_lora_rank is None:
             self.q_proj = heads(hidden, cfg.qk_head_dim)
         else:
-            self.q_a_proj = nn.Linear(hidden, cfg.q_lora_rank, bias=bias)
+            self.q_a_proj = Linear(hidden, cfg.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, eps)
             self.q_b_proj = heads(cfg.q_lora_rank, cfg.qk_head_dim)
-        self.kv_a_proj_with_mqa = nn.Linear(hidden, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=bias)
+        self.kv_a_proj_with_mqa = Linear(hidden, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, eps)
         self.kv_b_proj = heads(cfg.kv_lora_rank, cfg.qk_nope_head_dim + cfg.v_head_dim)
         self.o_proj = RowParallelLinear(num_heads * cfg.v_head_dim, hidden, bias, tp,
@@ -83,28 +85,39 @@ class MLAttention(nn.Module):
         q = q.view(t, nh, c.qk_head_dim)
         q_nope, q_rope = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
         q_rope = rope.rotate(q_rope, ctx.positions)
-        latent, k_rope = self.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
-        k_rope = rope.rotate(k_rope[:, None, :], ctx.positions)
-        parts = [self.kv_a_layernorm(latent)[:, None, :], k_rope]
+        kv_a = self.kv_a_proj_with_mqa(x)
         index_q = None
-        if self.indexer is not None:
-            parts.append(self.indexer.key(x, rope, ctx.positions)[:, None, :])
-            index_q = self.indexer.queries(x, q_resid, rope, ctx.positions)
-        entry = torch.cat(parts, dim=-1)                                        # [T, 1, cache width]
-        cache.key.index_copy_(0, ctx.slot_mapping, entry.to(cache.key.dtype))
+        if self.indexer is None and kernels.enabled(kv_a) and rope.fused_serves(c.qk_rope_head_dim):
+            # the latent's norm, the rope key's rotation and the cache write: one kernel
+            from pipespec.kernels.fused_ops import mla_cache_entry
+            mla_cache_entry(kv_a, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, rope.cos, rope.sin,
+                            ctx.positions, rope.interleaved, cache.key, ctx.slot_mapping)
+        else:
+            latent, k_rope = kv_a.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
+            parts = [self.kv_a_layernorm(latent)[:, None, :], rope.rotate(k_rope[:, None, :], ctx.positions)]
+            if self.indexer is not None:
+                parts.append(self.indexer.key(x, rope, ctx.positions)[:, None, :])
+                index_q = self.indexer.queries(x, q_resid, rope, ctx.positions)
+            entry = torch.cat(parts, dim=-1)                                    # [T, 1, cache width]
+            cache.key.index_copy_(0, ctx.slot_mapping, entry.to(cache.key.dtype))
         if self.reuses_selection and (selection is None or selection.masks is None):
             raise RuntimeError("a layer reusing the indexer selection ran without a full layer before it")
         out = self._attend(q_nope, q_rope, cache.key, ctx, index_q, selection)
         return self.o_proj(out.reshape(t, nh * c.v_head_dim))
 
     def _attend_paged(self, q_nope, q_rope, latents, ctx: ForwardContext) -> torch.Tensor:
+        from pipespec.kernels import mla_absorb
         from pipespec.kernels.mla_attention import mla_paged_attention
+        c, w = self.cfg, self.kv_b_proj.weight
+        # a batch-1 decode row: per-head products read kv_b's weight in place (no batched GEMMs)
+        few = q_nope.shape[0] <= mla_absorb.FAST_ROWS and w.is_contiguous()
+        dn, dv = c.qk_nope_head_dim, c.v_head_dim
         w_uk, w_uv = self._weights()
-        q_lat = torch.einsum("thd,hdr->thr", q_nope, w_uk)
+        q_lat = (mla_absorb.absorb_query(q_nope, w, dn, dv) if few else torch.einsum("thd,hdr->thr", q_nope, w_uk))
         meta = ctx.attn
         o_lat = mla_paged_attention(q_lat, q_rope.contiguous(), latents, meta.block_tables, meta.query_start_loc,
                                     meta.seq_lens, meta.max_query_len, self.scale, meta.block_size)
-        return torch.einsum("thr,hvr->thv", o_lat, w_uv)
+        return mla_absorb.absorb_output(o_lat, w, dn, dv) if few else torch.einsum("thr,hvr->thv", o_lat, w_uv)
 
     def _weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj split per head: W_uk [H, dn, R], W_uv [H, dv, R]."""

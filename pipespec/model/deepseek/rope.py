@@ -62,11 +62,16 @@ class SliceRope(nn.Module):
         # blocks take the rope object and rotate with ctx.positions (the call mirrors Llama's rotary)
         return self
 
+    @staticmethod
+    def fused_serves(dim: int) -> bool:
+        """Whether the rotary kernels take a slice of `dim` (their pair index is a power-of-two range)."""
+        half = dim // 2
+        return half & (half - 1) == 0
+
     def rotate(self, x: torch.Tensor, positions: torch.Tensor, interleaved: bool | None = None) -> torch.Tensor:
         """`interleaved` overrides the table's layout (DeepSeek-V3.2's indexer rotates half)."""
         interleaved = self.interleaved if interleaved is None else interleaved
-        half = x.shape[-1] // 2
-        if kernels.enabled(x) and x.stride(-1) == 1 and half & (half - 1) == 0:
+        if kernels.enabled(x) and x.stride(-1) == 1 and self.fused_serves(x.shape[-1]):
             from pipespec.kernels.fused_ops import slice_rope     # one kernel for the dozen ops below
             return slice_rope(x, self.cos, self.sin, positions, interleaved)
         cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
