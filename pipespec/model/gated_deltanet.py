@@ -30,6 +30,7 @@ from torch import nn
 from pipespec import kernels
 from pipespec.kernels.fla_delta_rule import chunked_delta_rule, fla_available
 from pipespec.model.hybrid_config import HybridConfig
+from pipespec.model.linear import Linear
 from pipespec.model.linear_state import LinearMeta, LinearState, StateShape
 from pipespec.model.tp_layers import SINGLE, RowParallelLinear, Shard
 from pipespec.parallel import TensorParallel
@@ -140,7 +141,7 @@ class GatedDeltaNet(nn.Module):
         self.fused = cfg.fused_linear_proj
         # one matrix: Qwen3.5's in_proj_qkv, in_proj_z, in_proj_b, in_proj_a stacked, or Qwen3-Next's
         # in_proj_qkvz, in_proj_ba (interleaved per key head, split in `_split`)
-        self.in_proj = nn.Linear(hidden, self.conv_dim + self.value_size + 2 * self.hv, bias=False)
+        self.in_proj = Linear(hidden, self.conv_dim + self.value_size + 2 * self.hv, bias=False)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(self.hv))
         self.A_log = nn.Parameter(torch.zeros(self.hv))

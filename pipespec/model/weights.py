@@ -127,9 +127,10 @@ def load_weights(model: torch.nn.Module, source: WeightSource, dtype: torch.dtyp
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
         raise ValueError(f"checkpoint is missing tensor(s): {', '.join(missing[:5])}{more}")
     model.to(device=device)
-    for param in model.parameters():       # parameters only: buffers (rotary tables) stay float32
-        param.data = param.data.to(dtype)
+    dtypes = param_dtypes(model, dtype)
     params = dict(model.named_parameters())
+    for name, param in params.items():     # parameters only: buffers (rotary tables) stay float32
+        param.data = param.data.to(dtypes[name])
     for name, ckpts in tqdm(sorted(wanted.items()), desc=desc, unit="tensor", leave=False, disable=None):
         param = params[name]
         shard = shards.get(name)
@@ -147,7 +148,19 @@ def load_weights(model: torch.nn.Module, source: WeightSource, dtype: torch.dtyp
             raise ValueError(f"tensor shape mismatch: {shapes}; the model expects {tuple(param.shape)}"
                              + (" in total along dim 0" if len(parts) > 1 else ""))
         with torch.no_grad():
-            param.copy_(tensor.to(dtype))
+            param.copy_(tensor.to(param.dtype))
+
+
+def param_dtypes(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """The dtype of each parameter: the model's, or float32 for those a module lists in its
+    `float32_params` (an MoE router, whose logits are computed in float32: stored so, its weight is
+    not converted again at every step)."""
+    out = {}
+    for mname, module in model.named_modules():
+        keep = getattr(module, "float32_params", ())
+        for pname, _ in module.named_parameters(recurse=False):
+            out[f"{mname}.{pname}" if mname else pname] = torch.float32 if pname in keep else dtype
+    return out
 
 
 @torch.no_grad()
@@ -162,9 +175,10 @@ def init_dummy_weights(model: torch.nn.Module, dtype: torch.dtype, device, seed:
     model.to(device=device)
     gen = torch.Generator(device=device)
     shards = checkpoint_shards(model)
+    dtypes = param_dtypes(model, dtype)
     for own, param in model.named_parameters():
         name = (key or {}).get(own, own)
-        param.data = torch.empty(param.shape, dtype=dtype, device=device)
+        param.data = torch.empty(param.shape, dtype=dtypes[own], device=device)
         if "norm" in name.rsplit(".", 2)[-2]:
             param.data.fill_(1.0)
             continue
@@ -175,7 +189,7 @@ def init_dummy_weights(model: torch.nn.Module, dtype: torch.dtype, device, seed:
             continue
         shape = list(param.shape)
         shape[shard.dim] = sum(shard.sizes)
-        whole = torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=gen)
+        whole = torch.empty(shape, dtype=dtypes[own], device=device).normal_(0.0, 0.02, generator=gen)
         offsets = [sum(shard.sizes[:i]) for i in range(len(shard.sizes))]
         pieces = [whole.narrow(shard.dim, off + a, b - a) for off, r in zip(offsets, shard.ranges)
                   for a, b in pairs(r)]

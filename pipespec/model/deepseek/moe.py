@@ -18,12 +18,17 @@ from pipespec import kernels
 from pipespec.kernels import fused_routing_supported
 from pipespec.model.deepseek.config import MoEConfig
 from pipespec.model.layers import GatedMLP
+from pipespec.model.linear import linear
 from pipespec.model.routed_experts import as_experts, dense_stacks, routed_experts
 from pipespec.model.tp_layers import SINGLE, expert_range
 from pipespec.parallel import TensorParallel
 
 
 class Router(nn.Module):
+    # float32 in memory whatever the model's dtype: the logits are computed in float32 (as the
+    # reference does), which a bf16 weight would cost a conversion of every step (3 copies a layer)
+    float32_params = ("weight", "e_score_correction_bias")
+
     def __init__(self, hidden: int, cfg: MoEConfig):
         super().__init__()
         self.cfg = cfg
@@ -33,7 +38,7 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] float32, expert ids [T, k])."""
         c = self.cfg
-        logits = nn.functional.linear(x.float(), self.weight.float())
+        logits = linear(x.float(), self.weight.float())        # .float(): no-op once loaded
         if kernels.enabled(x) and fused_routing_supported(c.num_experts, c.n_group):
             from pipespec.kernels.moe_routing import route     # one kernel for all that follows
             return route(logits, c.top_k, sigmoid=True, bias=self.e_score_correction_bias.float(),

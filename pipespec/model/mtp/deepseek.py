@@ -15,6 +15,7 @@ from torch import nn
 
 from pipespec.model.arch import ArchConfig
 from pipespec.model.layers import ParallelLMHead, RMSNorm
+from pipespec.model.linear import Linear
 from pipespec.model.mtp.base import MTPLayer, dense_block
 from pipespec.model.tp_layers import SINGLE, VocabParallelEmbedding
 from pipespec.parallel import TensorParallel
@@ -42,7 +43,7 @@ class DeepSeekMTP(MTPLayer):
         h = arch.hidden_size
         self.enorm = RMSNorm(h, arch.rms_norm_eps)
         self.hnorm = RMSNorm(h, arch.rms_norm_eps)
-        self.eh_proj = nn.Linear(2 * h, h, bias=False)
+        self.eh_proj = Linear(2 * h, h, bias=False)
         self.block = self.make_block(arch, max_position)
         self.shared_head = _SharedHead(arch, own_head, tp)
         if own_embedding:       # a copy shipped in the checkpoint

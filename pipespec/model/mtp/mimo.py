@@ -14,6 +14,7 @@ from torch import nn
 
 from pipespec.model.arch import ArchConfig
 from pipespec.model.layers import RMSNorm
+from pipespec.model.linear import Linear
 from pipespec.model.mtp.base import MTPLayer, dense_block
 from pipespec.model.tp_layers import SINGLE
 
@@ -29,7 +30,7 @@ class MiMoMTP(MTPLayer):
         h, eps = arch.hidden_size, arch.rms_norm_eps
         self.token_layernorm = RMSNorm(h, eps)
         self.hidden_layernorm = RMSNorm(h, eps)
-        self.input_proj = nn.Linear(2 * h, h, bias=False)
+        self.input_proj = Linear(2 * h, h, bias=False)
         self.block = dense_block(arch, tp=self.tp)
         self.final_layernorm = RMSNorm(h, eps)
 

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from pipespec.model.arch import ArchConfig
+from pipespec.model.linear import Linear
 from pipespec.model.mtp.base import MTPLayer, dense_block
 from pipespec.model.norms import ZeroCentredRMSNorm
 from pipespec.model.tp_layers import SINGLE
@@ -39,7 +40,7 @@ class Qwen3NextMTPShared(nn.Module):
         h, eps = arch.hidden_size, arch.rms_norm_eps
         self.pre_fc_norm_embedding = ZeroCentredRMSNorm(h, eps)
         self.pre_fc_norm_hidden = ZeroCentredRMSNorm(h, eps)
-        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.fc = Linear(2 * h, h, bias=False)
         self.norm = ZeroCentredRMSNorm(h, eps)
 
 

@@ -84,3 +84,20 @@ def test_kv_budget_counts_the_latent(models):
     assert [tuple(c.key.shape[1:]) for c in stage.kv_caches] == [(1, 40)] * 3
     assert all(c.value.numel() == 0 for c in stage.kv_caches)
     assert stage._bytes_per_block() == 3 * per_token * stage.block_size
+
+
+@pytest.mark.parametrize("load_format", ["auto", "dummy"])
+def test_router_stays_float32_in_a_bf16_engine(tmp_path, tokenizer, load_format):
+    """The router's weight and correction bias are kept float32 (its logits are float32, as the
+    reference computes them); every other parameter takes the engine's dtype."""
+    folder, _ = tiny.write_model(tmp_path / "m", "lora_yarn", seed=5, tokenizer=tokenizer)
+    with LLM(model=str(folder), dtype="bfloat16", device="cpu", max_model_len=64, num_kv_blocks=8,
+             load_format=load_format) as llm:
+        params = dict(llm.engine.executor.stage.model.named_parameters())
+        routers = {n: p.dtype for n, p in params.items() if ".mlp.gate." in n}
+        assert routers and set(routers.values()) == {torch.float32}
+        assert len(routers) == 2 * 2                         # weight and bias of the two MoE layers
+        assert {p.dtype for n, p in params.items() if n not in routers} == {torch.bfloat16}
+        out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=4, temperature=0.0),
+                           use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 4
