@@ -14,12 +14,12 @@ import triton.language as tl
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, out_ptr, res_out_ptr, w_ptr, n_cols, eps,
+def _rms_norm_kernel(x_ptr, res_ptr, out_ptr, res_out_ptr, w_ptr, n_cols, stride_x, eps,
                      HAS_RESIDUAL: tl.constexpr, ZERO_CENTRED: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         x = (x.to(tl.float32) + tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32))
         x = x.to(res_out_ptr.dtype.element_ty)      # the sum is rounded to the model dtype, as in torch
@@ -41,17 +41,20 @@ def _normed(xf, w, n_cols, eps, dtype: tl.constexpr, ZERO_CENTRED: tl.constexpr)
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
              zero_centred: bool = False):
     """RMSNorm of x (of x + residual when given, also returning that sum as the new residual);
-    `zero_centred`: the weight is an offset from one (`model/norms.py::ZeroCentredRMSNorm`)."""
-    x = x.contiguous()
+    `zero_centred`: the weight is an offset from one (`model/norms.py::ZeroCentredRMSNorm`). A 2-D x
+    may have any row stride (a slice of a fused projection's rows is read in place); the outputs
+    are contiguous."""
+    if not (x.dim() == 2 and x.stride(-1) == 1):
+        x = x.contiguous()
     n = x.shape[-1]
-    out = torch.empty_like(x)
-    res_out = torch.empty_like(x) if residual is not None else out
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    res_out = torch.empty_like(out) if residual is not None else out
     rows = x.numel() // n
     if rows == 0:
         return out if residual is None else (out, res_out)
     _rms_norm_kernel[(rows,)](x, residual.contiguous() if residual is not None else x, out, res_out,
-                              weight, n, eps, HAS_RESIDUAL=residual is not None, ZERO_CENTRED=zero_centred,
-                              BLOCK=triton.next_power_of_2(n))
+                              weight, n, x.stride(0) if x.dim() == 2 else n, eps, HAS_RESIDUAL=residual is not None,
+                              ZERO_CENTRED=zero_centred, BLOCK=triton.next_power_of_2(n))
     return out if residual is None else (out, res_out)
 
 

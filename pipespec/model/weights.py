@@ -18,12 +18,13 @@ from pipespec.model.tp_layers import pairs
 
 
 # fused projections of the model and the checkpoint tensors they concatenate (along dim 0)
-_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
+          "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa")}        # MLA's latent projections
 
 
 def fused_parts(name: str) -> list[str]:
-    """The checkpoint tensors a parameter is loaded from: a fused q/k/v or gate/up projection's are
-    its parts' names, anything else's its own."""
+    """The checkpoint tensors a parameter is loaded from: a fused q/k/v, gate/up or MLA latent
+    projection's are its parts' names, anything else's its own."""
     for fused, parts in _FUSED.items():
         if f".{fused}." in name:
             return [name.replace(fused, p) for p in parts]

@@ -29,6 +29,20 @@ def test_rms_norm_with_and_without_residual(dtype):
     assert _rel(rms_norm(x, norm.weight, 1e-5), norm(x)) < (1e-2 if dtype == torch.bfloat16 else 1e-6)
 
 
+def test_rms_norm_reads_a_slice_of_wider_rows_in_place():
+    """MLA's q latent is the first columns of the fused latent projection's rows: the kernel reads
+    it with its row stride (no copy) and writes contiguous rows."""
+    from pipespec.kernels.fused_ops import rms_norm
+    from pipespec.model.layers import RMSNorm
+    fused = torch.randn(5, 96 + 40, device=DEVICE)
+    q_a = fused.split([96, 40], dim=-1)[0]
+    norm = RMSNorm(96, 1e-6).to(DEVICE)
+    norm.weight.data.normal_(1.0, 0.2)
+    got = rms_norm(q_a, norm.weight, 1e-6)
+    assert got.is_contiguous() and _rel(got, norm(q_a.contiguous())) < 1e-6
+    assert _rel(rms_norm(fused[:, 40:], norm.weight, 1e-6), norm(fused[:, 40:].contiguous())) < 1e-6
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_zero_centred_rms_norm(dtype):
     """Qwen3.5's (1 + w) norm: one kernel, with and without a residual, also on a strided view of

@@ -48,13 +48,15 @@ class MLAttention(nn.Module):
         def heads(inp: int, width: int) -> ColumnParallelLinear:     # this rank's heads of `width` rows each
             return ColumnParallelLinear(inp, [(h0 * width, nh * width)], False, [num_heads * width])
 
+        self.kv_width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
         if cfg.q_lora_rank is None:
             self.q_proj = heads(hidden, cfg.qk_head_dim)
+            self.kv_a_proj_with_mqa = Linear(hidden, self.kv_width, bias=bias)
         else:
-            self.q_a_proj = Linear(hidden, cfg.q_lora_rank, bias=bias)
+            # q_a_proj and kv_a_proj_with_mqa in one matrix (both read x): one decode GEMV, not two
+            self.fused_qkv_a_proj = Linear(hidden, cfg.q_lora_rank + self.kv_width, bias=bias)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, eps)
             self.q_b_proj = heads(cfg.q_lora_rank, cfg.qk_head_dim)
-        self.kv_a_proj_with_mqa = Linear(hidden, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, eps)
         self.kv_b_proj = heads(cfg.kv_lora_rank, cfg.qk_nope_head_dim + cfg.v_head_dim)
         self.o_proj = RowParallelLinear(num_heads * cfg.v_head_dim, hidden, bias, tp,
@@ -78,14 +80,14 @@ class MLAttention(nn.Module):
                 selection: Selection | None = None) -> torch.Tensor:
         c, t, nh = self.cfg, x.shape[0], self.num_heads
         if c.q_lora_rank is None:
-            q = self.q_proj(x)
+            q, kv_a = self.q_proj(x), self.kv_a_proj_with_mqa(x)
         else:
-            q_resid = self.q_a_layernorm(self.q_a_proj(x))
+            q_a, kv_a = self.fused_qkv_a_proj(x).split([c.q_lora_rank, self.kv_width], dim=-1)
+            q_resid = self.q_a_layernorm(q_a)
             q = self.q_b_proj(q_resid)
         q = q.view(t, nh, c.qk_head_dim)
         q_nope, q_rope = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
         q_rope = rope.rotate(q_rope, ctx.positions)
-        kv_a = self.kv_a_proj_with_mqa(x)
         index_q = None
         if self.indexer is None and kernels.enabled(kv_a) and rope.fused_serves(c.qk_rope_head_dim):
             # the latent's norm, the rope key's rotation and the cache write: one kernel

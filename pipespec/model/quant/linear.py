@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 # the projections a module calls as layers (MLA's kv_b_proj is not: its weight is split per head and
 # absorbed, so it stays dense)
 _LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj",
-            "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa")
+            "fused_qkv_a_proj", "q_b_proj", "kv_a_proj_with_mqa")
 
 
 class QuantLinear(nn.Module):

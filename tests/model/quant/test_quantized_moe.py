@@ -80,10 +80,10 @@ def checkpoints(tmp_path_factory, tokenizer):
 
 @pytest.fixture(scope="module", params=list(METHODS))
 def experts_quantized(request, tmp_path_factory, tokenizer):
-    """(method, folder, reference) with experts of 32 rows: whole 16-row FP8 scale blocks, as real
-    ones (2,048 rows, 128-row blocks) are, and whole AWQ groups."""
+    """(method, folder, reference) with experts of 32 rows and a q LoRA of 32: whole 16-row FP8 scale
+    blocks, as real ones (2,048 / 1,536 rows, 128-row blocks) are, and whole AWQ groups."""
     folder = tmp_path_factory.mktemp(f"deepseek-{request.param}-experts")
-    return (request.param, *_write(folder, tokenizer, request.param, moe_intermediate_size=32))
+    return (request.param, *_write(folder, tokenizer, request.param, moe_intermediate_size=32, q_lora_rank=32))
 
 
 def _engine(folder: str, **kw) -> LLM:
@@ -158,8 +158,9 @@ def test_engine_on_quantized_experts_equals_its_dequantized_reference(experts_qu
     with _engine(folder, **ON_KERNELS) as llm:
         model = llm.engine.executor.stage.model
         assert sum(isinstance(m, (Fp8Stack, Int4Stack)) for m in model.modules()) == 4
-        attn = model.model.layers["0"].self_attn            # MLA's latent projections stay quantized too
-        assert all(isinstance(getattr(attn, p), QuantLinear) for p in ("q_a_proj", "kv_a_proj_with_mqa"))
+        attn = model.model.layers["0"].self_attn            # MLA's latent projections stay quantized too,
+        assert isinstance(attn.fused_qkv_a_proj, QuantLinear)   # fused (q_a's rows: whole scale blocks)
+        assert isinstance(attn.q_b_proj, QuantLinear)
         assert _outputs(llm) == want
     spec = {"method": "mtp", "num_speculative_tokens": 2}      # the checkpoint's MTP layer: quantized alike
     with _engine(folder, speculative_config=spec, **ON_KERNELS) as llm:
