@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from pipespec.kernels import sm_count
-from pipespec.kernels.paged_attention import combine_splits, num_kv_splits, store_partial
+from pipespec.kernels.paged_attention import combine_splits, num_kv_splits, split_partials, store_partial
 
 MIN_CHUNK = 64        # keys a split takes at least: its 512-value partial a head costs what ~14 keys do
 
@@ -140,12 +140,7 @@ def mla_paged_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, cache: torch.
     if num_splits is None:
         num_splits = num_kv_splits(batch * tiles, block_tables.shape[1] * page_size, sm_count(q_lat.device),
                                    min_kv=2 * MIN_CHUNK, keys_per_split=MIN_CHUNK)
-    if num_splits > 1:
-        part_m = torch.empty(t * heads * num_splits, dtype=torch.float32, device=q_lat.device)
-        part_l = torch.empty_like(part_m)
-        part_acc = torch.empty(t * heads * num_splits, rank, dtype=torch.float32, device=q_lat.device)
-    else:
-        part_m = part_l = part_acc = out           # unused
+    part_m, part_l, part_acc = split_partials(out, num_splits)
     _mla_kernel[(batch, tiles, num_splits)](
         q_lat, q_rope, cache, out, block_tables, query_start_loc, seq_lens, part_m, part_l, part_acc, scale,
         q_lat.stride(0), q_lat.stride(1), q_rope.stride(0), q_rope.stride(1), out.stride(0), out.stride(1),

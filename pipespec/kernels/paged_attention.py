@@ -130,6 +130,17 @@ def _combine_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, num_heads, st
     tl.store(out_ptr + row * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
+def split_partials(out: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Float32 scratch for a split-KV launch writing out [T, H, D]: (max, sum) [T * H * splits] and
+    values [T * H * splits, D]; unsplit launches pass `out` itself in their place (never read)."""
+    if num_splits == 1:
+        return out, out, out
+    t, heads, dim = out.shape
+    part_m = torch.empty(t * heads * num_splits, dtype=torch.float32, device=out.device)
+    return part_m, torch.empty_like(part_m), torch.empty(t * heads * num_splits, dim, dtype=torch.float32,
+                                                          device=out.device)
+
+
 def combine_splits(part_m: torch.Tensor, part_l: torch.Tensor, part_acc: torch.Tensor, out: torch.Tensor,
                    num_splits: int) -> torch.Tensor:
     """Merge the float32 partials [T * H * splits (, D)] of a split-KV launch into out [T, H, D]."""
@@ -213,12 +224,7 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     if num_splits is None:
         num_splits = kv_splits_for(batch, kv_heads, rows, block_tables.shape[1] * page_size, q.device, launch)
     split = num_splits > 1
-    if split:
-        part_m = torch.empty(t * heads * num_splits, dtype=torch.float32, device=q.device)
-        part_l = torch.empty_like(part_m)
-        part_acc = torch.empty(t * heads * num_splits, dim, dtype=torch.float32, device=q.device)
-    else:
-        part_m = part_l = part_acc = out           # unused
+    part_m, part_l, part_acc = split_partials(out, num_splits)
     grid = (batch, kv_heads, tiles * num_splits)
     block_n, num_stages, num_warps = launch.resolved(block_m)
     _paged_attention_kernel[grid](

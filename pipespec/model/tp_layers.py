@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pipespec.model.linear import linear
+from pipespec.model.linear import Linear, linear
 from pipespec.parallel import TensorParallel
 
 SINGLE = TensorParallel()      # size 1: holds no group and no state, safe to share
@@ -48,16 +48,13 @@ def kv_head_range(num_kv_heads: int, tp: TensorParallel) -> tuple[int, int]:
     return tp.rank // (tp.size // num_kv_heads), 1
 
 
-class ColumnParallelLinear(nn.Linear):
+class ColumnParallelLinear(Linear):
     """Output rows split: `parts` are (start, length) of this rank's rows of each fused part."""
 
     def __init__(self, in_features: int, parts: list[tuple[int, int]], bias: bool, sizes: list[int]):
         super().__init__(in_features, sum(n for _, n in parts), bias=bias)
         self.ranges = tuple((s, s + n) for s, n in parts)
         self.sizes = tuple(sizes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
 
     def checkpoint_shards(self) -> dict[str, Shard]:
         shard = Shard(0, self.ranges, self.sizes)
