@@ -12,13 +12,10 @@ import torch
 import triton
 import triton.language as tl
 
-from pipespec.kernels.pdl import pdl_on, pdl_wait
-
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, out_ptr, res_out_ptr, w_ptr, n_cols, stride_x, eps,
-                     HAS_RESIDUAL: tl.constexpr, ZERO_CENTRED: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    pdl_wait(PDL)
+                     HAS_RESIDUAL: tl.constexpr, ZERO_CENTRED: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -57,8 +54,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         return out if residual is None else (out, res_out)
     _rms_norm_kernel[(rows,)](x, residual.contiguous() if residual is not None else x, out, res_out,
                               weight, n, x.stride(0) if x.dim() == 2 else n, eps, HAS_RESIDUAL=residual is not None,
-                              ZERO_CENTRED=zero_centred, BLOCK=triton.next_power_of_2(n), PDL=pdl_on(x.device),
-                              launch_pdl=pdl_on(x.device))
+                              ZERO_CENTRED=zero_centred, BLOCK=triton.next_power_of_2(n))
     return out if residual is None else (out, res_out)
 
 

@@ -23,7 +23,6 @@ import triton
 import triton.language as tl
 
 from pipespec.kernels import sm_count
-from pipespec.kernels.pdl import pdl_on, pdl_prefetch, pdl_wait
 
 
 @triton.jit
@@ -37,11 +36,10 @@ def _store(y_ptr, acc, rm, rn, M, N, stride_ym, split, SPLIT_K: tl.constexpr):
 
 
 @triton.jit
-def _sum_splits(p_ptr, y_ptr, size, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _sum_splits(p_ptr, y_ptr, size, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
     """y (contiguous) = the float32 partials [SPLIT_K, size] summed in split order (deterministic,
     unlike atomics) and cast, in one launch. The splits are unrolled so that their loads are all in
     flight at once."""
-    pdl_wait(PDL)
     r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = r < size
     acc = tl.load(p_ptr + r, mask=mask, other=0.0)
@@ -74,24 +72,20 @@ def _rowmajor_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, stride_xm, stride_ym, s
                           N: tl.constexpr, K: tl.constexpr, BLOCK_OUT: tl.constexpr, BLOCK_IN: tl.constexpr,
                           SCALED: tl.constexpr, GATED: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
-                          SPLIT_K: tl.constexpr, PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr):
+                          SPLIT_K: tl.constexpr):
     """All M (<= BLOCK_M) rows against BLOCK_N weight rows (with SCALED: inside one scale row), a
     chunk of BLOCK_K a step. A lane loads VEC consecutive elements of a row (16 bytes, coalesced
     along K) and sums their products itself; with SCALED that sum is scaled by its block (VEC
     divides the block). Sums are kept apart per lane, [rows, N rows, K / VEC], so lanes are summed
-    once, at the end. With PDL the first PREFETCH_LINES lines of each of its rows are hinted into L2
-    before the wait for the previous kernel (`kernels/pdl.py`)."""
+    once, at the end."""
     rm = tl.arange(0, BLOCK_M)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     rc = tl.arange(0, BLOCK_K // VEC)
-    k_start = tl.program_id(1) * k_per_split
-    lines = tl.minimum(k_start + tl.arange(0, PREFETCH_LINES) * LINE, K - 1)    # 128-byte lines of LINE elements
-    pdl_prefetch(w_ptr + tl.minimum(rn, N - 1)[:, None] * K + lines[None, :], PDL)
-    pdl_wait(PDL)
     x_row = x_ptr + tl.minimum(rm, M - 1)[:, None] * stride_xm      # rows past M repeat the last: no mask
     s_row = s_ptr + (tl.program_id(0) * BLOCK_N // BLOCK_OUT) * scale_cols
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // VEC), dtype=tl.float32)
+    k_start = tl.program_id(1) * k_per_split
     for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
         k = k0 + rk
         # x before w: Triton's layout pass then keeps the weight tile's layout (VEC elements a lane)
@@ -171,9 +165,7 @@ def _run(kernel, grid: tuple, x: torch.Tensor, out_features: int, in_features: i
     kernel[(*grid, split)](x, *weights, dest, m, x.stride(0), y.stride(0), *scalars, k_per_split,
                            N=out_features, K=in_features, BLOCK_K=block_k, SPLIT_K=split, **meta)
     if split > 1:       # 128 outputs a one-warp program: a 4,096-wide row is read by 32 SMs
-        pdl = pdl_on(x.device)
-        _sum_splits[(triton.cdiv(y.numel(), 128),)](dest, y, y.numel(), SPLIT_K=split, BLOCK=128, PDL=pdl,
-                                                    num_warps=1, launch_pdl=pdl)
+        _sum_splits[(triton.cdiv(y.numel(), 128),)](dest, y, y.numel(), SPLIT_K=split, BLOCK=128, num_warps=1)
     return y
 
 
@@ -207,9 +199,6 @@ def rowmajor_gemv(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor
         vec = min(elems, bi & -bi)                          # inside one scale block
         block_n = min(shape.block_n, bo & -bo)
     scales = (weight, 1) if scale_inv is None else (scale_inv.float().contiguous(), scale_inv.shape[1])
-    pdl = pdl_on(x.device)
     return _launch_gemv(_rowmajor_gemv_kernel, x, out_features, in_features, block_n, block_k,
                         shape.num_warps, shape, 8 * weight.element_size(), ((weight, scales[0]), (scales[1],)),
-                        BLOCK_OUT=bo, BLOCK_IN=bi, VEC=vec, SCALED=scale_inv is not None, GATED=gated,
-                        PDL=pdl, PREFETCH_LINES=2 * block_k * weight.element_size() // 128,
-                        LINE=128 // weight.element_size(), launch_pdl=pdl)
+                        BLOCK_OUT=bo, BLOCK_IN=bi, VEC=vec, SCALED=scale_inv is not None, GATED=gated)
