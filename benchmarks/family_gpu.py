@@ -9,10 +9,12 @@ Shapes (from the published configs where this machine could read them; see SHAPE
   deepseek_v3_slice DeepSeek-V3's real hidden size, heads and experts, 3 layers (per-layer figures)
 
 Usage (GPU machine): python benchmarks/family_gpu.py --model qwen3_5_2b [--batch 1 64] [--k 0 2]
-       [--new-tokens 64] [--repeats 3] [--skip-hf] [--pp 2] [--profile] [--quantization fp8] [--json out.json]
+       [--new-tokens 64] [--repeats 3] [--skip-hf] [--pp 2] [--profile] [--profile-prefill] [--quantization fp8] [--json out.json]
 The roofline counts the bytes one batch-1 step must read: every weight but the routed experts, and
 top_k / num_experts of those (the experts one token uses). Transformers runs after pipespec is shut
 down when both would not fit (its tokens/s is then from a separate phase of the same run).
+Each row gives tokens/s of the whole generate call (the prefill included) and of its decode steps
+alone (`decode_speed`); the roofline is a decode figure.
 """
 from __future__ import annotations
 
@@ -28,7 +30,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_bench import PipespecRunner, TransformersRunner, copy_bandwidth  # noqa: E402
-from kernel_profile import kernel_profile  # noqa: E402
+from kernel_profile import decode_profile  # noqa: E402
+from spec_decode import print_profile  # noqa: E402
+
+from pipespec import SamplingParams  # noqa: E402
 
 _HYBRID = dict(full_attention_interval=4, head_dim=256, linear_conv_kernel_dim=4, linear_key_head_dim=128,
                linear_value_head_dim=128, partial_rotary_factor=0.25, rms_norm_eps=1e-6, vocab_size=248320,
@@ -121,6 +126,17 @@ def weights_of(model):
                 yield (mname if isinstance(m, STACKS) else f"{mname}.{bname}"), b
 
 
+def decode_speed(full: list[float], first: list[float], batch: int, new_tokens: int) -> float:
+    """Tokens/s of the decode steps alone: the tokens after the first over the time a full run takes
+    beyond a one-token run (which holds the prefill, the first token and the call's fixed costs).
+    `tokens_per_s` counts the prefill too: at 64 new tokens a slow prefill weighs on it."""
+    return batch * (new_tokens - 1) / (statistics.median(full) - statistics.median(first))
+
+
+def full_seconds(speeds: list[float], batch: int, new_tokens: int) -> list[float]:
+    return [batch * new_tokens / tps for tps in speeds]
+
+
 def run(args) -> dict:
     folder, text = write_folder(args.model)
     g = torch.Generator().manual_seed(0)
@@ -134,6 +150,7 @@ def run(args) -> dict:
                   async_scheduling=False if args.no_async_scheduling else None)
     speeds: dict[tuple, list[float]] = {}
     steps: dict[tuple, list[float]] = {}
+    firsts: dict[tuple, list[float]] = {}     # seconds of a one-token generate: prefill and the first token
     for k in args.k:
         t0 = time.perf_counter()
         eng = PipespecRunner(f"pipespec K={k}" if k else "pipespec", k, pipeline_parallel_size=args.pp, **common)
@@ -151,15 +168,22 @@ def run(args) -> dict:
             for _ in range(args.repeats):
                 secs, drafts, accepted = eng.run(prompts, args.new_tokens)
                 speeds.setdefault(("pipespec", k, b), []).append(b * args.new_tokens / secs)
+                firsts.setdefault(("pipespec", k, b), []).append(eng.run(prompts, 1)[0])
                 # steps of one request: new tokens over tokens per step (1 + accepted drafts per step)
                 per_step = 1 + (accepted / drafts * k if drafts else 0)
                 steps.setdefault(("pipespec", k, b), []).append(secs / (args.new_tokens / per_step) * 1e3)
+        if args.profile_prefill:              # where a one-token request's time goes: host and device
+            prompts = groups[min(groups)][:1]
+            params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+            print_profile(eng.llm, [{"prompt_token_ids": p} for p in prompts], params,
+                          f"{args.model} K={k}, {args.prompt_len}-token prompt",
+                          {"self_cpu_time_total": 30, "self_cuda_time_total": 20})
         if args.profile:                      # after the timed runs (the profiler slows later ones)
             # batch 1: where a step's GPU time goes, kernel by kernel
             prompts = groups[min(groups)][:1]
             eng.run(prompts, args.new_tokens)
-            row = {"part": "profile", "k": k, **kernel_profile(lambda: eng.run(prompts, args.new_tokens),
-                                                               args.new_tokens)}
+            row = {"part": "decode profile", "k": k, **decode_profile(
+                lambda: eng.run(prompts, args.new_tokens), lambda: eng.run(prompts, 1), args.new_tokens)}
             report.setdefault("profile", []).append(row)
             print(json.dumps(row), flush=True)
         eng.close()
@@ -170,18 +194,25 @@ def run(args) -> dict:
             for _ in range(args.repeats):
                 secs = hf.run(prompts, args.new_tokens)[0]
                 speeds.setdefault(("transformers eager", 0, b), []).append(b * args.new_tokens / secs)
+                firsts.setdefault(("transformers eager", 0, b), []).append(hf.run(prompts, 1)[0])
         hf.close()
     for (engine, k, b), values in speeds.items():
-        tps = statistics.median(values)
+        tps, decode = statistics.median(values), decode_speed(full_seconds(values, b, args.new_tokens), firsts[engine, k, b], b,
+                                                        args.new_tokens)
         row = {"engine": engine, "pp": args.pp if engine == "pipespec" else 1, "k": k, "batch": b,
-               "tokens_per_s": round(tps, 1)}
+               "tokens_per_s": round(tps, 1), "decode_tokens_per_s": round(decode, 1),
+               "first_token_ms": round(statistics.median(firsts[engine, k, b]) * 1e3, 2)}
         peer = speeds.get(("transformers eager", 0, b))
         if peer and engine == "pipespec":
             row["vs_transformers"] = round(tps / statistics.median(peer), 2)
+            row["decode_vs_transformers"] = round(
+                decode / decode_speed(full_seconds(peer, b, args.new_tokens), firsts["transformers eager", 0, b], b,
+                                      args.new_tokens), 2)
         if (engine, k, b) in steps:
             row["step_ms"] = round(statistics.median(steps[engine, k, b]), 3)
         if b == 1 and engine == "pipespec" and "roofline_tokens_per_s_batch1" in report:
             row["roofline_fraction"] = round(tps / report["roofline_tokens_per_s_batch1"], 3)
+            row["decode_roofline_fraction"] = round(decode / report["roofline_tokens_per_s_batch1"], 3)
         report["rows"].append(row)
         print(json.dumps(row), flush=True)
     return report
@@ -202,7 +233,9 @@ def main():
                     help="random weights in that format (projections; FP8 also the routed experts)")
     ap.add_argument("--no-async-scheduling", action="store_true",
                     help="schedule synchronously (the peer of the default, async scheduling at K = 0)")
-    ap.add_argument("--profile", action="store_true", help="also profile batch-1 decode kernel by kernel")
+    ap.add_argument("--profile", action="store_true", help="also profile batch-1 decode steps kernel by kernel (the prefill left out)")
+    ap.add_argument("--profile-prefill", action="store_true",
+                    help="also profile a one-token request (the prefill step) on the host and the device")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     report = run(args)

@@ -12,19 +12,44 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 
-def kernel_profile(run, tokens: int, top: int = 15, trace: str | None = None) -> dict:
-    """Profile `run()` (which generates `tokens` tokens, summed over the batch's requests or not, as the
-    caller counts them): wall ms per token, summed kernel ms per token, and the `top` kernels."""
+def kernel_times(run) -> tuple[float, dict[str, tuple[float, int]]]:
+    """Profile `run()`: (wall seconds, {kernel name: (device microseconds, launches)})."""
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t = time.perf_counter()
         run()
         torch.cuda.synchronize()
         wall = time.perf_counter() - t
-    events = [e for e in prof.key_averages() if getattr(e, "self_device_time_total", 0) > 0]
-    events.sort(key=lambda e: -e.self_device_time_total)
+    return wall, {e.key: (e.self_device_time_total, e.count) for e in prof.key_averages()
+                  if getattr(e, "self_device_time_total", 0) > 0}
+
+
+def _report(wall: float, kernels: dict[str, tuple[float, int]], tokens: int, top: int) -> dict:
+    rows = sorted(kernels.items(), key=lambda kv: -kv[1][0])
     per_token = 1e3 * tokens                      # microseconds in all -> milliseconds per token
-    if trace:
-        prof.export_chrome_trace(trace)
     return {"wall_ms_per_token": round(wall * 1e3 / tokens, 3),
-            "kernels_ms_per_token": round(sum(e.self_device_time_total for e in events) / per_token, 3),
-            "top": [(e.key[:80], round(e.self_device_time_total / per_token, 4), e.count) for e in events[:top]]}
+            "kernels_ms_per_token": round(sum(us for us, _ in kernels.values()) / per_token, 3),
+            "launches_per_token": round(sum(n for _, n in kernels.values()) / tokens, 1),
+            "top": [(name[:80], round(us / per_token, 4), round(n / tokens, 1)) for name, (us, n) in rows[:top]]}
+
+
+def kernel_profile(run, tokens: int, top: int = 15, trace: str | None = None) -> dict:
+    """Profile `run()` (which generates `tokens` tokens, summed over the batch's requests or not, as the
+    caller counts them): wall ms per token, summed kernel ms per token, and the `top` kernels
+    (ms and launches per token)."""
+    if trace:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            run()
+            torch.cuda.synchronize()
+        prof.export_chrome_trace(trace)
+    wall, kernels = kernel_times(run)
+    return _report(wall, kernels, tokens, top)
+
+
+def decode_profile(run_full, run_first, tokens: int, top: int = 20) -> dict:
+    """The decode steps alone: a `tokens`-token run's kernels less a one-token run's (the prefill, the
+    first token), per decode token."""
+    wall, full = kernel_times(run_full)
+    wall1, first = kernel_times(run_first)
+    diff = {name: (us - first.get(name, (0.0, 0))[0], n - first.get(name, (0.0, 0))[1])
+            for name, (us, n) in full.items()}
+    return _report(wall - wall1, {k: v for k, v in diff.items() if v[1] > 0}, tokens - 1, top)
