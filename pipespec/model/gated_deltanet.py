@@ -36,12 +36,19 @@ from pipespec.model.tp_layers import SINGLE, RowParallelLinear, Shard
 from pipespec.parallel import TensorParallel
 
 
+# Lines of fewer rows take the fused recurrence even in prefill: fla-core's chunked rule costs ~1.2
+# ms of host time a layer (its Python and ~10 launches; H200 profile of a 32-token Qwen3.5-2B prefill:
+# 21 ms of an 85 ms step), where the recurrence walks ~2 us a row on the GPU, all requests at once.
+CHUNKED_FROM_ROWS = 64
+
+
 def use_chunked_kernel(x: torch.Tensor, meta: LinearMeta) -> bool:
-    """fla-core's chunked kernel for bf16/fp16 prefill chunks on a GPU (its products run in tf32 at
-    best, so float32 engines keep the exact recurrence); the reference recurrence for decode and
-    verify lines, whose per-row candidate states it keeps."""
+    """fla-core's chunked kernel for bf16/fp16 prefill chunks of at least CHUNKED_FROM_ROWS rows on a
+    GPU (its products run in tf32 at best, so float32 engines keep the exact recurrence); the
+    recurrence for shorter lines and for decode and verify lines, whose per-row candidate states it
+    keeps."""
     return (x.is_cuda and x.dtype != torch.float32 and fla_available() and not meta.flags.verify
-            and meta.flags.width > 8)
+            and meta.flags.width >= CHUNKED_FROM_ROWS)
 
 
 def _fused_recurrence_serves(dk: int, dv: int) -> bool:

@@ -14,7 +14,8 @@ from tests.kernels import DEVICE, ON_KERNELS
 pytestmark = ON_KERNELS
 
 
-@pytest.mark.parametrize("lengths,drafts", [([1, 1, 1], [0, 0, 0]), ([3, 1, 2], [0, 0, 1]), ([4, 4], [3, 3])])
+@pytest.mark.parametrize("lengths,drafts", [([1, 1, 1], [0, 0, 0]), ([3, 1, 2], [0, 0, 1]), ([4, 4], [3, 3]),
+                                           ([40, 1, 63], [0, 0, 0])])
 @pytest.mark.parametrize("channels,kernel", [(24, 4), (1100, 4), (40, 2)])
 def test_causal_conv_equals_the_pytorch_steps(lengths, drafts, channels, kernel):
     """Request 0 starts here (zeros), request 1 commits its candidate 1 first, the others run from

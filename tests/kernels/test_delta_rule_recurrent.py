@@ -14,7 +14,7 @@ from tests.kernels import DEVICE, ON_KERNELS
 pytestmark = ON_KERNELS
 
 
-@pytest.mark.parametrize("rows,lengths", [(1, [1, 1, 1]), (4, [4, 2, 1]), (9, [9, 9, 3])])
+@pytest.mark.parametrize("rows,lengths", [(1, [1, 1, 1]), (4, [4, 2, 1]), (9, [9, 9, 3]), (40, [17, 40, 33])])
 @pytest.mark.parametrize("keep", [False, True])
 @pytest.mark.parametrize("hk,hv,dk,dv", [(1, 1, 8, 8), (1, 3, 16, 32), (2, 4, 128, 128)])
 def test_fused_recurrence_equals_reference(rows, lengths, keep, hk, hv, dk, dv):

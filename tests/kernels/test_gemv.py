@@ -69,3 +69,42 @@ def test_a_gated_input_of_the_wrong_width_is_refused():
     from pipespec.kernels.gemv import rowmajor_gemv
     with pytest.raises(ValueError, match="gated: twice that"):
         rowmajor_gemv(_rand(1, 64, seed=5), _rand(16, 64, seed=6), gated=True)
+
+
+def test_split_k_sums_equal_the_unsplit_sum_in_split_order():
+    """The last split of a tile sums the float32 partials in split order: the same bits as adding
+    the splits' products one after the other, every call (the arrival counts reset themselves)."""
+    from pipespec.kernels.gemv import Gemv, rowmajor_gemv
+    n, k = 72, 192
+    w, x = _rand(n, k, seed=7), _rand(2, k, seed=8)
+    parts = [x[:, j:j + 64].double() @ w[:, j:j + 64].double().t() for j in (0, 64, 128)]
+    split = Gemv(block_n=8, block_k=64, num_warps=2, split_k=3)
+    for _ in range(3):
+        got = rowmajor_gemv(x, w, shape=split)
+        torch.testing.assert_close(got.double(), parts[0] + parts[1] + parts[2], atol=1e-4, rtol=1e-5)
+    assert torch.equal(got, rowmajor_gemv(x, w, shape=split))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_split_k_products_replayed_from_a_graph_stay_exact():
+    """Many split products in a row, each reading the last one's output, replayed from a CUDA graph:
+    every replay gives the eager chain's bits (a split that summed before all partials were written,
+    or a count left set, would not)."""
+    from pipespec.kernels.gemv import Gemv, rowmajor_gemv
+    split = Gemv(block_n=8, block_k=64, num_warps=2, split_k=4)
+    ws = [_rand(256, 256, seed=20 + i, dtype=torch.bfloat16) * 0.1 for i in range(16)]
+    x = _rand(1, 256, seed=9, dtype=torch.bfloat16)
+
+    def chain():
+        y = x
+        for w in ws:
+            y = rowmajor_gemv(y, w, shape=split)
+        return y
+
+    want = chain()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain()
+    for _ in range(50):
+        graph.replay()
+        assert torch.equal(out, want)
