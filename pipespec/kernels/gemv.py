@@ -11,13 +11,11 @@ partials in split order (deterministic, no atomics).
 e4m3 ones with block scales (`quant_matmul.fp8_block_matmul`). With `gated` its input is a fused
 gate/up row [M, 2K] and the kernel multiplies silu(gate) * up, rounded as `fused_ops.silu_mul`
 rounds it: the MLP's activation never makes a round trip through memory, nor a launch of its own.
-The launch machinery (`_run`, `Gemv`, `gemv_split_k`, split-K's `_store`) and the gated input (`gemv_input`) also serve
+The launch machinery (`_run`, `Gemv`, `gemv_split_k`) and the gated input (`gemv_input`) also serve
 the int4 decode kernel.
 """
 from __future__ import annotations
 
-import functools
-import math
 from dataclasses import dataclass
 
 import torch
@@ -28,36 +26,26 @@ from pipespec.kernels import sm_count
 
 
 @triton.jit
-def _store(y_ptr, part_ptr, lock_ptr, acc, rm, rn, M, N, stride_ym, split, tile, SPLIT_K: tl.constexpr):
-    """The tile's sum. With split-K: this split's float32 partial (plane `split` of part [S, M, N]),
-    then a count of the tile's arrived splits (`lock_ptr[tile]`); the split that arrives last sums
-    the planes in split order (deterministic, unlike atomic adds), stores y and resets the count
-    for the next kernel. No summing launch of its own (a small projection's was ~1 us a layer)."""
+def _store(y_ptr, acc, rm, rn, M, N, stride_ym, split, SPLIT_K: tl.constexpr):
+    """The tile's sum, or with split-K this split's float32 partial (plane `split` of [S, M, N])."""
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     if SPLIT_K == 1:
         tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
     else:
-        at = rm[:, None] * N + rn[None, :]
-        tl.store(part_ptr + split * M * N + at, acc, mask=mask)
-        tl.debug_barrier()                  # every lane's partial is out before the count says so
-        if tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel") == SPLIT_K - 1:
-            tl.debug_barrier()
-            total = tl.load(part_ptr + at, mask=mask, other=0.0, cache_modifier=".cg")     # from L2, not L1
-            for s in tl.static_range(1, SPLIT_K):
-                total += tl.load(part_ptr + s * M * N + at, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], total.to(y_ptr.dtype.element_ty), mask=mask)
-            tl.atomic_xchg(lock_ptr + tile, 0)
+        tl.store(y_ptr + split * M * N + rm[:, None] * N + rn[None, :], acc, mask=mask)
 
 
-# Arrival counts of split tiles, per device: zero between kernels (the last split resets its tile's).
-# One device's kernels run in one stream order (the engine uses no side streams), so one set serves
-# every product; a product with more split tiles than this does not split.
-SPLIT_TILES = 1 << 16
-
-
-@functools.cache
-def _split_locks(device: torch.device) -> torch.Tensor:
-    return torch.zeros(SPLIT_TILES, dtype=torch.int32, device=device)
+@triton.jit
+def _sum_splits(p_ptr, y_ptr, size, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    """y (contiguous) = the float32 partials [SPLIT_K, size] summed in split order (deterministic,
+    unlike atomics) and cast, in one launch. The splits are unrolled so that their loads are all in
+    flight at once."""
+    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = r < size
+    acc = tl.load(p_ptr + r, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):
+        acc += tl.load(p_ptr + s * size + r, mask=mask, other=0.0)
+    tl.store(y_ptr + r, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -80,8 +68,7 @@ def gemv_input(ptrs, K, mask, GATED: tl.constexpr, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _rowmajor_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, lock_ptr, M, stride_xm, stride_ym, scale_cols,
-                          k_per_split,
+def _rowmajor_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, stride_xm, stride_ym, scale_cols, k_per_split,
                           N: tl.constexpr, K: tl.constexpr, BLOCK_OUT: tl.constexpr, BLOCK_IN: tl.constexpr,
                           SCALED: tl.constexpr, GATED: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
@@ -116,8 +103,7 @@ def _rowmajor_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, lock_ptr, M, str
             acc += tl.sum(x * w, axis=3) * s[None, None, :]
         else:
             acc += tl.sum(x * w, axis=3)
-    _store(y_ptr, part_ptr, lock_ptr, tl.sum(acc, axis=2), rm, rn, M, N, stride_ym, tl.program_id(1),
-           tl.program_id(0), SPLIT_K)
+    _store(y_ptr, tl.sum(acc, axis=2), rm, rn, M, N, stride_ym, tl.program_id(1), SPLIT_K)
 
 
 @dataclass(frozen=True)
@@ -154,7 +140,7 @@ def gemv_split_k(programs: int, k_steps: int, sms: int, step_bytes: int, weight_
     """An H200 streams ~4 TB/s with ~30 KB of loads in flight per SM; a decode program has about one
     step's weights in flight (int4: the next step's, prefetched; row-major: its own, all issued at
     the step's start). Split K until the programs hold that much, while each row's float32 partials
-    (4 bytes an output and split, read back by the last split) stay under 1/8 of the weight's bytes
+    (4 bytes an output and split, read back by `_sum_splits`) stay under 1/8 of the weight's bytes
     (more rows cost more partials, and more FMAs: the ratio to the kernel's time holds)."""
     want = -(-32768 * sms // step_bytes)
     if programs >= want:
@@ -165,20 +151,21 @@ def gemv_split_k(programs: int, k_steps: int, sms: int, step_bytes: int, weight_
 def _run(kernel, grid: tuple, x: torch.Tensor, out_features: int, in_features: int, block_k: int, split: int,
          args: tuple, **meta) -> torch.Tensor:
     """`kernel` on x [M, K] over grid + (K splits,): the split of program id len(grid) takes whole
-    block_k steps; with splits > 1 each writes a float32 partial and the last of a tile's splits
-    sums them into y (`_store`)."""
+    block_k steps; with splits > 1 each writes a float32 partial and `_sum_splits` gives y."""
     m = x.shape[0]
     y = torch.empty(m, out_features, device=x.device, dtype=x.dtype)
     if m == 0:
         return y
     k_tiles = triton.cdiv(in_features, block_k)
-    split = max(1, min(split, k_tiles)) if math.prod(grid) <= SPLIT_TILES else 1
+    split = max(1, min(split, k_tiles))
     k_per_split = triton.cdiv(k_tiles, split) * block_k
     split = triton.cdiv(in_features, k_per_split)          # no empty splits
-    part = y if split == 1 else torch.empty(split, m, out_features, device=x.device, dtype=torch.float32)
+    dest = y if split == 1 else torch.empty(split, m, out_features, device=x.device, dtype=torch.float32)
     weights, scalars = args
-    kernel[(*grid, split)](x, *weights, y, part, _split_locks(x.device), m, x.stride(0), y.stride(0), *scalars,
-                           k_per_split, N=out_features, K=in_features, BLOCK_K=block_k, SPLIT_K=split, **meta)
+    kernel[(*grid, split)](x, *weights, dest, m, x.stride(0), y.stride(0), *scalars, k_per_split,
+                           N=out_features, K=in_features, BLOCK_K=block_k, SPLIT_K=split, **meta)
+    if split > 1:       # 128 outputs a one-warp program: a 4,096-wide row is read by 32 SMs
+        _sum_splits[(triton.cdiv(y.numel(), 128),)](dest, y, y.numel(), SPLIT_K=split, BLOCK=128, num_warps=1)
     return y
 
 

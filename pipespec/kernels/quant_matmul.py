@@ -40,7 +40,7 @@ def unpack_int4(words, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _int4_kernel(x_ptr, q_ptr, z_ptr, s_ptr, y_ptr, part_ptr, lock_ptr, M, stride_xm, stride_ym, k_per_split,
+def _int4_kernel(x_ptr, q_ptr, z_ptr, s_ptr, y_ptr, M, stride_xm, stride_ym, k_per_split,
                  N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr, IEEE: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
@@ -66,12 +66,11 @@ def _int4_kernel(x_ptr, q_ptr, z_ptr, s_ptr, y_ptr, part_ptr, lock_ptr, M, strid
             acc += tl.dot(x, w, input_precision="ieee")
         else:
             acc += tl.dot(x, w)
-    _store(y_ptr, part_ptr, lock_ptr, acc, rm, rn, M, N, stride_ym, tl.program_id(2),
-           pid_m * tl.num_programs(1) + pid_n, SPLIT_K)
+    _store(y_ptr, acc, rm, rn, M, N, stride_ym, tl.program_id(2), SPLIT_K)
 
 
 @triton.jit
-def _fp8_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, lock_ptr, M, stride_xm, stride_ym, scale_cols, k_per_split,
+def _fp8_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, stride_xm, stride_ym, scale_cols, k_per_split,
                 N: tl.constexpr, K: tl.constexpr,
                 BLOCK_OUT: tl.constexpr, BLOCK_IN: tl.constexpr, IEEE: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
@@ -88,8 +87,7 @@ def _fp8_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, lock_ptr, M, stride_xm, st
                     other=0.0)
         w = tl.load(w_ptr + rn[None, :] * K + k[:, None], mask=(k[:, None] < K) & (rn[None, :] < N), other=0.0)
         acc += scaled_dot(x, w, tl.load(s_ptr + scale_row * scale_cols + k0 // BLOCK_IN), IEEE)
-    _store(y_ptr, part_ptr, lock_ptr, acc, rm, rn, M, N, stride_ym, tl.program_id(2),
-           pid_m * tl.num_programs(1) + pid_n, SPLIT_K)
+    _store(y_ptr, acc, rm, rn, M, N, stride_ym, tl.program_id(2), SPLIT_K)
 
 
 @triton.jit
@@ -107,7 +105,7 @@ def _int4_step_loads(q_ptr, z_ptr, s_ptr, k0, k_end, rw, rn, N: tl.constexpr, GR
 
 
 @triton.jit
-def _int4_gemv_kernel(x_ptr, q_ptr, z_ptr, s_ptr, y_ptr, part_ptr, lock_ptr, M, stride_xm, stride_ym, k_per_split,
+def _int4_gemv_kernel(x_ptr, q_ptr, z_ptr, s_ptr, y_ptr, M, stride_xm, stride_ym, k_per_split,
                       N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr, GATED: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
     """Decode on CUDA cores: all M (<= BLOCK_M) rows against BLOCK_N output columns, BLOCK_K rows of
@@ -146,9 +144,8 @@ def _int4_gemv_kernel(x_ptr, q_ptr, z_ptr, s_ptr, y_ptr, part_ptr, lock_ptr, M, 
             xs += x
         acc += s * (tl.sum(qx, axis=1, keep_dims=True) - z * tl.sum(xs, axis=1, keep_dims=True))
         words, z, s = next_words, next_z, next_s
-    _store(y_ptr, part_ptr, lock_ptr, tl.sum(acc, axis=1), tl.arange(0, BLOCK_M),
-           tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N), M, N, stride_ym, tl.program_id(1), tl.program_id(0),
-           SPLIT_K)
+    _store(y_ptr, tl.sum(acc, axis=1), tl.arange(0, BLOCK_M), tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N),
+           M, N, stride_ym, tl.program_id(1), SPLIT_K)
 
 
 def _tile(size: int, what: str) -> int:

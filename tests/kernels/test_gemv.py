@@ -72,8 +72,8 @@ def test_a_gated_input_of_the_wrong_width_is_refused():
 
 
 def test_split_k_sums_equal_the_unsplit_sum_in_split_order():
-    """The last split of a tile sums the float32 partials in split order: the same bits as adding
-    the splits' products one after the other, every call (the arrival counts reset themselves)."""
+    """Split-K sums the splits' float32 partials in split order: the products of K's thirds added
+    one after the other, and the same bits at every call."""
     from pipespec.kernels.gemv import Gemv, rowmajor_gemv
     n, k = 72, 192
     w, x = _rand(n, k, seed=7), _rand(2, k, seed=8)
@@ -88,8 +88,8 @@ def test_split_k_sums_equal_the_unsplit_sum_in_split_order():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_split_k_products_replayed_from_a_graph_stay_exact():
     """Many split products in a row, each reading the last one's output, replayed from a CUDA graph:
-    every replay gives the eager chain's bits (a split that summed before all partials were written,
-    or a count left set, would not)."""
+    every replay gives the eager chain's bits (a sum that read partials before they were written
+    would not)."""
     from pipespec.kernels.gemv import Gemv, rowmajor_gemv
     split = Gemv(block_n=8, block_k=64, num_warps=2, split_k=4)
     ws = [_rand(256, 256, seed=20 + i, dtype=torch.bfloat16) * 0.1 for i in range(16)]
