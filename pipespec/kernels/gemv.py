@@ -149,11 +149,12 @@ def gemv_split_k(programs: int, k_steps: int, sms: int, step_bytes: int, weight_
 
 
 def _run(kernel, grid: tuple, x: torch.Tensor, out_features: int, in_features: int, block_k: int, split: int,
-         args: tuple, **meta) -> torch.Tensor:
+         args: tuple, out_dtype: torch.dtype | None = None, **meta) -> torch.Tensor:
     """`kernel` on x [M, K] over grid + (K splits,): the split of program id len(grid) takes whole
-    block_k steps; with splits > 1 each writes a float32 partial and `_sum_splits` gives y."""
+    block_k steps; with splits > 1 each writes a float32 partial and `_sum_splits` gives y (in
+    `out_dtype`, default x's)."""
     m = x.shape[0]
-    y = torch.empty(m, out_features, device=x.device, dtype=x.dtype)
+    y = torch.empty(m, out_features, device=x.device, dtype=out_dtype or x.dtype)
     if m == 0:
         return y
     k_tiles = triton.cdiv(in_features, block_k)
@@ -170,21 +171,24 @@ def _run(kernel, grid: tuple, x: torch.Tensor, out_features: int, in_features: i
 
 
 def _launch_gemv(kernel, x: torch.Tensor, out_features: int, in_features: int, block_n: int, block_k: int,
-                 num_warps: int, gemv: Gemv, bits: int, args: tuple, **constexprs) -> torch.Tensor:
+                 num_warps: int, gemv: Gemv, bits: int, args: tuple, out_dtype: torch.dtype | None = None,
+                 **constexprs) -> torch.Tensor:
     """A decode kernel over (N tiles, K splits), all M rows in each program; `bits` a weight."""
     grid = (triton.cdiv(out_features, block_n),)
     split = gemv.split_k or gemv_split_k(grid[0], triton.cdiv(in_features, block_k), sm_count(x.device),
                                          block_n * block_k * bits // 8, out_features * in_features * bits // 8,
                                          out_features)
-    return _run(kernel, grid, x, out_features, in_features, block_k, split, args,
+    return _run(kernel, grid, x, out_features, in_features, block_k, split, args, out_dtype,
                 BLOCK_M=triton.next_power_of_2(x.shape[0]), BLOCK_N=block_n, num_warps=num_warps, **constexprs)
 
 
 def rowmajor_gemv(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | None = None,
-                  block: tuple[int, int] = (1, 1), gated: bool = False, shape: Gemv = DENSE_GEMV) -> torch.Tensor:
-    """x [M, K] @ weight [N, K].T -> [M, N] in x's dtype, M <= shape.max_m. With `scale_inv` the
-    weight is FP8 scaled by its [N / bo, K / bi] blocks (`block` = (bo, bi)); with `gated`, x is
-    [M, 2K] = cat[gate, up] and the product is of silu(gate) * up."""
+                  block: tuple[int, int] = (1, 1), gated: bool = False, shape: Gemv = DENSE_GEMV,
+                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K].T -> [M, N] in `out_dtype` (default x's), M <= shape.max_m. With
+    `scale_inv` the weight is FP8 scaled by its [N / bo, K / bi] blocks (`block` = (bo, bi)); with
+    `gated`, x is [M, 2K] = cat[gate, up] and the product is of silu(gate) * up. Products and sums
+    are float32 whatever the dtypes (x may be narrower than a float32 weight: a router's)."""
     out_features, in_features = weight.shape
     if x.shape[-1] != in_features * (2 if gated else 1):
         raise ValueError(f"input of width {x.shape[-1]} for a weight of {in_features} columns"
@@ -201,4 +205,4 @@ def rowmajor_gemv(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor
     scales = (weight, 1) if scale_inv is None else (scale_inv.float().contiguous(), scale_inv.shape[1])
     return _launch_gemv(_rowmajor_gemv_kernel, x, out_features, in_features, block_n, block_k,
                         shape.num_warps, shape, 8 * weight.element_size(), ((weight, scales[0]), (scales[1],)),
-                        BLOCK_OUT=bo, BLOCK_IN=bi, VEC=vec, SCALED=scale_inv is not None, GATED=gated)
+                        out_dtype, BLOCK_OUT=bo, BLOCK_IN=bi, VEC=vec, SCALED=scale_inv is not None, GATED=gated)

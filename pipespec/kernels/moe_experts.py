@@ -10,6 +10,9 @@ order: deterministic, and no [T*k, H] buffer). Every shape comes from the host, 
 in a CUDA graph. A pair routed to another rank's expert (id - first outside [0, E)) masks off its
 weight loads: it reads nothing and adds zero.
 
+A shared expert shaped like a routed one (DeepSeek-V3's, GLM's) can ride along as one more pair a
+token (`shared`), so the MoE layer's shared MLP launches nothing of its own.
+
 FP8 experts (block-scaled e4m3, `model/quant/experts.py`) are dequantized as the tiles are read;
 int4 experts (AWQ / GPTQ, whose layout runs along the outputs) have kernels of their own that read
 32 output columns a program and unpack the nibbles in registers.
@@ -57,20 +60,28 @@ def _local_expert(ids_ptr, pair, first, E):
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, ids_ptr, gu_ptr, gs_ptr, h_ptr, first, E, stride_x,
+def _gate_up_kernel(x_ptr, ids_ptr, gu_ptr, gs_ptr, sgu_ptr, h_ptr, first, E, stride_x, routed_pairs,
                     K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, FP8: tl.constexpr, BO: tl.constexpr,
-                    BI: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    BI: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SHARED: tl.constexpr):
     p = tl.program_id(0)                    # pairs vary fastest: pairs sharing an expert read its
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)    # tile at once, mostly from L2
     rk = tl.arange(0, BLOCK_K)
-    e, mine = _local_expert(ids_ptr, p, first, E)
+    token = p // K
+    if SHARED:                              # pairs past the routed ones: each token's shared expert
+        routed = p < routed_pairs
+        e, mine = _local_expert(ids_ptr, tl.minimum(p, routed_pairs - 1), first, E)
+        e, mine = tl.where(routed, e, 0), mine | (p >= routed_pairs)
+        token = tl.where(routed, token, p - routed_pairs)
+        gu_ptr = tl.where(routed, gu_ptr, sgu_ptr)
+    else:
+        e, mine = _local_expert(ids_ptr, p, first, E)
     gate = e * (2 * I) + rn[:, None]                         # stacked rows: gate, then up
     row_ok = mine & (rn[:, None] < I)
     acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)   # reduced once, after the loop
     acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         k = k0 + rk
-        xk = tl.load(x_ptr + (p // K) * stride_x + k, mask=k < H, other=0.0).to(tl.float32)
+        xk = tl.load(x_ptr + token * stride_x + k, mask=k < H, other=0.0).to(tl.float32)
         ok = row_ok & (k[None, :] < H)
         g = _weights(gu_ptr, gs_ptr, gate, k[None, :], ok, H, FP8, BO, BI)
         u = _weights(gu_ptr, gs_ptr, gate + I, k[None, :], ok, H, FP8, BO, BI)
@@ -80,9 +91,10 @@ def _gate_up_kernel(x_ptr, ids_ptr, gu_ptr, gs_ptr, h_ptr, first, E, stride_x,
 
 
 @triton.jit
-def _down_kernel(h_ptr, ids_ptr, w_ptr, down_ptr, ds_ptr, y_ptr, first, E,
+def _down_kernel(h_ptr, ids_ptr, w_ptr, down_ptr, ds_ptr, sdown_ptr, y_ptr, add_ptr, first, E, routed_pairs,
                  K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, FP8: tl.constexpr, BO: tl.constexpr,
-                 BI: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BI: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 ADD: tl.constexpr, SHARED: tl.constexpr):
     t = tl.program_id(0)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rs = tl.arange(0, BLOCK_S)              # the token's k slots, one tile: their loads overlap
@@ -94,16 +106,28 @@ def _down_kernel(h_ptr, ids_ptr, w_ptr, down_ptr, ds_ptr, y_ptr, first, E,
     rows = e[:, None, None] * H + rn[None, :, None]          # stacked rows of length I
     row_ok = mine[:, None, None] & (rn[None, :, None] < H)
     acc = tl.zeros((BLOCK_S, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_s = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)   # the shared expert's (SHARED)
     for k0 in range(0, I, BLOCK_K):
         k = k0 + rk
         h = tl.load(h_ptr + pair[:, None] * I + k[None, :], mask=(rs[:, None] < K) & (k[None, :] < I),
                     other=0.0).to(tl.float32)
         d = _weights(down_ptr, ds_ptr, rows, k[None, None, :], row_ok & (k[None, None, :] < I), I, FP8, BO, BI)
         acc += d * h[:, None, :]
+        if SHARED:
+            hs = tl.load(h_ptr + (routed_pairs + t) * I + k, mask=k < I, other=0.0).to(tl.float32)
+            ds = tl.load(sdown_ptr + rn[:, None] * I + k[None, :], mask=(rn[:, None] < H) & (k[None, :] < I),
+                         other=0.0).to(tl.float32)
+            acc_s += ds * hs[None, :]
     dt = y_ptr.dtype.element_ty
     y = tl.sum(acc, 2).to(dt).to(tl.float32)                   # each slot's output, rounded
     w = tl.load(w_ptr + pair, mask=rs < K, other=0.0).to(tl.float32)
-    tl.store(y_ptr + t * H + rn, tl.sum(y * w[:, None], 0).to(dt), mask=rn < H)
+    y = tl.sum(y * w[:, None], 0).to(dt)
+    # + the shared experts' output, rounded as the separate MLP and add it replaces round them
+    if SHARED:
+        y = (y.to(tl.float32) + tl.sum(acc_s, 1).to(dt).to(tl.float32)).to(dt)
+    if ADD:
+        y = (y.to(tl.float32) + tl.load(add_ptr + t * H + rn, mask=rn < H, other=0.0).to(tl.float32)).to(dt)
+    tl.store(y_ptr + t * H + rn, y, mask=rn < H)
 
 
 @triton.jit
@@ -187,9 +211,26 @@ def few_pair_int4_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Ten
     return per_pair.view(t, k, h_dim).sum(1).to(x.dtype)    # the slots in order: deterministic
 
 
+def shared_fits(shared: tuple[torch.Tensor, torch.Tensor] | None, gate_up, down) -> bool:
+    """Whether a shared expert (gate_up [2I, H], down [H, I], dense) runs as one more pair a token in
+    `few_pair_experts` with dense routed stacks: the same I (not split by tensor parallelism), dtype
+    and contiguous rows."""
+    if shared is None or not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor):
+        return False
+    sgu, sdown = shared
+    return (isinstance(sgu, torch.Tensor) and isinstance(sdown, torch.Tensor) and sgu.shape == gate_up.shape[1:]
+            and sdown.shape == down.shape[1:] and sgu.dtype == gate_up.dtype == sdown.dtype
+            and sgu.is_contiguous() and sdown.is_contiguous())
+
+
 def few_pair_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up, down,
-                     first: int | None = None) -> torch.Tensor:
+                     first: int | None = None, add: torch.Tensor | None = None,
+                     shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """`routed_experts` (same arguments, same result) for few pairs: see the module docstring.
+    `add` [T, H] (the shared experts' output) is added to the result by the second kernel; or
+    `shared` = (gate_up [2I, H], down [H, I]) of a shared expert (`shared_fits`) runs inside both
+    kernels as one more pair a token, weight 1, its output rounded and added as a separate MLP's
+    would be: no launches of its own.
     gate_up, down: dense stacks [E, 2I, H], [E, H, I], or FP8 ones (`model/quant/experts.py::
     Fp8Stack`: e4m3 `weight` [E * 2I, H], [E * H, I] with block scales `scale_inv`), which the
     kernels dequantize as they read them."""
@@ -209,17 +250,26 @@ def few_pair_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
         return out
     if not (gu.is_contiguous() and dn.is_contiguous()):    # a copy would cost every expert
         raise ValueError("few_pair_experts reads the expert stacks in place: they must be contiguous")
+    if add is not None and (add.shape != x.shape or add.dtype != x.dtype):
+        raise ValueError(f"few_pair_experts adds a [T, H] tensor of the input's dtype; got {tuple(add.shape)} "
+                         f"{add.dtype}")
+    if shared is not None and not shared_fits(shared, gate_up, down):
+        raise ValueError("few_pair_experts runs a shared expert shaped like a routed one (dense, same I and dtype)")
     ids, weights = ids.contiguous(), weights.contiguous()
-    hid = torch.empty(t * k, i_dim, dtype=x.dtype, device=x.device)
+    pairs = t * k + (t if shared is not None else 0)
+    hid = torch.empty(pairs, i_dim, dtype=x.dtype, device=x.device)
     first = first or 0
+    sgu, sdown = shared if shared is not None else (gu, dn)     # no shared expert: unused pointers
     # Tiles of 4 rows and ~4K elements, 8 warps, chosen on an H200 at the GLM-4.7-Flash shape
     # (T = 1 to 4, top-4): thousands of small programs keep the most loads in flight. At one token
     # that is k * I / 4 programs for kernel 1 and H / 4 for kernel 2: many per SM.
-    _gate_up_kernel[(t * k, triton.cdiv(i_dim, 4))](
-        x, ids, gu, gs, hid, first, e, x.stride(0), K=k, H=h_dim, I=i_dim, FP8=fp8, BO=bo, BI=bi,
-        BLOCK_N=4, BLOCK_K=min(1024, triton.next_power_of_2(h_dim)), num_warps=8)
+    _gate_up_kernel[(pairs, triton.cdiv(i_dim, 4))](
+        x, ids, gu, gs, sgu, hid, first, e, x.stride(0), t * k, K=k, H=h_dim, I=i_dim, FP8=fp8, BO=bo, BI=bi,
+        BLOCK_N=4, BLOCK_K=min(1024, triton.next_power_of_2(h_dim)), SHARED=shared is not None, num_warps=8)
     bs = triton.next_power_of_2(k)
     _down_kernel[(t, triton.cdiv(h_dim, 4))](
-        hid, ids, weights, dn, ds, out, first, e, K=k, H=h_dim, I=i_dim, FP8=fp8, BO=bo, BI=bi, BLOCK_S=bs,
-        BLOCK_N=4, BLOCK_K=min(max(64, 1024 // bs), triton.next_power_of_2(i_dim)), num_warps=8)
+        hid, ids, weights, dn, ds, sdown, out, out if add is None else add.contiguous(), first, e, t * k, K=k,
+        H=h_dim, I=i_dim, FP8=fp8, BO=bo, BI=bi, BLOCK_S=bs, BLOCK_N=4,
+        BLOCK_K=min(max(64, 1024 // bs), triton.next_power_of_2(i_dim)), ADD=add is not None,
+        SHARED=shared is not None, num_warps=8)
     return out

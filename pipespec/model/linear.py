@@ -16,8 +16,8 @@ from torch import nn
 from pipespec import kernels
 
 
-def _decode_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    if not (kernels.enabled(x) and x.dtype == weight.dtype and weight.is_contiguous()):
+def _decode_gemv(x: torch.Tensor, weight: torch.Tensor, widen: bool) -> bool:
+    if not (kernels.enabled(x) and (x.dtype == weight.dtype or widen) and weight.is_contiguous()):
         return False
     from pipespec.kernels.gemv import DENSE_GEMV
     return x.numel() <= DENSE_GEMV.max_m * x.shape[-1]
@@ -25,15 +25,19 @@ def _decode_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            gated: bool = False) -> torch.Tensor:
-    """x [..., K] (gated: [..., 2K]) @ weight [N, K].T + bias -> [..., N]."""
-    if x.numel() and _decode_gemv(x, weight):
+    """x [..., K] (gated: [..., 2K]) @ weight [N, K].T + bias -> [..., N]. A float32 weight with a
+    narrower x (a router kept float32) multiplies in float32 and returns float32: the decode kernel
+    widens x as it loads it, so no converted copy of x is made (a launch a layer)."""
+    widen = weight.dtype == torch.float32 and x.dtype != torch.float32 and not gated
+    if x.numel() and _decode_gemv(x, weight, widen):
         from pipespec.kernels.gemv import rowmajor_gemv
         lead = x.shape[:-1]
-        y = rowmajor_gemv(x.reshape(-1, x.shape[-1]), weight, gated=gated).view(*lead, weight.shape[0])
+        y = rowmajor_gemv(x.reshape(-1, x.shape[-1]), weight, gated=gated,
+                          out_dtype=weight.dtype).view(*lead, weight.shape[0])
         return y if bias is None else y + bias
     if gated:
         x = silu_mul(x)
-    return nn.functional.linear(x, weight, bias)
+    return nn.functional.linear(x.float() if widen else x, weight, bias)
 
 
 class Linear(nn.Linear):

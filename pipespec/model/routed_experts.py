@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from pipespec import kernels
 from pipespec.model.quant.experts import STACKS, quantized_routed_experts
@@ -50,19 +51,24 @@ def dense_stacks(module, names: dict[str, list[str]]) -> dict[str, list[str]]:
 
 
 def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                   down: torch.Tensor, first: int | None = None) -> torch.Tensor:
+                   down: torch.Tensor, first: int | None = None, shared: nn.Module | None = None) -> torch.Tensor:
     """sum over slots j of weights[t, j] * expert_{ids[t, j]}(x[t]).
 
     x [T, H]; ids [T, k] int64; weights [T, k]; gate_up [E, 2I, H] (per expert: gate rows, then up
     rows); down [E, H, I] (or both quantized stacks, `as_experts`). Returns [T, H] in x's dtype. `first`:
     the global id of gate_up's first expert when this rank holds only some (pairs routed elsewhere
-    contribute nothing)."""
+    contribute nothing). `shared`: the shared experts (a `GatedMLP`), whose output is added; the
+    few-pair kernels run one shaped like a routed expert as one more pair a token, and add any other's."""
     t, k = ids.shape
     if isinstance(gate_up, STACKS):                       # experts kept quantized (model/quant/experts.py)
-        return quantized_routed_experts(x, ids, weights, gate_up, down, first)
+        return _plus(quantized_routed_experts(x, ids, weights, gate_up, down, first), shared, x)
     if kernels.enabled(x) and t * k <= FEW_PAIRS and gate_up.is_contiguous() and down.is_contiguous():
-        from pipespec.kernels.moe_experts import few_pair_experts
-        return few_pair_experts(x, ids, weights, gate_up, down, first)
+        from pipespec.kernels.moe_experts import few_pair_experts, shared_fits
+        mlp = None if shared is None else (getattr(shared.gate_up_proj, "weight", None),
+                                           getattr(shared.down_proj, "weight", None))
+        if shared_fits(mlp, gate_up, down):
+            return few_pair_experts(x, ids, weights, gate_up, down, first, shared=mlp)
+        return few_pair_experts(x, ids, weights, gate_up, down, first, None if shared is None else shared(x))
     e = gate_up.shape[0]
     flat = ids.reshape(-1)
     mine = None
@@ -87,4 +93,8 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ga
     per_slot = torch.empty_like(y)
     per_slot[order] = y                                   # back to (token, slot) order
     w = weights.reshape(t, k, 1).float()
-    return (per_slot.view(t, k, -1).float() * w).sum(1).to(x.dtype)
+    return _plus((per_slot.view(t, k, -1).float() * w).sum(1).to(x.dtype), shared, x)
+
+
+def _plus(y: torch.Tensor, shared: nn.Module | None, x: torch.Tensor) -> torch.Tensor:
+    return y if shared is None else y + shared(x)

@@ -141,3 +141,47 @@ def test_routed_experts_takes_the_kernel_for_few_pairs(monkeypatch, pairs_over):
         got = module.routed_experts(*args)
     assert len(calls) == (0 if pairs_over else 1)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+# the interpreter rounds bf16 unlike the GPU (and torch): bit-exact bf16 checks run on a GPU only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16] if torch.cuda.is_available() else [torch.float32])
+def test_shared_output_added_by_the_kernel_equals_adding_it_after(dtype):
+    """`add` (the shared experts' output) summed into the result by the second kernel: the same bits
+    as the separate add it replaces (round the routed sum, then add in float32 and round)."""
+    from pipespec.kernels.moe_experts import few_pair_experts
+    x, ids, weights, gate_up, down = _case(3, 8, 4, 96, 72, seed=13)
+    x, gate_up, down = x.to(dtype), gate_up.to(dtype), down.to(dtype)
+    shared = torch.randn(x.shape, generator=torch.Generator().manual_seed(14)).to(DEVICE, dtype)
+    alone = few_pair_experts(x, ids, weights, gate_up, down)
+    assert torch.equal(few_pair_experts(x, ids, weights, gate_up, down, add=shared), alone + shared)
+    with pytest.raises(ValueError, match="adds a \\[T, H\\] tensor"):
+        few_pair_experts(x, ids, weights, gate_up, down, add=shared[:, :10])
+
+
+@pytest.mark.parametrize("t", [1, 3])
+def test_a_shared_expert_rides_along_as_one_more_pair(t):
+    """A shared expert shaped like a routed one, run inside the kernels (weight 1, added after the
+    routed sum), equals the separate MLP added afterwards; `routed_experts` takes that path for a
+    GatedMLP that fits and keeps the separate add for one that does not (TP-split: another I)."""
+    from pipespec.kernels.moe_experts import few_pair_experts
+    from pipespec.model import routed_experts as module
+    from pipespec.model.layers import GatedMLP
+    x, ids, weights, gate_up, down = _case(t, 8, 4, 96, 72, seed=17 + t)
+    mlp = GatedMLP(96, 72).to(DEVICE)
+    g = torch.Generator().manual_seed(18)
+    with torch.no_grad():
+        mlp.gate_up_proj.weight.copy_(torch.randn(144, 96, generator=g) / 96 ** 0.5)
+        mlp.down_proj.weight.copy_(torch.randn(96, 72, generator=g) / 72 ** 0.5)
+    with torch.inference_mode():
+        want = few_pair_experts(x, ids, weights, gate_up, down) + mlp(x)
+        got = few_pair_experts(x, ids, weights, gate_up, down,
+                               shared=(mlp.gate_up_proj.weight, mlp.down_proj.weight))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+        assert (got - few_pair_experts(x, ids, weights, gate_up, down)).abs().max() > 0.05 * want.abs().max()
+        torch.testing.assert_close(module.routed_experts(x, ids, weights, gate_up, down, shared=mlp), got)
+        narrow = GatedMLP(96, 36).to(DEVICE)           # another intermediate size: added separately
+        torch.testing.assert_close(module.routed_experts(x, ids, weights, gate_up, down, shared=narrow),
+                                   few_pair_experts(x, ids, weights, gate_up, down) + narrow(x))
+        with pytest.raises(ValueError, match="shaped like a routed one"):
+            few_pair_experts(x, ids, weights, gate_up, down, shared=(narrow.gate_up_proj.weight,
+                                                                     narrow.down_proj.weight))

@@ -39,3 +39,24 @@ def test_decode_rows_take_the_gemv_kernel_and_prefill_rows_do_not(monkeypatch, g
         assert calls == [1, 2], "only decode rows (at most DENSE_GEMV.max_m) take the GEMV"
         linear(_rand(1, 64, seed=6), w.t().contiguous().t())      # a transposed weight: F.linear
         assert calls == [1, 2]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRET),
+                    reason="needs a CUDA device (or TRITON_INTERPRET=1 with triton)")
+def test_a_float32_weight_widens_a_narrower_input_on_every_path(monkeypatch):
+    """A router's float32 weight against a bf16 row: float32 products and a float32 result, the
+    decode kernel reading the bf16 row itself (no converted copy), the same as converting first."""
+    from pipespec.kernels import gemv
+    calls, kernel = [], gemv.rowmajor_gemv
+    monkeypatch.setattr(gemv, "rowmajor_gemv", lambda x, w, **kw: calls.append(x.dtype) or kernel(x, w, **kw))
+    w = _rand(64, 256, seed=7)
+    for rows in (1, 5):
+        x = _rand(rows, 256, seed=8).bfloat16()
+        with torch.inference_mode():
+            got = linear(x, w)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, x.float() @ w.t(), rtol=1e-5, atol=1e-5)
+        if rows == 1:       # the kernel, on the bf16 row: bit for bit what it gives on the converted one
+            assert torch.equal(got, kernel(x.float(), w))
+    assert calls == [torch.bfloat16]

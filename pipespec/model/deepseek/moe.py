@@ -38,7 +38,7 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] float32, expert ids [T, k])."""
         c = self.cfg
-        logits = linear(x.float(), self.weight.float())        # .float(): no-op once loaded
+        logits = linear(x, self.weight.float())       # float32 products; .float(): no-op once loaded
         if kernels.enabled(x) and fused_routing_supported(c.num_experts, c.n_group):
             from pipespec.kernels.moe_routing import route     # one kernel for all that follows
             return route(logits, c.top_k, sigmoid=True, bias=self.e_score_correction_bias.float(),
@@ -84,7 +84,6 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
         out = routed_experts(x, ids, weights, as_experts(self.experts_gate_up, self.local),
-                             as_experts(self.experts_down, self.local), self.first if self.tp.size > 1 else None)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+                             as_experts(self.experts_down, self.local), self.first if self.tp.size > 1 else None,
+                             shared=self.shared_experts)
         return self.tp.all_reduce(out)
