@@ -180,6 +180,8 @@ def test_a_shared_expert_rides_along_as_one_more_pair(t):
         assert (got - few_pair_experts(x, ids, weights, gate_up, down)).abs().max() > 0.05 * want.abs().max()
         torch.testing.assert_close(module.routed_experts(x, ids, weights, gate_up, down, shared=mlp), got)
         narrow = GatedMLP(96, 36).to(DEVICE)           # another intermediate size: added separately
+        narrow.gate_up_proj.weight.copy_(torch.randn(72, 96, generator=g) / 96 ** 0.5)
+        narrow.down_proj.weight.copy_(torch.randn(96, 36, generator=g) / 36 ** 0.5)
         torch.testing.assert_close(module.routed_experts(x, ids, weights, gate_up, down, shared=narrow),
                                    few_pair_experts(x, ids, weights, gate_up, down) + narrow(x))
         with pytest.raises(ValueError, match="shaped like a routed one"):
