@@ -133,10 +133,6 @@ def decode_speed(full: list[float], first: list[float], batch: int, new_tokens: 
     return batch * (new_tokens - 1) / (statistics.median(full) - statistics.median(first))
 
 
-def full_seconds(speeds: list[float], batch: int, new_tokens: int) -> list[float]:
-    return [batch * new_tokens / tps for tps in speeds]
-
-
 def run(args) -> dict:
     folder, text = write_folder(args.model)
     g = torch.Generator().manual_seed(0)
@@ -148,7 +144,7 @@ def run(args) -> dict:
     common = dict(model=folder, load_format="dummy", gpu_memory_utilization=args.util, max_model_len=2048,
                   max_num_seqs=max(args.batch), quantization=args.quantization,
                   async_scheduling=False if args.no_async_scheduling else None)
-    speeds: dict[tuple, list[float]] = {}
+    fulls: dict[tuple, list[float]] = {}      # seconds of a generate of new_tokens tokens
     steps: dict[tuple, list[float]] = {}
     firsts: dict[tuple, list[float]] = {}     # seconds of a one-token generate: prefill and the first token
     for k in args.k:
@@ -167,7 +163,7 @@ def run(args) -> dict:
             eng.run(prompts, args.new_tokens)                       # warm-up on the timed shape
             for _ in range(args.repeats):
                 secs, drafts, accepted = eng.run(prompts, args.new_tokens)
-                speeds.setdefault(("pipespec", k, b), []).append(b * args.new_tokens / secs)
+                fulls.setdefault(("pipespec", k, b), []).append(secs)
                 firsts.setdefault(("pipespec", k, b), []).append(eng.run(prompts, 1)[0])
                 # steps of one request: new tokens over tokens per step (1 + accepted drafts per step)
                 per_step = 1 + (accepted / drafts * k if drafts else 0)
@@ -192,22 +188,25 @@ def run(args) -> dict:
         for b, prompts in groups.items():
             hf.run(prompts, args.new_tokens)
             for _ in range(args.repeats):
-                secs = hf.run(prompts, args.new_tokens)[0]
-                speeds.setdefault(("transformers eager", 0, b), []).append(b * args.new_tokens / secs)
+                fulls.setdefault(("transformers eager", 0, b), []).append(hf.run(prompts, args.new_tokens)[0])
                 firsts.setdefault(("transformers eager", 0, b), []).append(hf.run(prompts, 1)[0])
         hf.close()
-    for (engine, k, b), values in speeds.items():
-        tps, decode = statistics.median(values), decode_speed(full_seconds(values, b, args.new_tokens), firsts[engine, k, b], b,
-                                                        args.new_tokens)
+
+    def speeds(key):          # (whole-call tokens/s, decode tokens/s), medians
+        b = key[2]
+        return (statistics.median(b * args.new_tokens / s for s in fulls[key]),
+                decode_speed(fulls[key], firsts[key], b, args.new_tokens))
+
+    for (engine, k, b) in fulls:
+        tps, decode = speeds((engine, k, b))
         row = {"engine": engine, "pp": args.pp if engine == "pipespec" else 1, "k": k, "batch": b,
                "tokens_per_s": round(tps, 1), "decode_tokens_per_s": round(decode, 1),
                "first_token_ms": round(statistics.median(firsts[engine, k, b]) * 1e3, 2)}
-        peer = speeds.get(("transformers eager", 0, b))
-        if peer and engine == "pipespec":
-            row["vs_transformers"] = round(tps / statistics.median(peer), 2)
-            row["decode_vs_transformers"] = round(
-                decode / decode_speed(full_seconds(peer, b, args.new_tokens), firsts["transformers eager", 0, b], b,
-                                      args.new_tokens), 2)
+        peer = ("transformers eager", 0, b)
+        if peer in fulls and engine == "pipespec":
+            peer_tps, peer_decode = speeds(peer)
+            row["vs_transformers"] = round(tps / peer_tps, 2)
+            row["decode_vs_transformers"] = round(decode / peer_decode, 2)
         if (engine, k, b) in steps:
             row["step_ms"] = round(statistics.median(steps[engine, k, b]), 3)
         if b == 1 and engine == "pipespec" and "roofline_tokens_per_s_batch1" in report:

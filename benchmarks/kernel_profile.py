@@ -12,13 +12,16 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 
-def kernel_times(run) -> tuple[float, dict[str, tuple[float, int]]]:
-    """Profile `run()`: (wall seconds, {kernel name: (device microseconds, launches)})."""
+def kernel_times(run, trace: str | None = None) -> tuple[float, dict[str, tuple[float, int]]]:
+    """Profile `run()`: (wall seconds, {kernel name: (device microseconds, launches)}); `trace`: also
+    write the run's Chrome trace there."""
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t = time.perf_counter()
         run()
         torch.cuda.synchronize()
         wall = time.perf_counter() - t
+    if trace:
+        prof.export_chrome_trace(trace)
     return wall, {e.key: (e.self_device_time_total, e.count) for e in prof.key_averages()
                   if getattr(e, "self_device_time_total", 0) > 0}
 
@@ -36,12 +39,7 @@ def kernel_profile(run, tokens: int, top: int = 15, trace: str | None = None) ->
     """Profile `run()` (which generates `tokens` tokens, summed over the batch's requests or not, as the
     caller counts them): wall ms per token, summed kernel ms per token, and the `top` kernels
     (ms and launches per token)."""
-    if trace:
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            run()
-            torch.cuda.synchronize()
-        prof.export_chrome_trace(trace)
-    wall, kernels = kernel_times(run)
+    wall, kernels = kernel_times(run, trace)
     return _report(wall, kernels, tokens, top)
 
 
