@@ -12,20 +12,23 @@ import torch
 import triton
 import triton.language as tl
 
+from pipespec.kernels.pdl import pdl_args, pdl_signal, pdl_wait
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, out_ptr, res_out_ptr, w_ptr, n_cols, stride_x, eps,
-                     HAS_RESIDUAL: tl.constexpr, ZERO_CENTRED: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, ZERO_CENTRED: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_signal(PDL)         # one short wave (`kernels/pdl.py`)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    pdl_wait(PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         x = (x.to(tl.float32) + tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32))
         x = x.to(res_out_ptr.dtype.element_ty)      # the sum is rounded to the model dtype, as in torch
         tl.store(res_out_ptr + row * n_cols + cols, x, mask=mask)
-    y = _normed(x.to(tl.float32), tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32), n_cols, eps,
-                out_ptr.dtype.element_ty, ZERO_CENTRED)
+    y = _normed(x.to(tl.float32), w, n_cols, eps, out_ptr.dtype.element_ty, ZERO_CENTRED)
     tl.store(out_ptr + row * n_cols + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -54,7 +57,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         return out if residual is None else (out, res_out)
     _rms_norm_kernel[(rows,)](x, residual.contiguous() if residual is not None else x, out, res_out,
                               weight, n, x.stride(0) if x.dim() == 2 else n, eps, HAS_RESIDUAL=residual is not None,
-                              ZERO_CENTRED=zero_centred, BLOCK=triton.next_power_of_2(n))
+                              ZERO_CENTRED=zero_centred, BLOCK=triton.next_power_of_2(n), **pdl_args(x.device))
     return out if residual is None else (out, res_out)
 
 

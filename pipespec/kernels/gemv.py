@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from pipespec.kernels import sm_count
+from pipespec.kernels.pdl import pdl_args, pdl_signal, pdl_wait
 
 
 @triton.jit
@@ -36,10 +37,12 @@ def _store(y_ptr, acc, rm, rn, M, N, stride_ym, split, SPLIT_K: tl.constexpr):
 
 
 @triton.jit
-def _sum_splits(p_ptr, y_ptr, size, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_splits(p_ptr, y_ptr, size, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """y (contiguous) = the float32 partials [SPLIT_K, size] summed in split order (deterministic,
     unlike atomics) and cast, in one launch. The splits are unrolled so that their loads are all in
     flight at once."""
+    pdl_signal(PDL)
+    pdl_wait(PDL)
     r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = r < size
     acc = tl.load(p_ptr + r, mask=mask, other=0.0)
@@ -72,12 +75,14 @@ def _rowmajor_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, stride_xm, stride_ym, s
                           N: tl.constexpr, K: tl.constexpr, BLOCK_OUT: tl.constexpr, BLOCK_IN: tl.constexpr,
                           SCALED: tl.constexpr, GATED: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
-                          SPLIT_K: tl.constexpr):
+                          SPLIT_K: tl.constexpr, PDL: tl.constexpr):
     """All M (<= BLOCK_M) rows against BLOCK_N weight rows (with SCALED: inside one scale row), a
     chunk of BLOCK_K a step. A lane loads VEC consecutive elements of a row (16 bytes, coalesced
     along K) and sums their products itself; with SCALED that sum is scaled by its block (VEC
     divides the block). Sums are kept apart per lane, [rows, N rows, K / VEC], so lanes are summed
-    once, at the end."""
+    once, at the end. With PDL (`kernels/pdl.py`) it waits at once and lets the next kernel launch
+    after its loop."""
+    pdl_wait(PDL)
     rm = tl.arange(0, BLOCK_M)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -103,6 +108,7 @@ def _rowmajor_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, stride_xm, stride_ym, s
             acc += tl.sum(x * w, axis=3) * s[None, None, :]
         else:
             acc += tl.sum(x * w, axis=3)
+    pdl_signal(PDL)         # after the loop: the next kernel launches in this one's tail
     _store(y_ptr, tl.sum(acc, axis=2), rm, rn, M, N, stride_ym, tl.program_id(1), SPLIT_K)
 
 
@@ -166,7 +172,8 @@ def _run(kernel, grid: tuple, x: torch.Tensor, out_features: int, in_features: i
     kernel[(*grid, split)](x, *weights, dest, m, x.stride(0), y.stride(0), *scalars, k_per_split,
                            N=out_features, K=in_features, BLOCK_K=block_k, SPLIT_K=split, **meta)
     if split > 1:       # 128 outputs a one-warp program: a 4,096-wide row is read by 32 SMs
-        _sum_splits[(triton.cdiv(y.numel(), 128),)](dest, y, y.numel(), SPLIT_K=split, BLOCK=128, num_warps=1)
+        _sum_splits[(triton.cdiv(y.numel(), 128),)](dest, y, y.numel(), SPLIT_K=split, BLOCK=128, num_warps=1,
+                                                    **pdl_args(x.device))
     return y
 
 
@@ -205,4 +212,5 @@ def rowmajor_gemv(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor
     scales = (weight, 1) if scale_inv is None else (scale_inv.float().contiguous(), scale_inv.shape[1])
     return _launch_gemv(_rowmajor_gemv_kernel, x, out_features, in_features, block_n, block_k,
                         shape.num_warps, shape, 8 * weight.element_size(), ((weight, scales[0]), (scales[1],)),
-                        out_dtype, BLOCK_OUT=bo, BLOCK_IN=bi, VEC=vec, SCALED=scale_inv is not None, GATED=gated)
+                        out_dtype, BLOCK_OUT=bo, BLOCK_IN=bi, VEC=vec, SCALED=scale_inv is not None, GATED=gated,
+                        **pdl_args(x.device))

@@ -22,6 +22,8 @@ so is their product (the down GEMM's input), and each slot's down output before 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -211,6 +213,25 @@ def few_pair_int4_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Ten
     return per_pair.view(t, k, h_dim).sum(1).to(x.dtype)    # the slots in order: deterministic
 
 
+@dataclass(frozen=True)
+class FewPairShape:
+    """Launch shapes of the two dense/FP8 kernels: output rows a program, the K elements a step
+    (down: shared by the token's slots, each taking block_k / slots of it, at least 64), warps.
+    Chosen by `benchmarks/moe_experts_gpu.py --sweep` on an H200 at one token (GLM-4.7-Flash: 64
+    experts, top-4 and a shared one; Qwen3.5-35B-A3B: 256, top-8): 2 rows a program, 4 warps, so
+    that at one token there are thousands of small programs (k * I / 2, H / 2) keeping loads in
+    flight. The down kernel at the old 4 rows and 8 warps was the slowest of the shapes tried."""
+    gate_up_n: int = 2
+    gate_up_k: int = 1024
+    gate_up_warps: int = 4
+    down_n: int = 2
+    down_k: int = 2048
+    down_warps: int = 4
+
+
+FEW_PAIR = FewPairShape()
+
+
 def shared_fits(shared: tuple[torch.Tensor, torch.Tensor] | None, gate_up, down) -> bool:
     """Whether a shared expert (gate_up [2I, H], down [H, I], dense) runs as one more pair a token in
     `few_pair_experts` with dense routed stacks: the same I (not split by tensor parallelism), dtype
@@ -225,7 +246,8 @@ def shared_fits(shared: tuple[torch.Tensor, torch.Tensor] | None, gate_up, down)
 
 def few_pair_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up, down,
                      first: int | None = None, add: torch.Tensor | None = None,
-                     shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                     shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     shape: FewPairShape = FEW_PAIR) -> torch.Tensor:
     """`routed_experts` (same arguments, same result) for few pairs: see the module docstring.
     `add` [T, H] (the shared experts' output) is added to the result by the second kernel; or
     `shared` = (gate_up [2I, H], down [H, I]) of a shared expert (`shared_fits`) runs inside both
@@ -260,16 +282,14 @@ def few_pair_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
     hid = torch.empty(pairs, i_dim, dtype=x.dtype, device=x.device)
     first = first or 0
     sgu, sdown = shared if shared is not None else (gu, dn)     # no shared expert: unused pointers
-    # Tiles of 4 rows and ~4K elements, 8 warps, chosen on an H200 at the GLM-4.7-Flash shape
-    # (T = 1 to 4, top-4): thousands of small programs keep the most loads in flight. At one token
-    # that is k * I / 4 programs for kernel 1 and H / 4 for kernel 2: many per SM.
-    _gate_up_kernel[(pairs, triton.cdiv(i_dim, 4))](
+    _gate_up_kernel[(pairs, triton.cdiv(i_dim, shape.gate_up_n))](
         x, ids, gu, gs, sgu, hid, first, e, x.stride(0), t * k, K=k, H=h_dim, I=i_dim, FP8=fp8, BO=bo, BI=bi,
-        BLOCK_N=4, BLOCK_K=min(1024, triton.next_power_of_2(h_dim)), SHARED=shared is not None, num_warps=8)
+        BLOCK_N=shape.gate_up_n, BLOCK_K=min(shape.gate_up_k, triton.next_power_of_2(h_dim)),
+        SHARED=shared is not None, num_warps=shape.gate_up_warps)
     bs = triton.next_power_of_2(k)
-    _down_kernel[(t, triton.cdiv(h_dim, 4))](
+    _down_kernel[(t, triton.cdiv(h_dim, shape.down_n))](
         hid, ids, weights, dn, ds, sdown, out, out if add is None else add.contiguous(), first, e, t * k, K=k,
-        H=h_dim, I=i_dim, FP8=fp8, BO=bo, BI=bi, BLOCK_S=bs, BLOCK_N=4,
-        BLOCK_K=min(max(64, 1024 // bs), triton.next_power_of_2(i_dim)), ADD=add is not None,
-        SHARED=shared is not None, num_warps=8)
+        H=h_dim, I=i_dim, FP8=fp8, BO=bo, BI=bi, BLOCK_S=bs, BLOCK_N=shape.down_n,
+        BLOCK_K=min(max(64, shape.down_k // bs), triton.next_power_of_2(i_dim)), ADD=add is not None,
+        SHARED=shared is not None, num_warps=shape.down_warps)
     return out

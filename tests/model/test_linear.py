@@ -57,6 +57,8 @@ def test_a_float32_weight_widens_a_narrower_input_on_every_path(monkeypatch):
             got = linear(x, w)
         assert got.dtype == torch.float32
         torch.testing.assert_close(got, x.float() @ w.t(), rtol=1e-5, atol=1e-5)
-        if rows == 1:       # the kernel, on the bf16 row: bit for bit what it gives on the converted one
-            assert torch.equal(got, kernel(x.float(), w))
+        if rows == 1:       # the kernel, on the bf16 row: what it gives on the converted one, to the
+            # float32 rounding of a sum (the bf16 tile takes another register layout on the GPU, so
+            # its lanes may sum in another order: an H200 differed in the last bits)
+            torch.testing.assert_close(got, kernel(x.float(), w), rtol=1e-6, atol=1e-6 * got.abs().max().item())
     assert calls == [torch.bfloat16]

@@ -1,0 +1,57 @@
+"""Programmatic dependent launch (`kernels/pdl.py`): a chain of PDL kernels whose every input is the
+previous kernel's output (norm -> GEMV with split-K sums -> GEMV -> norm ...), replayed from a CUDA
+graph with PDL on, gives bit for bit what it gives with PDL off. A kernel that read its input or
+stored before its wait would read stale rows on some replays. Where PDL cannot run (the
+interpreter, CPU, before sm_90, PIPESPEC_PDL=0) it is off."""
+from __future__ import annotations
+
+import pytest
+import torch
+from tests.kernels import INTERPRET
+
+pdl_on = pytest.importorskip("pipespec.kernels.pdl", reason="needs triton").pdl_on
+
+
+def test_pdl_is_off_where_it_cannot_run(monkeypatch):
+    assert not pdl_on(torch.device("cpu"))
+    if torch.cuda.is_available():
+        monkeypatch.setenv("PIPESPEC_PDL", "0")
+        assert not pdl_on(torch.device("cuda"))
+
+
+def _chain(x, weights, norm):
+    from pipespec.kernels.fused_ops import rms_norm
+    from pipespec.kernels.gemv import rowmajor_gemv
+    residual = torch.zeros_like(x)
+    for w_in, w_out in weights:
+        h, residual = rms_norm(x, norm, 1e-6, residual)
+        x = rowmajor_gemv(rowmajor_gemv(h, w_in), w_out, gated=True)
+    return x
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(INTERPRET or not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="needs an sm_90+ GPU")
+def test_a_pdl_chain_replayed_from_a_graph_equals_the_plain_one(monkeypatch):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hidden, inter = 1024, 2816                          # the down projection splits K (a sum kernel)
+    weights = [((torch.randn(2 * inter, hidden, device="cuda", generator=g) * 0.03).bfloat16(),
+                (torch.randn(hidden, inter, device="cuda", generator=g) * 0.03).bfloat16()) for _ in range(12)]
+    norm = torch.ones(hidden, device="cuda", dtype=torch.bfloat16)
+    x = torch.zeros(1, hidden, device="cuda", dtype=torch.bfloat16)
+    outs = {}
+    for pdl in ("0", "1"):
+        monkeypatch.setenv("PIPESPEC_PDL", pdl)
+        assert pdl_on(x.device) == (pdl == "1")
+        _chain(x, weights, norm)                        # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = _chain(x, weights, norm)
+        results = []
+        for seed in range(20):                          # a new input each replay: stale reads would show
+            x.copy_(torch.randn(1, hidden, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed)))
+            graph.replay()
+            results.append(out.clone())
+        outs[pdl] = torch.stack(results)
+    assert outs["0"].abs().sum() > 0
+    assert torch.equal(outs["0"], outs["1"])
