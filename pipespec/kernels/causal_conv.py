@@ -17,11 +17,15 @@ import torch
 import triton
 import triton.language as tl
 
+from pipespec.kernels.pdl import pdl_args, pdl_signal, pdl_wait
+
 
 @triton.jit
 def _causal_conv_kernel(x_ptr, rows_ptr, valid_ptr, len_ptr, conv_ptr, cand_ptr, slot_ptr, fresh_ptr, commit_ptr,
                         settle_ptr, w_ptr, out_ptr, line_ptr, length, cand_rows, stride_x, C: tl.constexpr,
-                        PAST: tl.constexpr, BLOCK_C: tl.constexpr):
+                        PAST: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+    pdl_signal(PDL)
+    pdl_wait(PDL)
     b = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     ok = c < C
@@ -72,5 +76,5 @@ def causal_conv(x: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, length
     _causal_conv_kernel[(bsz, triton.cdiv(channels, block))](
         x, rows.contiguous(), valid.contiguous(), lengths.contiguous(), conv, cand, slots.contiguous(),
         fresh.contiguous(), commit.contiguous(), settles.contiguous(), weight.contiguous(), out, line, length,
-        cand.shape[1], x.stride(0), C=channels, PAST=past, BLOCK_C=block, num_warps=4)
+        cand.shape[1], x.stride(0), C=channels, PAST=past, BLOCK_C=block, num_warps=4, **pdl_args(x.device))
     return out

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pipespec.kernels.pdl import pdl_args, pdl_signal, pdl_wait
+
 
 @triton.jit
 def _softplus(x):
@@ -32,7 +34,10 @@ def _softplus(x):
 def _recurrent_kernel(conv_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, rows_ptr, valid_ptr, rec_ptr, cand_ptr, slot_ptr,
                       fresh_ptr, commit_ptr, settle_ptr, o_ptr, length, cand_rows, stride_a, stride_b, q_scale,
                       C: tl.constexpr, HK: tl.constexpr,
-                      HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, KEEP: tl.constexpr):
+                      HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, KEEP: tl.constexpr,
+                      PDL: tl.constexpr):
+    pdl_signal(PDL)
+    pdl_wait(PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     kh = h // (HV // HK)                                             # the key head serving value head h
@@ -110,5 +115,5 @@ def fused_gated_delta_rule(conv, a, b, A_log, dt_bias, rec, cand, slots, fresh, 
                                            valid.contiguous(), rec, cand, slots.contiguous(), fresh.contiguous(),
                                            commit.contiguous(), settles.contiguous(), o, length, cand.shape[1],
                                            a.stride(0), b.stride(0), dk ** -0.5, C=channels, HK=key_heads, HV=hv,
-                                           DK=dk, DV=dv, BV=bv, KEEP=keep, num_warps=4)
+                                           DK=dk, DV=dv, BV=bv, KEEP=keep, num_warps=4, **pdl_args(a.device))
     return o

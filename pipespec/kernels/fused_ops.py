@@ -62,7 +62,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 
 @triton.jit
-def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, n_cols, eps, BLOCK: tl.constexpr):
+def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, n_cols, eps, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_signal(PDL)
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -82,12 +84,15 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     n = x.shape[-1]
     out = torch.empty_like(x)
     if x.numel():
-        _gated_rms_norm_kernel[(x.numel() // n,)](x, z, weight, out, n, eps, BLOCK=triton.next_power_of_2(n))
+        _gated_rms_norm_kernel[(x.numel() // n,)](x, z, weight, out, n, eps, BLOCK=triton.next_power_of_2(n),
+                                                  **pdl_args(x.device))
     return out
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_signal(PDL)
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -106,13 +111,15 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     block = min(1024, triton.next_power_of_2(n))
     if rows == 0:
         return out
-    _silu_mul_kernel[(rows, triton.cdiv(n, block))](gate_up, out, n, BLOCK=block)
+    _silu_mul_kernel[(rows, triton.cdiv(n, block))](gate_up, out, n, BLOCK=block, **pdl_args(gate_up.device))
     return out
 
 
 @triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, stride_t, stride_h,
-                 HEAD_DIM: tl.constexpr):
+                 HEAD_DIM: tl.constexpr, PDL: tl.constexpr):
+    pdl_signal(PDL)
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, HEAD_DIM)
@@ -132,13 +139,15 @@ def rope_(x: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor, pos
     assert x.stride(-1) == 1 and d & (d - 1) == 0, "rope_ needs unit-stride, power-of-two head_dim"
     if t:
         _rope_kernel[(t, heads)](x, cos_table, sin_table, positions, x.stride(0), x.stride(1), HEAD_DIM=d,
-                                 num_warps=1)
+                                 num_warps=1, **pdl_args(x.device))
     return x
 
 
 @triton.jit
 def _slice_rope_kernel(x_ptr, out_ptr, cos_ptr, sin_ptr, pos_ptr, stride_t, stride_h, heads,
-                       HALF: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr):
+                       HALF: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+    pdl_signal(PDL)
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     i = tl.arange(0, HALF)
@@ -175,13 +184,15 @@ def slice_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions:
         block_h = min(16, triton.next_power_of_2(heads))
         _slice_rope_kernel[(t, triton.cdiv(heads, block_h))](x, out, cos, sin, positions, x.stride(0), x.stride(1),
                                                              heads, HALF=d // 2, INTERLEAVED=interleaved,
-                                                             BLOCK_H=block_h, num_warps=1)
+                                                             BLOCK_H=block_h, num_warps=1, **pdl_args(x.device))
     return out
 
 
 @triton.jit
 def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_kt, stride_vt,
-                     ROW: tl.constexpr, BLOCK: tl.constexpr):
+                     ROW: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_signal(PDL)
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t)
     if slot >= 0:            # padding rows (slot -1) of a captured batch write nothing
@@ -199,12 +210,15 @@ def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, k: torch.Tensor
         return
     assert k.stride(1) == k.shape[2] and v.stride(1) == v.shape[2] and k.stride(2) == 1 and v.stride(2) == 1
     _write_kv_kernel[(k.shape[0],)](k, v, key_cache, value_cache, slot_mapping, k.stride(0), v.stride(0),
-                                    ROW=row, BLOCK=triton.next_power_of_2(row))
+                                    ROW=row, BLOCK=triton.next_power_of_2(row), **pdl_args(k.device))
 
 
 @triton.jit
 def _mla_entry_kernel(kv_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, cache_ptr, stride_kt, stride_ct, eps,
-                      R: tl.constexpr, R_PAD: tl.constexpr, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
+                      R: tl.constexpr, R_PAD: tl.constexpr, HALF: tl.constexpr, INTERLEAVED: tl.constexpr,
+                      PDL: tl.constexpr):
+    pdl_signal(PDL)
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t)
     if slot >= 0:
@@ -234,4 +248,4 @@ def mla_cache_entry(kv_a: torch.Tensor, norm_weight: torch.Tensor, eps: float, c
     if t:
         _mla_entry_kernel[(t,)](kv_a, norm_weight, cos, sin, positions, slot_mapping, cache, kv_a.stride(0),
                                 cache.stride(0), eps, R=rank, R_PAD=triton.next_power_of_2(rank), HALF=half,
-                                INTERLEAVED=interleaved, num_warps=4)
+                                INTERLEAVED=interleaved, num_warps=4, **pdl_args(kv_a.device))

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pipespec.kernels.pdl import pdl_args, pdl_signal, pdl_wait
+
 MAX_ROWS = 8          # query rows the kernels take
 # Rows up to which the layer takes them: one (batch-1 decode). On an H200 (`benchmarks/mla_kernel.py`)
 # their CUDA-core FMAs per weight grow with the rows, and at 2 rows they took 1.6-2x the einsum's time.
@@ -26,8 +28,10 @@ FAST_ROWS = 1
 @triton.jit
 def _uk_kernel(q_ptr, w_ptr, out_ptr, T, stride_qt, stride_qh, stride_ot, stride_oh,
                DN: tl.constexpr, HEAD_ROWS: tl.constexpr, R: tl.constexpr,
-               BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
+               BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr):
     """out[t, h, r-tile] = sum_d q[t, h, d] * W[h * HEAD_ROWS + d, r-tile]."""
+    pdl_signal(PDL)
+    pdl_wait(PDL)
     h = tl.program_id(0)
     rr = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     rt = tl.arange(0, BLOCK_T)
@@ -49,8 +53,10 @@ def _uk_kernel(q_ptr, w_ptr, out_ptr, T, stride_qt, stride_qh, stride_ot, stride
 @triton.jit
 def _uv_kernel(x_ptr, w_ptr, out_ptr, T, stride_xt, stride_xh, stride_ot, stride_oh,
                DN: tl.constexpr, DV: tl.constexpr, HEAD_ROWS: tl.constexpr, R: tl.constexpr,
-               BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr):
+               BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr):
     """out[t, h, v-tile] = sum_r W[h * HEAD_ROWS + DN + v, r] * x[t, h, r]."""
+    pdl_signal(PDL)
+    pdl_wait(PDL)
     h = tl.program_id(0)
     rv = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     rt = tl.arange(0, BLOCK_T)
@@ -79,7 +85,7 @@ def _launch(kernel, x: torch.Tensor, weight: torch.Tensor, out_width: int, tile:
     out = torch.empty(t, heads, out_width, dtype=x.dtype, device=x.device)
     if t:
         kernel[(heads, triton.cdiv(out_width, tile))](x, weight, out, t, x.stride(0), x.stride(1), out.stride(0),
-                                                      out.stride(1), num_warps=4, **meta)
+                                                      out.stride(1), num_warps=4, **meta, **pdl_args(x.device))
     return out
 
 

@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pipespec.kernels.pdl import pdl_args, pdl_signal, pdl_wait
+
 from pipespec.kernels import sm_count
 from pipespec.kernels.paged_attention import combine_splits, num_kv_splits, split_partials, store_partial
 
@@ -53,7 +55,9 @@ def _mla_kernel(ql_ptr, qr_ptr, cache_ptr, out_ptr, block_tables_ptr, query_star
                 stride_qlt, stride_qlh, stride_qrt, stride_qrh, stride_ot, stride_oh, stride_ct, stride_bt,
                 HEADS: tl.constexpr, R: tl.constexpr, R_PAD: tl.constexpr, DR: tl.constexpr, DR_PAD: tl.constexpr,
                 PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                NUM_SPLITS: tl.constexpr, MIN_KEYS: tl.constexpr):
+                NUM_SPLITS: tl.constexpr, MIN_KEYS: tl.constexpr, PDL: tl.constexpr):
+    pdl_signal(PDL)
+    pdl_wait(PDL)
     req = tl.program_id(0)
     tile = tl.program_id(1)
     split = tl.program_id(2)
@@ -148,7 +152,7 @@ def mla_paged_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, cache: torch.
         DR=rope_dim, DR_PAD=max(16, triton.next_power_of_2(rope_dim)), PAGE=page_size, BLOCK_M=block_m,
         BLOCK_N=launch.block_n if q_lat.element_size() <= 2 else min(launch.block_n, 32),   # float32: smem
         PRECISION="ieee" if q_lat.dtype == torch.float32 else "tf32", NUM_SPLITS=num_splits,
-        MIN_KEYS=MIN_CHUNK, num_warps=launch.num_warps, num_stages=launch.num_stages)
+        MIN_KEYS=MIN_CHUNK, num_warps=launch.num_warps, num_stages=launch.num_stages, **pdl_args(q_lat.device))
     if num_splits > 1:
         combine_splits(part_m, part_l, part_acc, out, num_splits)
     return out

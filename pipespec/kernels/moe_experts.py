@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pipespec.kernels.pdl import pdl_args, pdl_signal, pdl_wait
+
 from pipespec.kernels.quant_matmul import unpack_int4
 
 
@@ -64,7 +66,10 @@ def _local_expert(ids_ptr, pair, first, E):
 @triton.jit
 def _gate_up_kernel(x_ptr, ids_ptr, gu_ptr, gs_ptr, sgu_ptr, h_ptr, first, E, stride_x, routed_pairs,
                     K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, FP8: tl.constexpr, BO: tl.constexpr,
-                    BI: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SHARED: tl.constexpr):
+                    BI: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SHARED: tl.constexpr,
+                    PDL: tl.constexpr):
+    pdl_signal(PDL)
+    pdl_wait(PDL)
     p = tl.program_id(0)                    # pairs vary fastest: pairs sharing an expert read its
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)    # tile at once, mostly from L2
     rk = tl.arange(0, BLOCK_K)
@@ -96,7 +101,9 @@ def _gate_up_kernel(x_ptr, ids_ptr, gu_ptr, gs_ptr, sgu_ptr, h_ptr, first, E, st
 def _down_kernel(h_ptr, ids_ptr, w_ptr, down_ptr, ds_ptr, sdown_ptr, y_ptr, add_ptr, first, E, routed_pairs,
                  K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, FP8: tl.constexpr, BO: tl.constexpr,
                  BI: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 ADD: tl.constexpr, SHARED: tl.constexpr):
+                 ADD: tl.constexpr, SHARED: tl.constexpr, PDL: tl.constexpr):
+    pdl_signal(PDL)
+    pdl_wait(PDL)
     t = tl.program_id(0)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rs = tl.arange(0, BLOCK_S)              # the token's k slots, one tile: their loads overlap
@@ -285,11 +292,11 @@ def few_pair_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
     _gate_up_kernel[(pairs, triton.cdiv(i_dim, shape.gate_up_n))](
         x, ids, gu, gs, sgu, hid, first, e, x.stride(0), t * k, K=k, H=h_dim, I=i_dim, FP8=fp8, BO=bo, BI=bi,
         BLOCK_N=shape.gate_up_n, BLOCK_K=min(shape.gate_up_k, triton.next_power_of_2(h_dim)),
-        SHARED=shared is not None, num_warps=shape.gate_up_warps)
+        SHARED=shared is not None, num_warps=shape.gate_up_warps, **pdl_args(x.device))
     bs = triton.next_power_of_2(k)
     _down_kernel[(t, triton.cdiv(h_dim, shape.down_n))](
         hid, ids, weights, dn, ds, sdown, out, out if add is None else add.contiguous(), first, e, t * k, K=k,
         H=h_dim, I=i_dim, FP8=fp8, BO=bo, BI=bi, BLOCK_S=bs, BLOCK_N=shape.down_n,
         BLOCK_K=min(max(64, shape.down_k // bs), triton.next_power_of_2(i_dim)), ADD=add is not None,
-        SHARED=shared is not None, num_warps=shape.down_warps)
+        SHARED=shared is not None, num_warps=shape.down_warps, **pdl_args(x.device))
     return out

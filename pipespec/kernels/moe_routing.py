@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pipespec.kernels.pdl import pdl_args, pdl_signal, pdl_wait
+
 from pipespec.kernels import fused_routing_supported
 
 
@@ -29,7 +31,10 @@ def _take(scores, chosen, lane, j):
 @triton.jit
 def _route_kernel(logit_ptr, bias_ptr, weight_ptr, id_ptr, stride_t, scale,
                   E: tl.constexpr, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, N_GROUP: tl.constexpr,
-                  TOPK_GROUP: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr):
+                  TOPK_GROUP: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
+                  PDL: tl.constexpr):
+    pdl_signal(PDL)
+    pdl_wait(PDL)
     t = tl.program_id(0)
     lane = tl.arange(0, E)                                   # E: a power of two (checked on the host)
     logit = tl.load(logit_ptr + t * stride_t + lane).to(tl.float32)
@@ -89,5 +94,5 @@ def route(logits: torch.Tensor, top_k: int, *, sigmoid: bool, bias: torch.Tensor
         _route_kernel[(tokens,)](logits, bias if bias is not None else logits, weights, ids, logits.stride(0),
                                  float(scale), E=experts, TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k),
                                  N_GROUP=n_group, TOPK_GROUP=topk_group, SIGMOID=sigmoid,
-                                 HAS_BIAS=bias is not None, NORM=normalize)
+                                 HAS_BIAS=bias is not None, NORM=normalize, **pdl_args(logits.device))
     return weights, ids

@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pipespec.kernels.pdl import pdl_args, pdl_signal, pdl_wait
+
 from pipespec.kernels import sm_count
 
 
@@ -42,7 +44,10 @@ def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, query_start_ptr, seq_lens_ptr,
         part_m_ptr, part_l_ptr, part_acc_ptr, num_heads, scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_ct, stride_ch, stride_bt,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, NUM_SPLITS: tl.constexpr):
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        PDL: tl.constexpr):
+    pdl_signal(PDL)
+    pdl_wait(PDL)
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     tile = tl.program_id(2)
@@ -110,10 +115,13 @@ def _paged_attention_kernel(
 
 @triton.jit
 def _combine_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, num_heads, stride_ot, stride_oh,
-                    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS: tl.constexpr):
+                    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS: tl.constexpr,
+                    PDL: tl.constexpr):
     """out[row, head] from its splits' partials. A split that read no keys stored only its max
     (-1e30): it weighs 0 and its sum and values are not read, so the splits a short context leaves
     empty cost one float each (MLA's partial is 512 values a head)."""
+    pdl_signal(PDL)
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     s = tl.arange(0, SPLITS)
@@ -147,7 +155,7 @@ def combine_splits(part_m: torch.Tensor, part_l: torch.Tensor, part_acc: torch.T
     t, heads, dim = out.shape
     _combine_kernel[(t, heads)](part_m, part_l, part_acc, out, heads, out.stride(0), out.stride(1), HEAD_DIM=dim,
                                 DIM_PAD=triton.next_power_of_2(dim), NUM_SPLITS=num_splits,
-                                SPLITS=triton.next_power_of_2(num_splits), num_warps=4)
+                                SPLITS=triton.next_power_of_2(num_splits), num_warps=4, **pdl_args(out.device))
     return out
 
 
@@ -233,7 +241,7 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), key_cache.stride(0), key_cache.stride(1),
         block_tables.stride(0), GROUP=group, HEAD_DIM=dim, PAGE=page_size, BLOCK_M=block_m,
         BLOCK_N=block_n, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 stays exact
-        NUM_SPLITS=num_splits, num_warps=num_warps, num_stages=num_stages)
+        NUM_SPLITS=num_splits, num_warps=num_warps, num_stages=num_stages, **pdl_args(q.device))
     if split:
         combine_splits(part_m, part_l, part_acc, out, num_splits)
     return out
