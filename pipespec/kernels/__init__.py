@@ -5,6 +5,8 @@ no backward, so they serve inference only (training keeps the differentiable PyT
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import importlib.util
 import os
@@ -19,6 +21,25 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 def enabled(x: torch.Tensor) -> bool:
     """Whether the fused kernels serve this tensor: Triton present, a CUDA tensor, no autograd."""
     return (HAVE_TRITON and (x.is_cuda or _INTERPRET) and torch.is_inference_mode_enabled())
+
+
+_PDL_SCOPE = contextvars.ContextVar("pipespec_pdl_scope", default=False)
+
+
+@contextlib.contextmanager
+def pdl_scope():
+    """Kernels launched inside launch with programmatic dependent launch where the device has it
+    (`kernels/pdl.py`): the CUDA-graph capture opens it. Here, not there, so that CPU-only code may
+    open it without Triton."""
+    token = _PDL_SCOPE.set(True)
+    try:
+        yield
+    finally:
+        _PDL_SCOPE.reset(token)
+
+
+def in_pdl_scope() -> bool:
+    return _PDL_SCOPE.get()
 
 
 def serve_device(device: torch.device) -> bool:

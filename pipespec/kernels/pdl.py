@@ -8,8 +8,10 @@ kernel is launched as soon as every program of the one before has signalled
 `griddepcontrol.wait` until the kernel before has completed and its writes are visible. The launch
 latency between kernels is hidden in the tail of the one before.
 
-Where a kernel signals: the decode GEMV after its main loop, short one-wave kernels at once. (Loading
-weights before the wait was tried and lost: `benchmarks/RESULTS.md`.)
+Where a kernel signals: the decode GEMV after its main loop (its dependents then start in its tail);
+the others first thing, with their wait (the signal takes effect only once every program of the
+kernel has started, i.e. in its last wave). Loading or prefetching weights before the wait was
+tried and lost (`benchmarks/RESULTS.md`).
 
 What keeps it correct: every program of a PDL kernel waits, unconditionally and before anything
 else that reads an activation or stores (a weight may be read before it: never written during
@@ -17,8 +19,12 @@ serving). So a PDL kernel completes only after the kernel before it has, and the
 transitive: a kernel sees the writes of every kernel before it, PDL or not. A kernel launched
 without PDL (cuBLAS, PyTorch's, fla-core's) waits for everything before it as usual.
 
-Off before sm_90, under the Triton interpreter, and with `PIPESPEC_PDL=0`; then the constexpr `PDL`
-compiles the instructions out and the launch is a plain one.
+On only for kernels launched inside `pdl_scope()` (`kernels/__init__.py`), which the CUDA-graph
+capture opens, its warm-up run included (so the variants it captures are compiled outside the
+capture). An eager step has nothing to gain (its host launches are slower than the GPU), and with
+every launch on PDL the first token of a Qwen3.5-2B request (an eager prefill) took 28 ms against
+15 ms without, in one H200 call. Off before sm_90, under the Triton interpreter and with
+`PIPESPEC_PDL=0`; then the constexpr `PDL` compiles the instructions out and the launch is a plain one.
 """
 from __future__ import annotations
 
@@ -29,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from pipespec.kernels import in_pdl_scope
 
 
 @triton.jit
@@ -53,8 +61,8 @@ def _on(index: int, setting: str | None) -> bool:
 
 
 def pdl_on(device: torch.device) -> bool:
-    """Whether kernels on `device` launch with PDL (cheap: it runs at every eager launch)."""
-    if device.type != "cuda":
+    """Whether kernels on `device` launch with PDL here (cheap: it runs at every eager launch)."""
+    if not in_pdl_scope() or device.type != "cuda":
         return False
     return _on(device.index if device.index is not None else torch.cuda.current_device(),
                os.environ.get("PIPESPEC_PDL"))

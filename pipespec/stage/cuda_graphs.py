@@ -27,6 +27,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from pipespec.kernels import pdl_scope
 from pipespec.layout import Carry, StepLayout, carry_in
 from pipespec.model.attention import AttentionBackend, ForwardContext, KVCache
 from pipespec.model.linear_state import LinearFlags, LinearMeta
@@ -197,11 +198,12 @@ class CudaGraphs:
 
     @staticmethod
     def _capture(pool, fn):
-        fn()                                  # warm-up: compiles kernels, settles the allocator
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            out = fn()
+        with pdl_scope():                     # the graph's kernels launch with PDL (`kernels/pdl.py`)
+            fn()                              # warm-up: compiles kernels, settles the allocator
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = fn()
         return graph, out
 
     @torch.inference_mode()
@@ -350,13 +352,14 @@ def graph_ms(calls: list, iters: int = 20) -> float:
     by their number. Timed eagerly, a kernel that runs faster than the host launches it measures the
     launch (Triton's Python launch costs tens of microseconds); calls over distinct buffers whose
     total exceeds the L2 cache measure memory, not cache (benchmarks size them so)."""
-    for call in calls:
-        call()                                # compiles, settles the allocator
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with pdl_scope():                         # as the engine's graphs launch them
         for call in calls:
-            call()
+            call()                            # compiles, settles the allocator
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for call in calls:
+                call()
     ms = gpu_ms(graph.replay, iters) / len(calls)
     graph.reset()
     return ms

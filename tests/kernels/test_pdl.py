@@ -1,22 +1,42 @@
-"""Programmatic dependent launch (`kernels/pdl.py`): a chain of PDL kernels whose every input is the
-previous kernel's output (norm -> GEMV with split-K sums -> GEMV -> norm ...), replayed from a CUDA
-graph with PDL on, gives bit for bit what it gives with PDL off. A kernel that read its input or
-stored before its wait would read stale rows on some replays. Where PDL cannot run (the
-interpreter, CPU, before sm_90, PIPESPEC_PDL=0) it is off."""
+"""Programmatic dependent launch (`kernels/pdl.py`): on only inside `pdl_scope` (the CUDA-graph
+capture) on an sm_90+ GPU; and a chain of PDL kernels whose every input is the previous kernel's
+output (norm -> GEMV with split-K sums -> gated GEMV -> norm ...), replayed from a CUDA graph with
+PDL on, gives bit for bit what it gives with PDL off. A kernel that read its input or stored before
+its wait would read stale rows on some replays."""
 from __future__ import annotations
 
 import pytest
 import torch
 from tests.kernels import INTERPRET
 
-pdl_on = pytest.importorskip("pipespec.kernels.pdl", reason="needs triton").pdl_on
+from pipespec.kernels import in_pdl_scope, pdl_scope
+
+SM90 = not INTERPRET and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
 
-def test_pdl_is_off_where_it_cannot_run(monkeypatch):
-    assert not pdl_on(torch.device("cpu"))
-    if torch.cuda.is_available():
-        monkeypatch.setenv("PIPESPEC_PDL", "0")
-        assert not pdl_on(torch.device("cuda"))
+def _pdl_on():
+    return pytest.importorskip("pipespec.kernels.pdl", reason="needs triton").pdl_on
+
+
+def test_the_scope_is_set_inside_only_and_reset_after_an_error():
+    assert not in_pdl_scope()
+    with pytest.raises(RuntimeError):
+        with pdl_scope():
+            assert in_pdl_scope()
+            raise RuntimeError
+    assert not in_pdl_scope()
+
+
+def test_pdl_is_off_outside_the_scope_and_where_it_cannot_run(monkeypatch):
+    pdl_on = _pdl_on()
+    with pdl_scope():
+        assert not pdl_on(torch.device("cpu"))
+    if SM90:
+        assert not pdl_on(torch.device("cuda"))              # an eager launch
+        with pdl_scope():
+            assert pdl_on(torch.device("cuda"))
+            monkeypatch.setenv("PIPESPEC_PDL", "0")
+            assert not pdl_on(torch.device("cuda"))
 
 
 def _chain(x, weights, norm):
@@ -30,9 +50,9 @@ def _chain(x, weights, norm):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(INTERPRET or not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
-                    reason="needs an sm_90+ GPU")
+@pytest.mark.skipif(not SM90, reason="needs an sm_90+ GPU")
 def test_a_pdl_chain_replayed_from_a_graph_equals_the_plain_one(monkeypatch):
+    pdl_on = _pdl_on()
     g = torch.Generator(device="cuda").manual_seed(0)
     hidden, inter = 1024, 2816                          # the down projection splits K (a sum kernel)
     weights = [((torch.randn(2 * inter, hidden, device="cuda", generator=g) * 0.03).bfloat16(),
@@ -42,11 +62,12 @@ def test_a_pdl_chain_replayed_from_a_graph_equals_the_plain_one(monkeypatch):
     outs = {}
     for pdl in ("0", "1"):
         monkeypatch.setenv("PIPESPEC_PDL", pdl)
-        assert pdl_on(x.device) == (pdl == "1")
-        _chain(x, weights, norm)                        # compile outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = _chain(x, weights, norm)
+        with pdl_scope():
+            assert pdl_on(x.device) == (pdl == "1")
+            _chain(x, weights, norm)                    # compile outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = _chain(x, weights, norm)
         results = []
         for seed in range(20):                          # a new input each replay: stale reads would show
             x.copy_(torch.randn(1, hidden, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed)))
