@@ -17,12 +17,12 @@ from pipespec.kernels.pdl import pdl_args, pdl_signal, pdl_wait
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, out_ptr, res_out_ptr, w_ptr, n_cols, stride_x, eps,
                      HAS_RESIDUAL: tl.constexpr, ZERO_CENTRED: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    pdl_signal(PDL)         # one short wave (`kernels/pdl.py`)
+    pdl_signal(PDL)
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    pdl_wait(PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         x = (x.to(tl.float32) + tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32))

@@ -26,10 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-from pipespec.kernels.pdl import pdl_args, pdl_signal, pdl_wait
-
 from pipespec.kernels import sm_count
 from pipespec.kernels.paged_attention import combine_splits, num_kv_splits, split_partials, store_partial
+from pipespec.kernels.pdl import pdl_args, pdl_signal, pdl_wait
 
 MIN_CHUNK = 64        # keys a split takes at least: its 512-value partial a head costs what ~14 keys do
 

@@ -29,7 +29,6 @@ import triton
 import triton.language as tl
 
 from pipespec.kernels.pdl import pdl_args, pdl_signal, pdl_wait
-
 from pipespec.kernels.quant_matmul import unpack_int4
 
 

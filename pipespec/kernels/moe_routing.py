@@ -16,9 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pipespec.kernels.pdl import pdl_args, pdl_signal, pdl_wait
-
 from pipespec.kernels import fused_routing_supported
+from pipespec.kernels.pdl import pdl_args, pdl_signal, pdl_wait
 
 
 @triton.jit

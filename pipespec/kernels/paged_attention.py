@@ -24,9 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pipespec.kernels.pdl import pdl_args, pdl_signal, pdl_wait
-
 from pipespec.kernels import sm_count
+from pipespec.kernels.pdl import pdl_args, pdl_signal, pdl_wait
 
 
 @triton.jit

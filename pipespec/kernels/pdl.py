@@ -13,9 +13,8 @@ the others first thing, with their wait (the signal takes effect only once every
 kernel has started, i.e. in its last wave). Loading or prefetching weights before the wait was
 tried and lost (`benchmarks/RESULTS.md`).
 
-What keeps it correct: every program of a PDL kernel waits, unconditionally and before anything
-else that reads an activation or stores (a weight may be read before it: never written during
-serving). So a PDL kernel completes only after the kernel before it has, and the wait is
+What keeps it correct: every program of a PDL kernel waits first thing, unconditionally, before it
+reads or stores anything (`tests/kernels/test_pdl.py` checks each kernel's source). So a PDL kernel completes only after the kernel before it has, and the wait is
 transitive: a kernel sees the writes of every kernel before it, PDL or not. A kernel launched
 without PDL (cuBLAS, PyTorch's, fla-core's) waits for everything before it as usual.
 

@@ -1,9 +1,12 @@
 """Programmatic dependent launch (`kernels/pdl.py`): on only inside `pdl_scope` (the CUDA-graph
 capture) on an sm_90+ GPU; and a chain of PDL kernels whose every input is the previous kernel's
 output (norm -> GEMV with split-K sums -> gated GEMV -> norm ...), replayed from a CUDA graph with
-PDL on, gives bit for bit what it gives with PDL off. A kernel that read its input or stored before
-its wait would read stale rows on some replays."""
+PDL on, gives bit for bit what it gives with PDL off (a kernel that read its input or stored before
+its wait would read stale rows on some replays); and every PDL kernel's source waits first thing."""
 from __future__ import annotations
+
+import ast
+from pathlib import Path
 
 import pytest
 import torch
@@ -76,3 +79,37 @@ def test_a_pdl_chain_replayed_from_a_graph_equals_the_plain_one(monkeypatch):
         outs[pdl] = torch.stack(results)
     assert outs["0"].abs().sum() > 0
     assert torch.equal(outs["0"], outs["1"])
+
+
+
+def _pdl_kernels():
+    """(file, kernel) of every Triton kernel in pipespec/kernels that takes the `PDL` constexpr."""
+    import pipespec.kernels
+    for path in sorted(Path(pipespec.kernels.__file__).parent.glob("*.py")):
+        if path.name == "pdl.py":           # the helpers themselves
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and any(a.arg == "PDL" for a in node.args.args) \
+                    and any("jit" in ast.unparse(d) for d in node.decorator_list):
+                yield path.name, node
+
+
+def _leading_calls(kernel: ast.FunctionDef, n: int) -> list[str]:
+    """Names of the functions called by the kernel's first n statements after its docstring."""
+    body = kernel.body
+    if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]
+    return [ast.unparse(s.value.func) if isinstance(s, ast.Expr) and isinstance(s.value, ast.Call) else ast.unparse(s)
+            for s in body[:n]]
+
+
+def test_every_pdl_kernel_waits_before_anything_else():
+    """The invariant PDL's correctness rests on (`kernels/pdl.py`): a kernel's first statements
+    (after its docstring) are its wait, optionally after its signal; nothing is read or stored
+    before the kernel before it has completed."""
+    kernels = list(_pdl_kernels())
+    assert len(kernels) >= 15, [k.name for _, k in kernels]    # the decode path's kernels are found
+    for file, kernel in kernels:
+        first = _leading_calls(kernel, 2)
+        assert first[:1] == ["pdl_wait"] or first == ["pdl_signal", "pdl_wait"], \
+            f"{file}::{kernel.name} must wait (pdl_wait(PDL)) before anything else; it starts {first}"
