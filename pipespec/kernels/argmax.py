@@ -14,11 +14,16 @@ import torch
 import triton
 import triton.language as tl
 
+from pipespec.kernels.pdl import pdl_args, pdl_signal, pdl_wait
+
 CHUNK = 4096
 
 
 @triton.jit
-def _chunk_argmax_kernel(x_ptr, val_ptr, idx_ptr, V, stride_row, CHUNKS: tl.constexpr, BLOCK: tl.constexpr):
+def _chunk_argmax_kernel(x_ptr, val_ptr, idx_ptr, V, stride_row, CHUNKS: tl.constexpr, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
+    pdl_signal(PDL)
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
@@ -29,7 +34,9 @@ def _chunk_argmax_kernel(x_ptr, val_ptr, idx_ptr, V, stride_row, CHUNKS: tl.cons
 
 
 @triton.jit
-def _row_argmax_kernel(val_ptr, idx_ptr, out_ptr, CHUNKS: tl.constexpr, BLOCK_C: tl.constexpr):
+def _row_argmax_kernel(val_ptr, idx_ptr, out_ptr, CHUNKS: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+    pdl_signal(PDL)
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK_C)
     vals = tl.load(val_ptr + row * CHUNKS + c, mask=c < CHUNKS, other=float("-inf"))
@@ -51,6 +58,8 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     chunks = triton.cdiv(vocab, CHUNK)
     vals = torch.empty(rows, chunks, dtype=torch.float32, device=x.device)
     idx = torch.empty(rows, chunks, dtype=torch.int32, device=x.device)
-    _chunk_argmax_kernel[(rows, chunks)](x, vals, idx, vocab, x.stride(0), CHUNKS=chunks, BLOCK=CHUNK, num_warps=4)
-    _row_argmax_kernel[(rows,)](vals, idx, out, CHUNKS=chunks, BLOCK_C=triton.next_power_of_2(chunks), num_warps=1)
+    _chunk_argmax_kernel[(rows, chunks)](x, vals, idx, vocab, x.stride(0), CHUNKS=chunks, BLOCK=CHUNK, num_warps=4,
+                                         **pdl_args(x.device))
+    _row_argmax_kernel[(rows,)](vals, idx, out, CHUNKS=chunks, BLOCK_C=triton.next_power_of_2(chunks), num_warps=1,
+                                **pdl_args(x.device))
     return out.view(lead)

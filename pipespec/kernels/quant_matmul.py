@@ -20,6 +20,7 @@ import triton.language as tl
 
 from pipespec.kernels import sm_count
 from pipespec.kernels.gemv import Gemv, _launch_gemv, _run, _store, gemv_input, rowmajor_gemv
+from pipespec.kernels.pdl import pdl_args, pdl_signal, pdl_wait
 
 
 @triton.jit
@@ -107,14 +108,17 @@ def _int4_step_loads(q_ptr, z_ptr, s_ptr, k0, k_end, rw, rn, N: tl.constexpr, GR
 @triton.jit
 def _int4_gemv_kernel(x_ptr, q_ptr, z_ptr, s_ptr, y_ptr, M, stride_xm, stride_ym, k_per_split,
                       N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr, GATED: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                      PDL: tl.constexpr):
     """Decode on CUDA cores: all M (<= BLOCK_M) rows against BLOCK_N output columns, BLOCK_K rows of
     K (inside one group) a step. A lane loads 4 words of each word row (16 bytes, coalesced along N;
     `int4_matmul` gives each warp >= 128 columns), so it holds whole columns of the step and sums
     over K alone, with no shuffles. Every tensor is [rows, words, columns] or a broadcast of it, so
     all take the words' layout (Triton moves nothing through shared memory). Within a group,
     sum (q - z) * s * x = s * (sum q x - z * sum x): per weight and row one AND, one exact FMA that
-    makes q a float, and the FMA with x; zeros and scales once a step."""
+    makes q a float, and the FMA with x; zeros and scales once a step. PDL as the dense GEMV's
+    (`kernels/pdl.py`): wait first, signal after the loop."""
+    pdl_wait(PDL)
     rm = tl.arange(0, BLOCK_M)[:, None, None]
     rw = tl.arange(0, BLOCK_K // 8)[None, :, None]
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[None, None, :]
@@ -144,6 +148,7 @@ def _int4_gemv_kernel(x_ptr, q_ptr, z_ptr, s_ptr, y_ptr, M, stride_xm, stride_ym
             xs += x
         acc += s * (tl.sum(qx, axis=1, keep_dims=True) - z * tl.sum(xs, axis=1, keep_dims=True))
         words, z, s = next_words, next_z, next_s
+    pdl_signal(PDL)
     _store(y_ptr, tl.sum(acc, axis=1), tl.arange(0, BLOCK_M), tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N),
            M, N, stride_ym, tl.program_id(1), SPLIT_K)
 
@@ -240,7 +245,7 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, sca
         warps = max(1, min(g.block_n // 128, max(g.num_warps, g.block_n * rows // 2048)))
         block_k = max(8, min(g.block_k // rows, group & -group, 128 * warps // rows))
         y = _launch_gemv(_int4_gemv_kernel, x, out_features, in_features, g.block_n, block_k, warps, g, 4, args,
-                         GROUP=group, GATED=gated)
+                         GROUP=group, GATED=gated, **pdl_args(x.device))
     else:
         y = _launch(_int4_kernel, x, out_features, in_features, tiles.block_n, tiles.k_tile(group, "int4 group size"),
                     tiles, args, GROUP=group)

@@ -24,6 +24,7 @@ import dataclasses
 import torch
 from torch import nn
 
+from pipespec import kernels
 from pipespec.model.arch import ArchConfig
 from pipespec.model.attention import CacheShape, ForwardContext
 from pipespec.model.gated_deltanet import GatedDeltaNet, StateShape
@@ -66,7 +67,12 @@ class GatedAttention(nn.Module):
 
     def forward(self, x, rope, cache, ctx: ForwardContext):
         t, d = x.shape[0], self.head_dim
-        qg, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        if kernels.enabled(qkv):
+            from pipespec.kernels.gated_attention import rotary_fits
+            if rotary_fits(self.rot, d):
+                return self._fused(qkv, rope, cache, ctx)
+        qg, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, gate = qg.view(t, self.num_heads, 2 * d).split([d, d], dim=-1)
         qk = torch.cat((self.q_norm(q), self.k_norm(k.view(t, self.num_kv_heads, d))), dim=1)
         part = qk[..., :self.rot]               # partial rotary: the leading dims of each head
@@ -78,6 +84,17 @@ class GatedAttention(nn.Module):
                                   d ** -0.5)
         out = out.reshape(t, self.num_heads * d) * torch.sigmoid(gate.reshape(t, -1))
         return self.o_proj(out)
+
+    def _fused(self, qkv, rope, cache, ctx: ForwardContext):
+        """`forward` on the GPU: the norms, the rotary and the gate in two kernels
+        (`kernels/gated_attention.py`) instead of seven launches."""
+        from pipespec.kernels.gated_attention import qk_norm_rope, sigmoid_gate
+        t, d = qkv.shape[0], self.head_dim
+        q, k = qk_norm_rope(qkv, self.num_heads, self.num_kv_heads, d, self.q_norm.weight, self.k_norm.weight,
+                            self.q_norm.eps, rope.cos, rope.sin, rope.positions)
+        v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, d)
+        out = ctx.backend.forward(q, k, v, cache, ctx, d ** -0.5)
+        return self.o_proj(sigmoid_gate(out.reshape(t, self.num_heads * d), qkv, self.num_heads, d))
 
 
 def make_mlp(arch: ArchConfig, layer: int, moe: bool | None = None, tp: TensorParallel = SINGLE) -> nn.Module:
