@@ -35,7 +35,7 @@ DOWN = [dict(down_n=n, down_k=k, down_warps=w) for n in (1, 2, 4, 8) for k in (5
         for w in (2, 4, 8)]
 
 
-def _calls(name: str, tokens: int, dev: torch.device, shape=FEW_PAIR):
+def _calls(name: str, tokens: int, dev: torch.device):
     e, h, i, k, has_shared = SHAPES[name]
     g = torch.Generator(device=dev).manual_seed(0)
     gate_up = torch.randn(e, 2 * i, h, device=dev, generator=g, dtype=torch.bfloat16) * 0.02

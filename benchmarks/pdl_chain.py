@@ -16,9 +16,9 @@ import statistics
 
 import torch
 
-from pipespec.kernels import pdl_scope
 from pipespec.kernels.fused_ops import rms_norm
 from pipespec.kernels.gemv import rowmajor_gemv
+from pipespec.stage.cuda_graphs import capture_graph
 
 # hidden, input projection rows, output projection columns, intermediate, layers, vocab
 SHAPES = {"qwen3_5_2b": (2048, 8224, 2048, 6144, 24, 248320),     # Gated DeltaNet layers' shapes
@@ -50,17 +50,8 @@ def chain(x, layers, head, widths):
 
 
 def time_graph(fn, replays: int) -> tuple[float, torch.Tensor]:
-    """Captured as the engine captures (in `pdl_scope`: PDL unless PIPESPEC_PDL=0)."""
-    with pdl_scope():
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(2):
-                fn()                                  # compile, warm up
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = fn()
+    """Captured as the engine captures (`capture_graph`: PDL unless PIPESPEC_PDL=0)."""
+    graph, out = capture_graph(None, fn)
     times = []
     for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -196,16 +196,6 @@ class CudaGraphs:
             self.num_sampled[:b].copy_(num_sampled)
         return Forward(layout, None, hidden, residual, logits)
 
-    @staticmethod
-    def _capture(pool, fn):
-        with pdl_scope():                     # the graph's kernels launch with PDL (`kernels/pdl.py`)
-            fn()                              # warm-up: compiles kernels, settles the allocator
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = fn()
-        return graph, out
-
     @torch.inference_mode()
     def capture(self, pool=None) -> None:
         """Capture every bucket; `pool`: a graph memory pool shared with other graph sets (only one
@@ -217,10 +207,10 @@ class CudaGraphs:
             attn = self.backend.capture_metadata(layout.query_start_loc, layout.seq_lens, layout.positions,
                                                  layout.block_tables, self.block_size, self.rows_per_req)
             ctx = ForwardContext(layout.positions, layout.slot_mapping, self.backend, attn, self.kv_caches)
-            graph, out = self._capture(pool, lambda: self._forward(layout, ctx))
+            graph, out = capture_graph(pool, lambda: self._forward(layout, ctx))
             bucket = _Bucket(layout, graph, out, attn)
             if self.is_last:
-                bucket.finish, bucket.data = self._capture(pool, lambda: finish_step(
+                bucket.finish, bucket.data = capture_graph(pool, lambda: finish_step(
                     self.drafter if self.drafting else None, ctx, layout, out.hidden, self.tokens[:b],
                     self.num_sampled[:b], self.num_spec_tokens, b, self.carry))
             self._buckets[b] = bucket
@@ -333,6 +323,20 @@ class CudaGraphs:
         return out
 
 
+def capture_graph(pool, fn):
+    """(graph, fn's outputs): fn run once eagerly (compiles its kernels, settles the allocator),
+    then captured, both in `pdl_scope` so that the graph's kernels launch with PDL (`kernels/pdl.py`)
+    and the variants it captures were compiled outside the capture. `pool`: a graph memory pool
+    (None: the graph's own)."""
+    with pdl_scope():
+        fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = fn()
+    return graph, out
+
+
 def gpu_ms(fn, iters: int = 50) -> float:
     """Median GPU milliseconds of one call of `fn` (a graph's replay, a kernel launch)."""
     times = []
@@ -352,14 +356,7 @@ def graph_ms(calls: list, iters: int = 20) -> float:
     by their number. Timed eagerly, a kernel that runs faster than the host launches it measures the
     launch (Triton's Python launch costs tens of microseconds); calls over distinct buffers whose
     total exceeds the L2 cache measure memory, not cache (benchmarks size them so)."""
-    with pdl_scope():                         # as the engine's graphs launch them
-        for call in calls:
-            call()                            # compiles, settles the allocator
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for call in calls:
-                call()
+    graph, _ = capture_graph(None, lambda: [call() for call in calls])    # as the engine's graphs run them
     ms = gpu_ms(graph.replay, iters) / len(calls)
     graph.reset()
     return ms

@@ -55,6 +55,7 @@ def _chain(x, weights, norm):
 @pytest.mark.gpu
 @pytest.mark.skipif(not SM90, reason="needs an sm_90+ GPU")
 def test_a_pdl_chain_replayed_from_a_graph_equals_the_plain_one(monkeypatch):
+    from pipespec.stage.cuda_graphs import capture_graph
     pdl_on = _pdl_on()
     g = torch.Generator(device="cuda").manual_seed(0)
     hidden, inter = 1024, 2816                          # the down projection splits K (a sum kernel)
@@ -67,10 +68,7 @@ def test_a_pdl_chain_replayed_from_a_graph_equals_the_plain_one(monkeypatch):
         monkeypatch.setenv("PIPESPEC_PDL", pdl)
         with pdl_scope():
             assert pdl_on(x.device) == (pdl == "1")
-            _chain(x, weights, norm)                    # compile outside the capture
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = _chain(x, weights, norm)
+        graph, out = capture_graph(None, lambda: _chain(x, weights, norm))     # as the engine captures
         results = []
         for seed in range(20):                          # a new input each replay: stale reads would show
             x.copy_(torch.randn(1, hidden, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed)))
