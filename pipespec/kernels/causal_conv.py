@@ -60,29 +60,29 @@ def _causal_conv_kernel(x_ptr, rows_ptr, valid_ptr, len_ptr, conv_ptr, cand_ptr,
         # padding line, length 0, keeps its past); loaded before the store, which may overwrite it
         new = _window(past, x_row, r + tl.load(len_ptr + b), ok, fresh, live, C, PAST)
         tl.store(state[None, :] + r * C, new, mask=ok[None, :] & (r < PAST))
-        return
-    line = line_ptr + b * (PAST + length) * C + c
-    for j in tl.static_range(PAST):
-        tl.store(line + j * C, tl.load(past + j * C, mask=ok & (not fresh), other=0.0), mask=ok)
-    for t in range(length):                                    # the line's rows; padding rows zero
-        live = tl.load(valid_ptr + b * length + t) != 0
-        row = tl.load(rows_ptr + b * length + t)
-        tl.store(line + (PAST + t) * C, tl.load(x_ptr + row * stride_x + c, mask=ok & live, other=0.0), mask=ok)
-    tl.debug_barrier()                                         # the line is whole before it is read back
-    for t in range(length):
-        acc = tl.zeros([BLOCK_C], tl.float32)
-        for j in tl.static_range(PAST + 1):
-            w = tl.load(w_ptr + c * (PAST + 1) + j, mask=ok, other=0.0).to(tl.float32)
-            acc += w * tl.load(line + (t + j) * C, mask=ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + (b * length + t) * C + c, (acc * tl.sigmoid(acc)).to(out_ptr.dtype.element_ty), mask=ok)
-    if tl.load(settle_ptr + b) != 0:                           # the inputs after the line's last row
-        end = tl.load(len_ptr + b)
+    else:           # an else, not a return above: Triton compiles what follows a return in a branch too
+        line = line_ptr + b * (PAST + length) * C + c
         for j in tl.static_range(PAST):
-            tl.store(state + j * C, tl.load(line + (end + j) * C, mask=ok), mask=ok)
-    else:                                                      # after row t: inputs t + 1 .. t + PAST
-        for t in range(tl.minimum(length, cand_rows)):
+            tl.store(line + j * C, tl.load(past + j * C, mask=ok & (not fresh), other=0.0), mask=ok)
+        for t in range(length):                                    # the line's rows; padding rows zero
+            live = tl.load(valid_ptr + b * length + t) != 0
+            row = tl.load(rows_ptr + b * length + t)
+            tl.store(line + (PAST + t) * C, tl.load(x_ptr + row * stride_x + c, mask=ok & live, other=0.0), mask=ok)
+        tl.debug_barrier()                                         # the line is whole before it is read back
+        for t in range(length):
+            acc = tl.zeros([BLOCK_C], tl.float32)
+            for j in tl.static_range(PAST + 1):
+                w = tl.load(w_ptr + c * (PAST + 1) + j, mask=ok, other=0.0).to(tl.float32)
+                acc += w * tl.load(line + (t + j) * C, mask=ok, other=0.0).to(tl.float32)
+            tl.store(out_ptr + (b * length + t) * C + c, (acc * tl.sigmoid(acc)).to(out_ptr.dtype.element_ty), mask=ok)
+        if tl.load(settle_ptr + b) != 0:                           # the inputs after the line's last row
+            end = tl.load(len_ptr + b)
             for j in tl.static_range(PAST):
-                tl.store(cand + (t * PAST + j) * C, tl.load(line + (t + 1 + j) * C, mask=ok), mask=ok)
+                tl.store(state + j * C, tl.load(line + (end + j) * C, mask=ok), mask=ok)
+        else:                                                      # after row t: inputs t + 1 .. t + PAST
+            for t in range(tl.minimum(length, cand_rows)):
+                for j in tl.static_range(PAST):
+                    tl.store(cand + (t * PAST + j) * C, tl.load(line + (t + 1 + j) * C, mask=ok), mask=ok)
 
 
 def causal_conv(x: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, lengths: torch.Tensor,
