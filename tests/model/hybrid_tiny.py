@@ -24,10 +24,28 @@ _MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shar
 _VISION = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=H)
 
 
+_RULES = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
+
+
+def _torch_rules() -> None:
+    """The oracle runs on the CPU: where fla-core is installed (the GPU machine), transformers binds
+    its delta rules to fla's Triton kernels at import, which refuse CPU tensors; give the modeling
+    modules back their PyTorch rules (idempotent)."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
+    from transformers.models.qwen3_next import modeling_qwen3_next
+    for module in (modeling_qwen3_5, modeling_qwen3_5_moe, modeling_qwen3_next):
+        for name in _RULES:
+            rule = getattr(module, name, None)
+            if rule is not None:
+                setattr(module, name, getattr(rule, "__wrapped__", rule))
+
+
 def hf_model(kind: str, tied: bool = False):
     """A random transformers model of `kind`, weights large enough that every tensor matters
     (`tied`: Qwen3.5 with the LM head tied to the embedding, as the small real ones are)."""
     import transformers as tr
+    _torch_rules()
     if kind == "qwen3_5":
         model = tr.Qwen3_5ForConditionalGeneration(tr.Qwen3_5Config(
             text_config=dict(_TEXT, intermediate_size=48, tie_word_embeddings=tied), vision_config=_VISION,
