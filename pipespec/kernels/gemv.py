@@ -5,7 +5,7 @@ streams the weight to the memory's bandwidth. Tensor-core tiles are at least 16 
 padding here), and cuBLAS's small-N shapes stream an 8B model's q/k/v and o projections at 2.6-3.1
 TB/s of the H200's ~4.2 (RESULTS.md). These kernels keep every row against each weight tile as it is
 loaded, split K over programs until the GPU has enough loads in flight, and sum the float32
-partials in split order (deterministic, no atomics).
+partials in split order (deterministic: the tile's last split to finish adds them up in order).
 
 `rowmajor_gemv` serves weights laid out [N, K] (nn.Linear's): bf16/fp16/fp32 dense ones, and FP8
 e4m3 ones with block scales (`quant_matmul.fp8_block_matmul`). With `gated` its input is a fused
@@ -16,6 +16,7 @@ the int4 decode kernel.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -27,13 +28,27 @@ from pipespec.kernels.pdl import pdl_args, pdl_signal, pdl_wait
 
 
 @triton.jit
-def _store(y_ptr, acc, rm, rn, M, N, stride_ym, split, SPLIT_K: tl.constexpr):
-    """The tile's sum, or with split-K this split's float32 partial (plane `split` of [S, M, N])."""
+def _store(y_ptr, p_ptr, count_ptr, acc, rm, rn, M, N, stride_ym, tile, split, SPLIT_K: tl.constexpr,
+           TAIL_SUM: tl.constexpr):
+    """The tile's sum to y; with split-K this split's float32 partial (plane `split` of p [S, M, N]),
+    and with TAIL_SUM the tile's last split to finish sums the planes into y itself, in split order
+    (the bits `_sum_splits` gives, without its launch). count_ptr[tile] counts the tile's finished
+    splits; the last one sets it back to zero for the next launch."""
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     if SPLIT_K == 1:
         tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
     else:
-        tl.store(y_ptr + split * M * N + rm[:, None] * N + rn[None, :], acc, mask=mask)
+        planes = p_ptr + rm[:, None] * N + rn[None, :]
+        tl.store(planes + split * M * N, acc, mask=mask)
+        if TAIL_SUM:
+            tl.debug_barrier()      # every lane's partial is stored before the count releases them
+            if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
+                # the other splits' partials were released to this acquire; read them from L2
+                total = tl.load(planes, mask=mask, other=0.0, cache_modifier=".cg")
+                for s in tl.static_range(1, SPLIT_K):
+                    total += tl.load(planes + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+                tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], total.to(y_ptr.dtype.element_ty), mask=mask)
+                tl.store(count_ptr + tile, 0)
 
 
 @triton.jit
@@ -71,11 +86,12 @@ def gemv_input(ptrs, K, mask, GATED: tl.constexpr, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _rowmajor_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, stride_xm, stride_ym, scale_cols, k_per_split,
+def _rowmajor_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, p_ptr, count_ptr, M, stride_xm, stride_ym, scale_cols,
+                          k_per_split,
                           N: tl.constexpr, K: tl.constexpr, BLOCK_OUT: tl.constexpr, BLOCK_IN: tl.constexpr,
                           SCALED: tl.constexpr, GATED: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
-                          SPLIT_K: tl.constexpr, PDL: tl.constexpr):
+                          SPLIT_K: tl.constexpr, TAIL_SUM: tl.constexpr, PDL: tl.constexpr):
     """All M (<= BLOCK_M) rows against BLOCK_N weight rows (with SCALED: inside one scale row), a
     chunk of BLOCK_K a step. A lane loads VEC consecutive elements of a row (16 bytes, coalesced
     along K) and sums their products itself; with SCALED that sum is scaled by its block (VEC
@@ -109,7 +125,8 @@ def _rowmajor_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, stride_xm, stride_ym, s
         else:
             acc += tl.sum(x * w, axis=3)
     pdl_signal(PDL)         # after the loop: the next kernel launches in this one's tail
-    _store(y_ptr, tl.sum(acc, axis=2), rm, rn, M, N, stride_ym, tl.program_id(1), SPLIT_K)
+    _store(y_ptr, p_ptr, count_ptr, tl.sum(acc, axis=2), rm, rn, M, N, stride_ym, tl.program_id(0),
+           tl.program_id(1), SPLIT_K, TAIL_SUM)
 
 
 @dataclass(frozen=True)
@@ -118,7 +135,8 @@ class Gemv:
     used up to `max_m` rows (more go to tensor cores). block_n: output features a program (int4:
     columns, each warp >= 128 of them; row-major: rows, inside one scale block); block_k: K a loop
     step at one row (int4: inside one group, and shrunk as rows add registers; row-major: elements,
-    a multiple of the 16 bytes a lane loads); split_k: 0 lets `gemv_split_k` pick.
+    a multiple of the 16 bytes a lane loads); split_k: 0 lets `gemv_split_k` pick; tail_sum: a
+    split tile's last program sums the partials (`_store`), else `_sum_splits` does, a launch more.
 
     max_m = 8: besides unpacking (~3.4 issue slots an int4 weight, ~2.5 an fp8 one in the sm_90 SASS)
     these kernels spend about one FMA per weight and row on CUDA cores, where an H200 streaming ~4
@@ -131,6 +149,7 @@ class Gemv:
     num_warps: int
     split_k: int = 0
     max_m: int = 8
+    tail_sum: bool = True
 
 
 # Dense weights at one or two rows: 8 rows by 512 elements (16 bytes a lane: two warps a row), an 8 KB
@@ -154,11 +173,28 @@ def gemv_split_k(programs: int, k_steps: int, sms: int, step_bytes: int, weight_
     return max(1, min(-(-want // programs), k_steps, weight_bytes // (32 * out_features)))
 
 
+_COUNTS: dict[str, torch.Tensor] = {}     # per device: split tiles' finished-split counts, zero between launches
+MAX_SPLIT_TILES = 1 << 16
+
+
+def split_counts(device: torch.device, tiles: int) -> torch.Tensor | None:
+    """The device's tile counters for `_store`'s tail sum, made (zeros) at its first eager call; None
+    (sum in a launch of its own) for more tiles than it holds, or while a CUDA graph is captured before
+    it exists (a capture would record the zeroing, not run it). The counters are shared by the
+    device's kernels, which run one after another on one stream: the engine has no other."""
+    counts = _COUNTS.get(str(device))
+    if counts is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        counts = _COUNTS[str(device)] = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
+    return counts if tiles <= counts.numel() else None
+
+
 def _run(kernel, grid: tuple, x: torch.Tensor, out_features: int, in_features: int, block_k: int, split: int,
-         args: tuple, out_dtype: torch.dtype | None = None, **meta) -> torch.Tensor:
+         args: tuple, out_dtype: torch.dtype | None = None, tail_sum: bool = True, **meta) -> torch.Tensor:
     """`kernel` on x [M, K] over grid + (K splits,): the split of program id len(grid) takes whole
-    block_k steps; with splits > 1 each writes a float32 partial and `_sum_splits` gives y (in
-    `out_dtype`, default x's)."""
+    block_k steps; with splits > 1 each writes a float32 partial and the tile's last split
+    (`tail_sum`, `_store`) or `_sum_splits` gives y (in `out_dtype`, default x's)."""
     m = x.shape[0]
     y = torch.empty(m, out_features, device=x.device, dtype=out_dtype or x.dtype)
     if m == 0:
@@ -167,12 +203,14 @@ def _run(kernel, grid: tuple, x: torch.Tensor, out_features: int, in_features: i
     split = max(1, min(split, k_tiles))
     k_per_split = triton.cdiv(k_tiles, split) * block_k
     split = triton.cdiv(in_features, k_per_split)          # no empty splits
-    dest = y if split == 1 else torch.empty(split, m, out_features, device=x.device, dtype=torch.float32)
+    partials = y if split == 1 else torch.empty(split, m, out_features, device=x.device, dtype=torch.float32)
+    counts = split_counts(x.device, math.prod(grid)) if split > 1 and tail_sum else None
     weights, scalars = args
-    kernel[(*grid, split)](x, *weights, dest, m, x.stride(0), y.stride(0), *scalars, k_per_split,
-                           N=out_features, K=in_features, BLOCK_K=block_k, SPLIT_K=split, **meta)
-    if split > 1:       # 128 outputs a one-warp program: a 4,096-wide row is read by 32 SMs
-        _sum_splits[(triton.cdiv(y.numel(), 128),)](dest, y, y.numel(), SPLIT_K=split, BLOCK=128, num_warps=1,
+    kernel[(*grid, split)](x, *weights, y, partials, y if counts is None else counts, m, x.stride(0), y.stride(0),
+                           *scalars, k_per_split, N=out_features, K=in_features, BLOCK_K=block_k, SPLIT_K=split,
+                           TAIL_SUM=counts is not None, **meta)
+    if split > 1 and counts is None:    # 128 outputs a one-warp program: a 4,096-wide row is read by 32 SMs
+        _sum_splits[(triton.cdiv(y.numel(), 128),)](partials, y, y.numel(), SPLIT_K=split, BLOCK=128, num_warps=1,
                                                     **pdl_args(x.device))
     return y
 
@@ -185,7 +223,7 @@ def _launch_gemv(kernel, x: torch.Tensor, out_features: int, in_features: int, b
     split = gemv.split_k or gemv_split_k(grid[0], triton.cdiv(in_features, block_k), sm_count(x.device),
                                          block_n * block_k * bits // 8, out_features * in_features * bits // 8,
                                          out_features)
-    return _run(kernel, grid, x, out_features, in_features, block_k, split, args, out_dtype,
+    return _run(kernel, grid, x, out_features, in_features, block_k, split, args, out_dtype, gemv.tail_sum,
                 BLOCK_M=triton.next_power_of_2(x.shape[0]), BLOCK_N=block_n, num_warps=num_warps, **constexprs)
 
 

@@ -41,9 +41,9 @@ def unpack_int4(words, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _int4_kernel(x_ptr, q_ptr, z_ptr, s_ptr, y_ptr, M, stride_xm, stride_ym, k_per_split,
-                 N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr, IEEE: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+def _int4_kernel(x_ptr, q_ptr, z_ptr, s_ptr, y_ptr, p_ptr, count_ptr, M, stride_xm, stride_ym, k_per_split,
+                 N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, TAIL_SUM: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -67,14 +67,15 @@ def _int4_kernel(x_ptr, q_ptr, z_ptr, s_ptr, y_ptr, M, stride_xm, stride_ym, k_p
             acc += tl.dot(x, w, input_precision="ieee")
         else:
             acc += tl.dot(x, w)
-    _store(y_ptr, acc, rm, rn, M, N, stride_ym, tl.program_id(2), SPLIT_K)
+    _store(y_ptr, p_ptr, count_ptr, acc, rm, rn, M, N, stride_ym, pid_m * tl.num_programs(1) + pid_n,
+           tl.program_id(2), SPLIT_K, TAIL_SUM)
 
 
 @triton.jit
-def _fp8_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, stride_xm, stride_ym, scale_cols, k_per_split,
+def _fp8_kernel(x_ptr, w_ptr, s_ptr, y_ptr, p_ptr, count_ptr, M, stride_xm, stride_ym, scale_cols, k_per_split,
                 N: tl.constexpr, K: tl.constexpr,
-                BLOCK_OUT: tl.constexpr, BLOCK_IN: tl.constexpr, IEEE: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+                BLOCK_OUT: tl.constexpr, BLOCK_IN: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, TAIL_SUM: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -88,7 +89,8 @@ def _fp8_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, stride_xm, stride_ym, scale_cols,
                     other=0.0)
         w = tl.load(w_ptr + rn[None, :] * K + k[:, None], mask=(k[:, None] < K) & (rn[None, :] < N), other=0.0)
         acc += scaled_dot(x, w, tl.load(s_ptr + scale_row * scale_cols + k0 // BLOCK_IN), IEEE)
-    _store(y_ptr, acc, rm, rn, M, N, stride_ym, tl.program_id(2), SPLIT_K)
+    _store(y_ptr, p_ptr, count_ptr, acc, rm, rn, M, N, stride_ym, pid_m * tl.num_programs(1) + pid_n,
+           tl.program_id(2), SPLIT_K, TAIL_SUM)
 
 
 @triton.jit
@@ -106,10 +108,10 @@ def _int4_step_loads(q_ptr, z_ptr, s_ptr, k0, k_end, rw, rn, N: tl.constexpr, GR
 
 
 @triton.jit
-def _int4_gemv_kernel(x_ptr, q_ptr, z_ptr, s_ptr, y_ptr, M, stride_xm, stride_ym, k_per_split,
+def _int4_gemv_kernel(x_ptr, q_ptr, z_ptr, s_ptr, y_ptr, p_ptr, count_ptr, M, stride_xm, stride_ym, k_per_split,
                       N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr, GATED: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                      PDL: tl.constexpr):
+                      TAIL_SUM: tl.constexpr, PDL: tl.constexpr):
     """Decode on CUDA cores: all M (<= BLOCK_M) rows against BLOCK_N output columns, BLOCK_K rows of
     K (inside one group) a step. A lane loads 4 words of each word row (16 bytes, coalesced along N;
     `int4_matmul` gives each warp >= 128 columns), so it holds whole columns of the step and sums
@@ -149,8 +151,9 @@ def _int4_gemv_kernel(x_ptr, q_ptr, z_ptr, s_ptr, y_ptr, M, stride_xm, stride_ym
         acc += s * (tl.sum(qx, axis=1, keep_dims=True) - z * tl.sum(xs, axis=1, keep_dims=True))
         words, z, s = next_words, next_z, next_s
     pdl_signal(PDL)
-    _store(y_ptr, tl.sum(acc, axis=1), tl.arange(0, BLOCK_M), tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N),
-           M, N, stride_ym, tl.program_id(1), SPLIT_K)
+    _store(y_ptr, p_ptr, count_ptr, tl.sum(acc, axis=1), tl.arange(0, BLOCK_M),
+           tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N), M, N, stride_ym, tl.program_id(0), tl.program_id(1),
+           SPLIT_K, TAIL_SUM)
 
 
 def _tile(size: int, what: str) -> int:

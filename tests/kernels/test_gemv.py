@@ -85,6 +85,24 @@ def test_split_k_sums_equal_the_unsplit_sum_in_split_order():
     assert torch.equal(got, rowmajor_gemv(x, w, shape=split))
 
 
+@pytest.mark.parametrize("nk", [(72, 192), (200, 328)], ids=str)
+def test_a_split_tile_s_last_program_sums_the_partials_as_the_sum_kernel_does(nk):
+    """With tail_sum a split tile's last program to finish adds the partials itself: the bits of
+    the separate sum launch at every call (a count left above zero, or a partial read before it
+    was stored, would change them), and every tile's count is zero again afterwards."""
+    from dataclasses import replace
+
+    from pipespec.kernels.gemv import Gemv, rowmajor_gemv, split_counts
+    n, k = nk
+    w, x = _rand(n, k, seed=30), _rand(2, k, seed=31)
+    split = Gemv(block_n=8, block_k=64, num_warps=2, split_k=3)
+    want = rowmajor_gemv(x, w, shape=replace(split, tail_sum=False))
+    for _ in range(3):
+        assert torch.equal(rowmajor_gemv(x, w, shape=split), want)
+    counts = split_counts(torch.device(DEVICE), 1)
+    assert counts is not None and int(counts.count_nonzero()) == 0
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_split_k_products_replayed_from_a_graph_stay_exact():
     """Many split products in a row, each reading the last one's output, replayed from a CUDA graph:

@@ -166,6 +166,18 @@ def test_int4_decode_kernel_equals_the_dequantized_product(layout, m, shape, dty
     assert _rel(got, x.float() @ ref.to(DEVICE).t()) < TOL[dtype]
 
 
+def test_int4_decode_split_tiles_sum_in_their_last_program_as_the_sum_kernel_does():
+    from pipespec.kernels.quant_matmul import int4_matmul
+    packed, _ = _int4("awq")
+    packed = packed.to(torch.device(DEVICE))
+    x = _x(2, 512, torch.float32, seed=16)
+    tiles, _ = _tiles("int4", INT4_GEMV[1])
+    separate, _ = _tiles("int4", dict(INT4_GEMV[1], tail_sum=False))
+    want = int4_matmul(x, packed.qweight, packed.zeros, packed.scales, packed.group, tiles=separate)
+    for _ in range(2):
+        assert torch.equal(int4_matmul(x, packed.qweight, packed.zeros, packed.scales, packed.group, tiles=tiles), want)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", FP8_GEMV, ids=_shape_id)
 @pytest.mark.parametrize("m", ["one", "middle", "max", "past_max"])
