@@ -33,9 +33,15 @@ def _rms_norm_kernel(x_ptr, res_ptr, out_ptr, res_out_ptr, w_ptr, n_cols, stride
 
 
 @triton.jit
+def rms_scale(sum_sq, n_cols, eps):
+    """1 / rms from a row's sum of squares over its n_cols columns."""
+    return 1.0 / tl.sqrt(sum_sq / n_cols + eps)
+
+
+@triton.jit
 def _normed(xf, w, n_cols, eps, dtype: tl.constexpr, ZERO_CENTRED: tl.constexpr):
     """RMSNorm of one float32 row (padding zero) by weight w, before the final cast to `dtype`."""
-    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
+    rstd = rms_scale(tl.sum(xf * xf, axis=0), n_cols, eps)
     if ZERO_CENTRED:        # y = norm(x) * (1 + w), all in float32 (`model/norms.py`)
         return xf * rstd * (1.0 + w)
     return (xf * rstd).to(dtype).to(tl.float32) * w      # Llama: the norm is rounded before the weight
@@ -69,7 +75,7 @@ def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, n_cols, eps, BLOCK: tl.
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+    rstd = rms_scale(tl.sum(x * x, axis=0), n_cols, eps)
     normed = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     y = (normed * w).to(out_ptr.dtype.element_ty).to(tl.float32)

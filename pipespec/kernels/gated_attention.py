@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pipespec.kernels.fused_ops import rms_scale
 from pipespec.kernels.pdl import pdl_args, pdl_signal, pdl_wait
 
 
@@ -37,7 +38,7 @@ def _qk_norm_rope_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, q_p
     d = tl.arange(0, D_PAD)
     ok = d < D
     x = tl.load(src + d, mask=ok, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+    rstd = rms_scale(tl.sum(x * x, axis=0), D, eps)
     dt = dst.dtype.element_ty
     # the unrotated dims: normed (zero-centred weight, float32) and rounded
     rest = ok & (d >= 2 * HALF)
