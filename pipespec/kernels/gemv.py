@@ -159,6 +159,17 @@ class Gemv:
 # projection alone, but not inside the 8B engine's graph (3.75 ms of GEMVs a token against 3.70 with
 # the split sums, one run each), so it is not used.
 DENSE_GEMV = Gemv(block_n=8, block_k=512, num_warps=4, max_m=2)
+# A weight of at most 2 MiB streams in a few microseconds whatever the rows, so the kernel is bound
+# by latency, not FMAs, and takes up to 4 rows (a K = 3 verify step at batch 1): H200, SmolLM2's o
+# 576 x 576 at 4 rows 3.3 us against cuBLAS's 3.6, its gated down 576 x 1536 4.2 against 6.2 for
+# silu_mul then cuBLAS; its 3.5 MB gate/up lost (6.3 against 4.1), and so do larger weights.
+SMALL_WEIGHT_BYTES, SMALL_WEIGHT_ROWS = 2 << 20, 4
+
+
+def dense_gemv_rows(weight: torch.Tensor) -> int:
+    """The most rows the dense decode GEMV takes for `weight` (more go to cuBLAS)."""
+    small = weight.numel() * weight.element_size() <= SMALL_WEIGHT_BYTES
+    return SMALL_WEIGHT_ROWS if small else DENSE_GEMV.max_m
 
 
 def gemv_split_k(programs: int, k_steps: int, sms: int, step_bytes: int, weight_bytes: int, out_features: int) -> int:

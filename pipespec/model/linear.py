@@ -1,8 +1,8 @@
 """The product of a dense linear layer, y = x @ W.T (+ b), on the path that serves it fastest.
 
-Decode rows on the GPU (at most `DENSE_GEMV.max_m` of them, weight and input of one dtype) take the
-CUDA-core GEMV kernel (`kernels/gemv.py`), which streams a small projection's weight closer to the
-memory bandwidth than cuBLAS does at one row; everything else (prefill, CPU, training) is
+Decode rows on the GPU (at most `gemv.dense_gemv_rows(weight)` of them: 2, or 4 for a small weight;
+weight and input of one dtype) take the CUDA-core GEMV kernel (`kernels/gemv.py`), which streams a
+small projection's weight closer to the memory bandwidth than cuBLAS does at one row; everything else (prefill, CPU, training) is
 `F.linear`. With `gated`, x is a fused gate/up row cat[gate, up] and the product is of
 silu(gate) * up: the decode kernel fuses the activation, the other paths apply it first.
 `Linear` is an `nn.Linear` whose product takes this path (a replicated projection: MLA's latent
@@ -19,8 +19,8 @@ from pipespec import kernels
 def _decode_gemv(x: torch.Tensor, weight: torch.Tensor, widen: bool) -> bool:
     if not (kernels.enabled(x) and (x.dtype == weight.dtype or widen) and weight.is_contiguous()):
         return False
-    from pipespec.kernels.gemv import DENSE_GEMV
-    return x.numel() <= DENSE_GEMV.max_m * x.shape[-1]
+    from pipespec.kernels.gemv import dense_gemv_rows
+    return x.numel() <= dense_gemv_rows(weight) * x.shape[-1]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -29,16 +29,19 @@ def test_decode_rows_take_the_gemv_kernel_and_prefill_rows_do_not(monkeypatch, g
     from pipespec.kernels import gemv
     calls, kernel = [], gemv.rowmajor_gemv
     monkeypatch.setattr(gemv, "rowmajor_gemv", lambda x, w, **kw: calls.append(x.shape[0]) or kernel(x, w, **kw))
-    w, b = _rand(48, 64, seed=4), _rand(48, seed=5)
     width = 128 if gated else 64
-    with torch.inference_mode():
-        for rows in (1, 2, 3, 16):
-            x = _rand(rows, width, seed=rows)
-            ref = (torch.nn.functional.silu(x[:, :64]) * x[:, 64:]) if gated else x
-            torch.testing.assert_close(linear(x, w, b, gated=gated), ref @ w.t() + b, rtol=1e-5, atol=1e-5)
-        assert calls == [1, 2], "only decode rows (at most DENSE_GEMV.max_m) take the GEMV"
-        linear(_rand(1, 64, seed=6), w.t().contiguous().t())      # a transposed weight: F.linear
-        assert calls == [1, 2]
+    # a small weight (<= SMALL_WEIGHT_BYTES) takes up to SMALL_WEIGHT_ROWS rows, a larger one DENSE_GEMV.max_m
+    for n, taken in ((48, [1, 2, 3, 4]), (gemv.SMALL_WEIGHT_BYTES // 256 + 8, [1, 2])):
+        calls.clear()
+        w, b = _rand(n, 64, seed=4), _rand(n, seed=5)
+        with torch.inference_mode():
+            for rows in (1, 2, 3, 4, 5, 16):
+                x = _rand(rows, width, seed=rows)
+                ref = (torch.nn.functional.silu(x[:, :64]) * x[:, 64:]) if gated else x
+                torch.testing.assert_close(linear(x, w, b, gated=gated), ref @ w.t() + b, rtol=1e-5, atol=1e-5)
+            assert calls == taken, f"decode rows only, at most dense_gemv_rows ({n} x 64 weight)"
+            linear(_rand(1, 64, seed=6), w.t().contiguous().t())      # a transposed weight: F.linear
+            assert calls == taken
 
 
 @pytest.mark.gpu
