@@ -2,9 +2,10 @@
 
 Decode rows on the GPU (at most `gemv.dense_gemv_rows(weight)` of them: 2, or 4 for a small weight;
 weight and input of one dtype) take the CUDA-core GEMV kernel (`kernels/gemv.py`), which streams a
-small projection's weight closer to the memory bandwidth than cuBLAS does at one row; everything else (prefill, CPU, training) is
-`F.linear`. With `gated`, x is a fused gate/up row cat[gate, up] and the product is of
-silu(gate) * up: the decode kernel fuses the activation, the other paths apply it first.
+small projection's weight closer to the memory bandwidth than cuBLAS does at one row; everything
+else (prefill, CPU, training) is `F.linear`. With `gated`, x is a fused gate/up row cat[gate, up]
+and the product is of silu(gate) * up: the decode kernel fuses the activation, the other paths
+apply it first.
 `Linear` is an `nn.Linear` whose product takes this path (a replicated projection: MLA's latent
 projections, Gated DeltaNet's input projection, an MTP layer's input projection).
 """
