@@ -10,10 +10,12 @@
 2. Engines: the Llama-3-8B shape with random weights (`--load-format dummy`), bf16 against
    `--quantization fp8` and `--quantization awq` (int4), CUDA graphs on, random 32-token prompts,
    greedy, 64 new tokens; tokens/s by batch, medians of interleaved repeats; the peer is the bf16
-   engine in the same run. Goals at batch 1: fp8 >= 1.7x, int4 >= 2.5x.
+   engine in the same run. Goals at batch 1: fp8 >= 1.7x, int4 >= 2.5x. Also the decode alone
+   (the whole call less a one-token call, per later token) and that one-token call's time (the
+   prefill of the 32-token prompts and the first token).
 
 Usage (GPU machine): python benchmarks/quant_gpu.py [--batches 1,64] [--repeats 3] [--skip kernels,engines]
-       [--sweep] [--json out.json]
+       [--sweep] [--profile] [--json out.json]
 """
 from __future__ import annotations
 
@@ -27,10 +29,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from kernel_profile import decode_profile, kernel_profile  # noqa: E402
 from pp_spec_gpu import timed  # noqa: E402
 from pp_two_gpu import llama8b_folder, prompts_of  # noqa: E402
 
 from pipespec import LLM, SamplingParams  # noqa: E402
+from pipespec.kernels.fused_ops import silu_mul  # noqa: E402
+from pipespec.kernels.gemv import rowmajor_gemv  # noqa: E402
 from pipespec.kernels.quant_matmul import Gemv, Tiles, fp8_block_matmul, int4_matmul  # noqa: E402
 from pipespec.model.quant.packed import Fp8Weight, Int4Weight  # noqa: E402
 from pipespec.stage.cuda_graphs import graph_ms  # noqa: E402
@@ -102,6 +107,15 @@ def kernels(report, do_sweep: bool):
             print(json.dumps(row), flush=True)
             if do_sweep and m == 1:
                 sweep(name, x, q4s, f8s, report)
+        if name == "down":                 # as decode runs it: the GEMVs read the gate/up row themselves
+            gu = torch.randn(1, 2 * k, device=dev, dtype=torch.bfloat16)
+            t = {"bf16": _us([lambda w=w: silu_mul(gu) @ w.t() for w in dense]),
+                 "bf16_gemv": _us([lambda w=w: rowmajor_gemv(gu, w, gated=True) for w in dense]),
+                 "int4": _us([lambda w=w: w.matmul(gu, gated=True) for w in q4s]),
+                 "fp8": _us([lambda w=w: w.matmul(gu, gated=True) for w in f8s])}
+            row = {"part": "kernel", "proj": "down (gated)", "m": 1, **{f"{kk}_us": round(v, 1) for kk, v in t.items()}}
+            report["kernels"].append(row)
+            print(json.dumps(row), flush=True)
         del dense, q4s, f8s
         torch.cuda.empty_cache()
 
@@ -117,15 +131,36 @@ def engines(args, report):
         prompts = prompts_of(batch, 32, 128256)
         for llm in llms.values():        # warm-up: the buckets this batch replays
             llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
-        runs = {kind: [] for kind in llms}
+        first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        runs, firsts = {kind: [] for kind in llms}, {kind: [] for kind in llms}
         for _ in range(args.repeats):
             for kind, llm in llms.items():
-                runs[kind].append(timed(llm, prompts, params)["tokens_per_s"])
-        med = {kind: statistics.median(r) for kind, r in runs.items()}
+                runs[kind].append(batch * args.new_tokens / timed(llm, prompts, params)["tokens_per_s"])
+                firsts[kind].append(batch / timed(llm, prompts, first)["tokens_per_s"])
+        med = {kind: batch * args.new_tokens / statistics.median(r) for kind, r in runs.items()}
+        # decode alone: the full call less a one-token call (the prefill and first token), per later token
+        dec = {kind: batch * (args.new_tokens - 1) / (statistics.median(runs[kind]) - statistics.median(firsts[kind]))
+               for kind in llms}
         row = {"part": "engine", "batch": batch, **{f"{k}_tokens_per_s": round(v, 1) for k, v in med.items()},
-               "fp8_over_bf16": round(med["fp8"] / med["bf16"], 3), "int4_over_bf16": round(med["int4"] / med["bf16"], 3)}
+               "fp8_over_bf16": round(med["fp8"] / med["bf16"], 3), "int4_over_bf16": round(med["int4"] / med["bf16"], 3),
+               **{f"{k}_decode_tokens_per_s": round(v, 1) for k, v in dec.items()},
+               "decode_fp8_over_bf16": round(dec["fp8"] / dec["bf16"], 3),
+               "decode_int4_over_bf16": round(dec["int4"] / dec["bf16"], 3),
+               **{f"{k}_first_token_ms": round(statistics.median(v) * 1e3, 1) for k, v in firsts.items()}}
         report["engines"].append(row)
         print(json.dumps(row), flush=True)
+    if args.profile:                       # after the timed runs (the profiler slows later ones)
+        prompts = prompts_of(1, 32, 128256)
+        for kind, llm in llms.items():     # batch 1: where a decode step's GPU time goes, kernel by kernel
+            def run(n, llm=llm):
+                llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+            row = {"part": "decode profile", "kind": kind,
+                   **decode_profile(lambda: run(args.new_tokens), lambda: run(1), args.new_tokens)}
+            report.setdefault("profile", []).append(row)
+            print(json.dumps(row), flush=True)
+            row = {"part": "first-token profile", "kind": kind, **kernel_profile(lambda: run(1), 1, top=8)}
+            report["profile"].append(row)
+            print(json.dumps(row), flush=True)
     for llm in llms.values():
         llm.shutdown()
 
@@ -138,6 +173,7 @@ def main():
     ap.add_argument("--util", type=float, default=0.28, help="gpu_memory_utilization of each of the 3 engines")
     ap.add_argument("--skip", default="", help="comma-separated: kernels, engines")
     ap.add_argument("--sweep", action="store_true", help="try other launch shapes at batch 1")
+    ap.add_argument("--profile", action="store_true", help="also profile batch-1 decode steps kernel by kernel")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]

@@ -11,8 +11,8 @@ partials in split order (deterministic: the tile's last split to finish adds the
 e4m3 ones with block scales (`quant_matmul.fp8_block_matmul`). With `gated` its input is a fused
 gate/up row [M, 2K] and the kernel multiplies silu(gate) * up, rounded as `fused_ops.silu_mul`
 rounds it: the MLP's activation never makes a round trip through memory, nor a launch of its own.
-The launch machinery (`_run`, `Gemv`, `gemv_split_k`) and the gated input (`gemv_input`) also serve
-the int4 decode kernel.
+The launch machinery (`_run`, `Gemv`, `gemv_split_k`) also serves the int4 decode kernel (whose
+gated input is activated by `silu_mul` first: each of its lanes reads every x of a step).
 """
 from __future__ import annotations
 
@@ -138,7 +138,7 @@ class Gemv:
     a multiple of the 16 bytes a lane loads); split_k: 0 lets `gemv_split_k` pick; tail_sum: a
     split tile's last program sums the partials (`_store`), else `_sum_splits` does, a launch more.
 
-    max_m = 8: besides unpacking (~3.4 issue slots an int4 weight, ~2.5 an fp8 one in the sm_90 SASS)
+    max_m = 8: besides unpacking (~2.8 issue slots an int4 weight, ~2.5 an fp8 one in the sm_90 SASS)
     these kernels spend about one FMA per weight and row on CUDA cores, where an H200 streaming ~4
     TB/s has ~4 slots an int4 weight and ~8 an fp8 one. At 8 rows (~17 and ~12 slots, counted) int4
     is estimated near bf16's speed and fp8 above it, still well above the tl.dot kernels measured

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from pipespec.kernels import sm_count
-from pipespec.kernels.gemv import Gemv, _launch_gemv, _run, _store, gemv_input, rowmajor_gemv
+from pipespec.kernels.gemv import Gemv, _launch_gemv, _run, _store, rowmajor_gemv
 from pipespec.kernels.pdl import pdl_args, pdl_signal, pdl_wait
 
 
@@ -108,8 +108,8 @@ def _int4_step_loads(q_ptr, z_ptr, s_ptr, k0, k_end, rw, rn, N: tl.constexpr, GR
 
 
 @triton.jit
-def _int4_gemv_kernel(x_ptr, q_ptr, z_ptr, s_ptr, y_ptr, p_ptr, count_ptr, M, stride_xm, stride_ym, k_per_split,
-                      N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr, GATED: tl.constexpr,
+def _int4_gemv_kernel(x_ptr, q_ptr, z_ptr, s_ptr, y_ptr, p_ptr, count_ptr, M, stride_xm, stride_ym, exp_bits,
+                      k_per_split, N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr, EXACT: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                       TAIL_SUM: tl.constexpr, PDL: tl.constexpr):
     """Decode on CUDA cores: all M (<= BLOCK_M) rows against BLOCK_N output columns, BLOCK_K rows of
@@ -117,9 +117,17 @@ def _int4_gemv_kernel(x_ptr, q_ptr, z_ptr, s_ptr, y_ptr, p_ptr, count_ptr, M, st
     `int4_matmul` gives each warp >= 128 columns), so it holds whole columns of the step and sums
     over K alone, with no shuffles. Every tensor is [rows, words, columns] or a broadcast of it, so
     all take the words' layout (Triton moves nothing through shared memory). Within a group,
-    sum (q - z) * s * x = s * (sum q x - z * sum x): per weight and row one AND, one exact FMA that
-    makes q a float, and the FMA with x; zeros and scales once a step. PDL as the dense GEMV's
-    (`kernels/pdl.py`): wait first, signal after the loop."""
+    sum (q - z) * s * x = s * (sum q x - z * sum x): zeros and scales once a step.
+
+    A nibble masked in place under the exponent of 2**23 reads as the float 2**23 + q * 2**lo (bit
+    lo its lowest): int to float with no conversion instruction. EXACT (float32 rows): q itself is
+    then made with one more exact FMA, ~3 issue slots a weight with the product. Otherwise the
+    words are shifted so that each nibble sits at bit 12 or 16 (four shifts a word, two nibbles
+    each), and f = 2**23 + q * 2**lo multiplies x * 2**-lo directly: f * x' = q * x + 2**(23 - lo) * x,
+    whose second term is summed apart (from x alone) and taken off once a step. ~2.5 slots a
+    weight; the float32 sums then carry the 2**11 * x terms, so their rounding is ~2**-13 of the
+    row's scale: far below the bf16 / fp16 output's. PDL as the dense GEMV's (`kernels/pdl.py`):
+    wait first, signal after the loop."""
     pdl_wait(PDL)
     rm = tl.arange(0, BLOCK_M)[:, None, None]
     rw = tl.arange(0, BLOCK_K // 8)[None, :, None]
@@ -135,25 +143,40 @@ def _int4_gemv_kernel(x_ptr, q_ptr, z_ptr, s_ptr, y_ptr, p_ptr, count_ptr, M, st
     for k0 in range(k_start, k_end, BLOCK_K):
         next_words, next_z, next_s = _int4_step_loads(q_ptr, z_ptr, s_ptr, k0 + BLOCK_K, k_end, rw, rn, N, GROUP,
                                                       BLOCK_N)
-        # Nibble j sits at bit lo = 4 * (j % 4) of half j // 4. Masked in place under the exponent of
-        # 2**23 it reads as the float 2**23 + q * 2**lo: int to float with no conversion instruction.
-        # The exponent E is ORed in once a word: (w | E) & (m | E) == (w & m) | E (the sign bits the
-        # arithmetic shift brings in are masked off).
-        halves = (words | 0x4B000000, (words >> 16) | 0x4B000000)
+        if EXACT:
+            # nibble j at bit lo = 4 * (j % 4) of half j // 4; the exponent is ORed in once a word:
+            # (w | E) & (m | E) == (w & m) | E (the sign bits the arithmetic shift brings in are masked off)
+            parts = (words | 0x4B000000, (words >> 16) | 0x4B000000)
+        else:
+            # nibbles (0, 1), (2, 3), (4, 5), (6, 7) at bits 12 and 16 (the shifts' other bits are masked off)
+            parts = (words << 12, words << 4, words >> 4, words >> 12)
         qx = tl.zeros((BLOCK_M, BLOCK_K // 8, BLOCK_N), dtype=tl.float32)     # summed over words per step
-        xs = tl.zeros((BLOCK_M, BLOCK_K // 8, 1), dtype=tl.float32)
+        xs = tl.zeros((BLOCK_M, BLOCK_K // 8, 1), dtype=tl.float32)           # sum x
+        xb = tl.zeros((BLOCK_M, BLOCK_K // 8, 1), dtype=tl.float32)           # sum 2**(23 - lo) x (not EXACT)
         for j in tl.static_range(8):
-            x = gemv_input(x_row + k0 + 8 * rw + j, K, None, GATED, False).to(tl.float32)  # [BM, KW, 1]
-            q = (halves[j // 4] & ((0xF << (4 * (j % 4))) | 0x4B000000)).to(tl.float32, bitcast=True)
-            q = q * 2.0 ** -(4 * (j % 4)) - 2.0 ** (23 - 4 * (j % 4))                  # exact: q
-            qx += q * x
+            x = tl.load(x_row + k0 + 8 * rw + j).to(tl.float32)                # [BM, KW, 1]
+            if EXACT:       # nibble j at bit 4 * (j % 4)
+                q = (parts[j // 4] & ((0xF << (4 * (j % 4))) | 0x4B000000)).to(tl.float32, bitcast=True)
+                qx += (q * 2.0 ** -(4 * (j % 4)) - 2.0 ** (23 - 4 * (j % 4))) * x              # exact: q
+            else:           # nibble j at bit 12 + 4 * (j % 2)
+                f = ((parts[j // 2] & (0xF << (12 + 4 * (j % 2)))) | exp_bits).to(tl.float32, bitcast=True)
+                qx += f * (x * 2.0 ** -(12 + 4 * (j % 2)))
+                xb += x * 2.0 ** (11 - 4 * (j % 2))
             xs += x
-        acc += s * (tl.sum(qx, axis=1, keep_dims=True) - z * tl.sum(xs, axis=1, keep_dims=True))
+        qsum = tl.sum(qx, axis=1, keep_dims=True)
+        if not EXACT:
+            qsum -= tl.sum(xb, axis=1, keep_dims=True)
+        acc += s * (qsum - z * tl.sum(xs, axis=1, keep_dims=True))
         words, z, s = next_words, next_z, next_s
     pdl_signal(PDL)
     _store(y_ptr, p_ptr, count_ptr, tl.sum(acc, axis=1), tl.arange(0, BLOCK_M),
            tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N), M, N, stride_ym, tl.program_id(0), tl.program_id(1),
            SPLIT_K, TAIL_SUM)
+
+
+# The float 2**23's bits, passed to the int4 decode kernel as an argument so that it sits in a
+# register: (bits & mask) | EXP_2_23 is then one LOP3 (two with both operands immediates).
+EXP_2_23 = 0x4B000000
 
 
 def _tile(size: int, what: str) -> int:
@@ -173,7 +196,9 @@ class Tiles:
     split_k: programs sharing one output tile's K range (0: `split_k_for` picks).
     int4_gemv / fp8_gemv: the decode kernels' shapes (M <= max_m), chosen from the sm_90 SASS at
     M = 1. int4: one warp of 256 columns (8 a lane: each x value it loads serves 8 weights), 32 rows
-    of K a step: 4 KB a step, ~4.5 instructions a weight, 168 registers with the prefetched step.
+    of K a step: 4 KB a step, ~3.8 instructions a weight on 16-bit rows (~4.5 on float32 ones, the
+    EXACT conversion), 167 registers with the prefetched step; the best or within 7% of it on the 8B
+    projections in the H200 sweep after the conversion changed (RESULTS.md, eleventh session).
     fp8: 16 rows by 512 bytes (16 bytes a lane, a warp per 4 rows): 8 KB a step, ~3.4 instructions
     a weight, 56 registers; wider steps gain little and narrower ones lose (~3.8 at 256)."""
     block_n: int = 64
@@ -229,13 +254,12 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, sca
     in_features, out_features = qweight.shape[0] * 8, qweight.shape[1]
     lead = x.shape[:-1]
     x = x.reshape(-1, x.shape[-1])
-    if gated and (perm is not None or x.shape[0] > tiles.int4_gemv.max_m):
-        from pipespec.kernels.fused_ops import silu_mul
-        x, gated = silu_mul(x), False
+    if gated:       # activated first: inside the decode kernel each lane would redo it (H200: 28.6 us
+        from pipespec.kernels.fused_ops import silu_mul     # against 24.8 for the 8B down projection)
+        x = silu_mul(x)
     if perm is not None:
         x = x.index_select(1, perm)                        # act-order: rows in group order
     x = x.contiguous()
-    args = (qweight, zeros, scales), ()
     g = tiles.int4_gemv
     if x.shape[0] <= g.max_m:
         if group % 8 or in_features % group:
@@ -247,11 +271,12 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, sca
         # [rows, words] slice under one value a thread (else Triton moves it through shared memory).
         warps = max(1, min(g.block_n // 128, max(g.num_warps, g.block_n * rows // 2048)))
         block_k = max(8, min(g.block_k // rows, group & -group, 128 * warps // rows))
-        y = _launch_gemv(_int4_gemv_kernel, x, out_features, in_features, g.block_n, block_k, warps, g, 4, args,
-                         GROUP=group, GATED=gated, **pdl_args(x.device))
+        y = _launch_gemv(_int4_gemv_kernel, x, out_features, in_features, g.block_n, block_k, warps, g, 4,
+                         ((qweight, zeros, scales), (EXP_2_23,)),
+                         GROUP=group, EXACT=x.dtype == torch.float32, **pdl_args(x.device))
     else:
         y = _launch(_int4_kernel, x, out_features, in_features, tiles.block_n, tiles.k_tile(group, "int4 group size"),
-                    tiles, args, GROUP=group)
+                    tiles, ((qweight, zeros, scales), ()), GROUP=group)
     return y.view(*lead, out_features)
 
 
