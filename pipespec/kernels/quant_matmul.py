@@ -120,14 +120,16 @@ def _int4_gemv_kernel(x_ptr, q_ptr, z_ptr, s_ptr, y_ptr, p_ptr, count_ptr, M, st
     sum (q - z) * s * x = s * (sum q x - z * sum x): zeros and scales once a step.
 
     A nibble masked in place under the exponent of 2**23 reads as the float 2**23 + q * 2**lo (bit
-    lo its lowest): int to float with no conversion instruction. EXACT (float32 rows): q itself is
-    then made with one more exact FMA, ~3 issue slots a weight with the product. Otherwise the
-    words are shifted so that each nibble sits at bit 12 or 16 (four shifts a word, two nibbles
-    each), and f = 2**23 + q * 2**lo multiplies x * 2**-lo directly: f * x' = q * x + 2**(23 - lo) * x,
-    whose second term is summed apart (from x alone) and taken off once a step. ~2.5 slots a
-    weight; the float32 sums then carry the 2**11 * x terms, so their rounding is ~2**-13 of the
-    row's scale: far below the bf16 / fp16 output's. PDL as the dense GEMV's (`kernels/pdl.py`):
-    wait first, signal after the loop."""
+    lo its lowest): int to float with no conversion instruction. EXACT: q itself is then made with
+    one more exact FMA. Otherwise the words are shifted so that each nibble sits at bit 12 or 16
+    (four shifts a word, two nibbles each) and f = 2**23 + q * 2**lo multiplies x * 2**-lo as it
+    is: f * x' = q * x + 2**(23 - lo) * x, whose second term is summed apart (from x alone, per row)
+    and taken off once a step. Half an instruction a weight less, ~1.5 more an x and row: at one
+    row 959 instructions a step against 1,155 in the sm_90 SASS, break-even near 3 rows
+    (`int4_matmul` takes it up to 2, for 16-bit rows). The float32 sums then carry the 2**11 * x
+    terms, so their rounding is ~2**-13 of the row's scale (a float32 row would lose digits;
+    bf16 / fp16 outputs do not see it). PDL as the dense GEMV's (`kernels/pdl.py`): wait first,
+    signal after the loop."""
     pdl_wait(PDL)
     rm = tl.arange(0, BLOCK_M)[:, None, None]
     rw = tl.arange(0, BLOCK_K // 8)[None, :, None]
@@ -143,30 +145,34 @@ def _int4_gemv_kernel(x_ptr, q_ptr, z_ptr, s_ptr, y_ptr, p_ptr, count_ptr, M, st
     for k0 in range(k_start, k_end, BLOCK_K):
         next_words, next_z, next_s = _int4_step_loads(q_ptr, z_ptr, s_ptr, k0 + BLOCK_K, k_end, rw, rn, N, GROUP,
                                                       BLOCK_N)
+        qx = tl.zeros((BLOCK_M, BLOCK_K // 8, BLOCK_N), dtype=tl.float32)     # summed over words per step
+        xs = tl.zeros((BLOCK_M, BLOCK_K // 8, 1), dtype=tl.float32)           # sum x
         if EXACT:
             # nibble j at bit lo = 4 * (j % 4) of half j // 4; the exponent is ORed in once a word:
             # (w | E) & (m | E) == (w & m) | E (the sign bits the arithmetic shift brings in are masked off)
-            parts = (words | 0x4B000000, (words >> 16) | 0x4B000000)
-        else:
-            # nibbles (0, 1), (2, 3), (4, 5), (6, 7) at bits 12 and 16 (the shifts' other bits are masked off)
-            parts = (words << 12, words << 4, words >> 4, words >> 12)
-        qx = tl.zeros((BLOCK_M, BLOCK_K // 8, BLOCK_N), dtype=tl.float32)     # summed over words per step
-        xs = tl.zeros((BLOCK_M, BLOCK_K // 8, 1), dtype=tl.float32)           # sum x
-        xb = tl.zeros((BLOCK_M, BLOCK_K // 8, 1), dtype=tl.float32)           # sum 2**(23 - lo) x (not EXACT)
-        for j in tl.static_range(8):
-            x = tl.load(x_row + k0 + 8 * rw + j).to(tl.float32)                # [BM, KW, 1]
-            if EXACT:       # nibble j at bit 4 * (j % 4)
-                q = (parts[j // 4] & ((0xF << (4 * (j % 4))) | 0x4B000000)).to(tl.float32, bitcast=True)
+            halves = (words | 0x4B000000, (words >> 16) | 0x4B000000)
+            for j in tl.static_range(8):
+                x = tl.load(x_row + k0 + 8 * rw + j).to(tl.float32)            # [BM, KW, 1]
+                q = (halves[j // 4] & ((0xF << (4 * (j % 4))) | 0x4B000000)).to(tl.float32, bitcast=True)
                 qx += (q * 2.0 ** -(4 * (j % 4)) - 2.0 ** (23 - 4 * (j % 4))) * x              # exact: q
-            else:           # nibble j at bit 12 + 4 * (j % 2)
-                f = ((parts[j // 2] & (0xF << (12 + 4 * (j % 2)))) | exp_bits).to(tl.float32, bitcast=True)
-                qx += f * (x * 2.0 ** -(12 + 4 * (j % 2)))
-                xb += x * 2.0 ** (11 - 4 * (j % 2))
-            xs += x
-        qsum = tl.sum(qx, axis=1, keep_dims=True)
-        if not EXACT:
-            qsum -= tl.sum(xb, axis=1, keep_dims=True)
-        acc += s * (qsum - z * tl.sum(xs, axis=1, keep_dims=True))
+                xs += x
+            qsum = tl.sum(qx, axis=1, keep_dims=True)
+            xsum = tl.sum(xs, axis=1, keep_dims=True)
+        else:
+            xb = tl.zeros((BLOCK_M, BLOCK_K // 8, 1), dtype=tl.float32)       # sum 2**(23 - lo) x
+            for i in tl.static_range(4):
+                # nibbles 2i, 2i + 1 shifted to bits lo = 12 and 16 (the other bits are masked off):
+                # f_even * x = 2**12 (q x + 2**11 x), f_odd * x * 2**-4 = 2**12 (q x + 2**7 x)
+                part = words << (12 - 8 * i) if i < 2 else words >> (8 * i - 12)
+                x_even = tl.load(x_row + k0 + 8 * rw + 2 * i).to(tl.float32)
+                x_odd = tl.load(x_row + k0 + 8 * rw + 2 * i + 1).to(tl.float32)
+                qx += ((part & 0xF000) | exp_bits).to(tl.float32, bitcast=True) * x_even
+                qx += ((part & 0xF0000) | exp_bits).to(tl.float32, bitcast=True) * (x_odd * 2.0 ** -4)
+                xb += x_even * 2.0 ** 11 + x_odd * 2.0 ** 7
+                xs += x_even + x_odd
+            qsum = tl.sum(qx, axis=1, keep_dims=True) * 2.0 ** -12 - tl.sum(xb, axis=1, keep_dims=True)
+            xsum = tl.sum(xs, axis=1, keep_dims=True)
+        acc += s * (qsum - z * xsum)
         words, z, s = next_words, next_z, next_s
     pdl_signal(PDL)
     _store(y_ptr, p_ptr, count_ptr, tl.sum(acc, axis=1), tl.arange(0, BLOCK_M),
@@ -273,7 +279,7 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, sca
         block_k = max(8, min(g.block_k // rows, group & -group, 128 * warps // rows))
         y = _launch_gemv(_int4_gemv_kernel, x, out_features, in_features, g.block_n, block_k, warps, g, 4,
                          ((qweight, zeros, scales), (EXP_2_23,)),
-                         GROUP=group, EXACT=x.dtype == torch.float32, **pdl_args(x.device))
+                         GROUP=group, EXACT=x.dtype == torch.float32 or rows > 2, **pdl_args(x.device))
     else:
         y = _launch(_int4_kernel, x, out_features, in_features, tiles.block_n, tiles.k_tile(group, "int4 group size"),
                     tiles, ((qweight, zeros, scales), ()), GROUP=group)
