@@ -202,8 +202,8 @@ class Tiles:
     split_k: programs sharing one output tile's K range (0: `split_k_for` picks).
     int4_gemv / fp8_gemv: the decode kernels' shapes (M <= max_m), chosen from the sm_90 SASS at
     M = 1. int4: one warp of 256 columns (8 a lane: each x value it loads serves 8 weights), 32 rows
-    of K a step: 4 KB a step, ~3.8 instructions a weight on 16-bit rows (~4.5 on float32 ones, the
-    EXACT conversion), 167 registers with the prefetched step; the best or within 7% of it on the 8B
+    of K a step: 4 KB a step, ~3.75 instructions a weight on 16-bit rows (~4.5 on float32 ones, the
+    EXACT conversion), 128 registers (167) with the prefetched step; the best or within 7% of it on the 8B
     projections in the H200 sweep after the conversion changed (RESULTS.md, eleventh session).
     fp8: 16 rows by 512 bytes (16 bytes a lane, a warp per 4 rows): 8 KB a step, ~3.4 instructions
     a weight, 56 registers; wider steps gain little and narrower ones lose (~3.8 at 256)."""
@@ -255,8 +255,7 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, sca
                 perm: torch.Tensor | None = None, tiles: Tiles = DEFAULT_TILES, gated: bool = False) -> torch.Tensor:
     """x [..., K] @ W.T -> [..., N] in x's dtype, W the int4 weight in `model/quant/packed.py`'s
     layout: qweight int32 [K / 8, N], zeros and scales float32 [K / group, N], perm (act-order) [K].
-    gated: x is [..., 2K] = cat[gate, up] and the product is of silu(gate) * up (read by the decode
-    kernel itself, except under act-order, whose permutation needs the activated row)."""
+    gated: x is [..., 2K] = cat[gate, up] and the product is of silu(gate) * up (`silu_mul` first)."""
     in_features, out_features = qweight.shape[0] * 8, qweight.shape[1]
     lead = x.shape[:-1]
     x = x.reshape(-1, x.shape[-1])
