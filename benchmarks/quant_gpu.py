@@ -107,7 +107,7 @@ def kernels(report, do_sweep: bool):
             print(json.dumps(row), flush=True)
             if do_sweep and m == 1:
                 sweep(name, x, q4s, f8s, report)
-        if name == "down":                 # as decode runs it: the GEMVs read the gate/up row themselves
+        if name == "down":     # as decode runs it: the gate/up row in (int4 activates it with silu_mul first)
             gu = torch.randn(1, 2 * k, device=dev, dtype=torch.bfloat16)
             t = {"bf16": _us([lambda w=w: silu_mul(gu) @ w.t() for w in dense]),
                  "bf16_gemv": _us([lambda w=w: rowmajor_gemv(gu, w, gated=True) for w in dense]),
@@ -120,18 +120,22 @@ def kernels(report, do_sweep: bool):
         torch.cuda.empty_cache()
 
 
+def greedy(tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+
+
 def engines(args, report):
     model = llama8b_folder()
     kinds = {"bf16": None, "fp8": "fp8", "int4": "awq"}
     llms = {kind: LLM(model=model, load_format="dummy", quantization=q, device="cuda", dtype="bfloat16",
                       gpu_memory_utilization=args.util, max_num_seqs=max(args.batches), max_model_len=1024,
                       max_num_batched_tokens=max(1024, max(args.batches))) for kind, q in kinds.items()}
-    params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
+    params = greedy(args.new_tokens)
     for batch in args.batches:
         prompts = prompts_of(batch, 32, 128256)
         for llm in llms.values():        # warm-up: the buckets this batch replays
-            llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
-        first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+            llm.generate(prompts, greedy(4), use_tqdm=False)
+        first = greedy(1)
         runs, firsts = {kind: [] for kind in llms}, {kind: [] for kind in llms}
         for _ in range(args.repeats):
             for kind, llm in llms.items():
@@ -153,7 +157,7 @@ def engines(args, report):
         prompts = prompts_of(1, 32, 128256)
         for kind, llm in llms.items():     # batch 1: where a decode step's GPU time goes, kernel by kernel
             def run(n, llm=llm):
-                llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+                llm.generate(prompts, greedy(n), use_tqdm=False)
             row = {"part": "decode profile", "kind": kind,
                    **decode_profile(lambda: run(args.new_tokens), lambda: run(1), args.new_tokens)}
             report.setdefault("profile", []).append(row)
