@@ -28,6 +28,16 @@ from pipespec.kernels.pdl import pdl_args, pdl_signal, pdl_wait
 
 
 @triton.jit
+def _planes_sum(ptrs, plane, mask, SPLIT_K: tl.constexpr, CACHE: tl.constexpr):
+    """The float32 partials at ptrs + s * plane summed in split order s = 0, 1, ...: the bits both
+    split-K sums give (`_store`'s tail, `_sum_splits`). Unrolled, so all the loads are in flight at once."""
+    total = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=CACHE)
+    for s in tl.static_range(1, SPLIT_K):
+        total += tl.load(ptrs + s * plane, mask=mask, other=0.0, cache_modifier=CACHE)
+    return total
+
+
+@triton.jit
 def _store(y_ptr, p_ptr, count_ptr, acc, rm, rn, M, N, stride_ym, tile, split, SPLIT_K: tl.constexpr,
            TAIL_SUM: tl.constexpr):
     """The tile's sum to y; with split-K this split's float32 partial (plane `split` of p [S, M, N]),
@@ -44,9 +54,7 @@ def _store(y_ptr, p_ptr, count_ptr, acc, rm, rn, M, N, stride_ym, tile, split, S
             tl.debug_barrier()      # every lane's partial is stored before the count releases them
             if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
                 # the other splits' partials were released to this acquire; read them from L2
-                total = tl.load(planes, mask=mask, other=0.0, cache_modifier=".cg")
-                for s in tl.static_range(1, SPLIT_K):
-                    total += tl.load(planes + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+                total = _planes_sum(planes, M * N, mask, SPLIT_K, ".cg")
                 tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], total.to(y_ptr.dtype.element_ty), mask=mask)
                 tl.store(count_ptr + tile, 0)
 
@@ -54,16 +62,12 @@ def _store(y_ptr, p_ptr, count_ptr, acc, rm, rn, M, N, stride_ym, tile, split, S
 @triton.jit
 def _sum_splits(p_ptr, y_ptr, size, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """y (contiguous) = the float32 partials [SPLIT_K, size] summed in split order (deterministic,
-    unlike atomics) and cast, in one launch. The splits are unrolled so that their loads are all in
-    flight at once."""
+    unlike atomics) and cast, in one launch."""
     pdl_signal(PDL)
     pdl_wait(PDL)
     r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = r < size
-    acc = tl.load(p_ptr + r, mask=mask, other=0.0)
-    for s in tl.static_range(1, SPLIT_K):
-        acc += tl.load(p_ptr + s * size + r, mask=mask, other=0.0)
-    tl.store(y_ptr + r, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + r, _planes_sum(p_ptr + r, size, mask, SPLIT_K, "").to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
