@@ -1,6 +1,6 @@
 """Weight-only quantized kernels and engines against bf16 on one GPU (issue 18).
 
-1. Kernels: the Llama-3-8B projections (qkv, o, gate_up, down) at M = 1, 16 and 64 rows: bf16
+1. Kernels: the Llama-3-8B projections (qkv, o, gate_up, down) at M = 1, 4, 8, 16 and 64 rows: bf16
    `x @ W.T` against `int4_matmul` (group 128) and `fp8_block_matmul` (128 x 128 blocks): the
    microseconds of one call replayed from a CUDA graph that cycles through copies of the weight
    totalling 512 MB of bf16 (so L2 does not serve them; decode replays graphs too), and the weight
@@ -52,31 +52,35 @@ def _us(calls) -> float:
 
 
 # decode-kernel shapes tried at batch 1, each one Triton compile: (block_n, block_k, num_warps, split_k;
-# 0: `gemv_split_k`). int4: columns a program (a warp per >= 128), K a step; the defaults first, then
-# more columns a lane or warps, longer or shorter steps, and fixed splits to check the heuristic.
-# fp8: rows a program (inside a scale block), bytes of a row a step.
-SWEEP = {
-    "int4": [Tiles(int4_gemv=Gemv(n, k, w, split)) for n, k, w, split in (
-        (256, 32, 1, 0), (256, 64, 1, 0), (256, 16, 1, 0), (128, 64, 1, 0), (128, 32, 1, 0), (512, 32, 1, 0),
-        (512, 32, 2, 0), (512, 64, 4, 0), (1024, 32, 4, 0), (256, 32, 1, 8), (256, 32, 1, 16), (256, 32, 1, 32),
-        (256, 32, 1, 128), (128, 64, 1, 64))],
-    "fp8": [Tiles(fp8_gemv=Gemv(n, k, w, split)) for n, k, w, split in (
-        (16, 512, 4, 0), (8, 512, 4, 0), (32, 512, 4, 0), (16, 256, 4, 0), (32, 256, 4, 0), (16, 1024, 4, 0),
-        (8, 1024, 4, 0), (16, 512, 8, 0), (32, 512, 8, 0), (64, 128, 4, 0), (8, 512, 2, 0), (32, 1024, 8, 0),
-        (16, 512, 4, 1), (16, 512, 4, 2), (16, 512, 4, 6), (8, 512, 4, 4))],
+# 0: `gemv_split_k`). int4: columns a program (a warp per >= 128), K a step; fp8 / dense (the bf16
+# row-major GEMV, the peer that shares fp8's kernel): rows a program, elements of a row a step. The
+# defaults first, then more columns a lane or warps, longer or shorter steps, fixed splits.
+SHAPES = {
+    "int4_mma": ((128, 64, 4, 0), (128, 128, 4, 0), (256, 128, 4, 0), (256, 64, 4, 0), (128, 128, 2, 0), (128, 64, 2, 0),
+                 (128, 32, 4, 0), (64, 64, 4, 0), (128, 64, 4, 4), (128, 64, 4, 8)),
+    "int4": ((256, 32, 1, 0), (256, 64, 1, 0), (256, 16, 1, 0), (128, 64, 1, 0), (128, 32, 1, 0), (512, 32, 2, 0),
+             (256, 32, 1, 16), (256, 32, 1, 32)),
+    "fp8": ((16, 512, 4, 0), (8, 512, 4, 0), (32, 512, 4, 0), (16, 1024, 4, 0), (16, 512, 8, 0), (16, 512, 4, 2)),
+    "dense": ((8, 512, 4, 0), (8, 1024, 4, 0), (16, 512, 4, 0), (8, 512, 8, 0), (8, 512, 4, 2)),
 }
+SWEEP = {kind: [Gemv(*shape) for shape in shapes] for kind, shapes in SHAPES.items()}
 
 
-def _name(t: Tiles, kind: str) -> str:
-    g = getattr(t, f"{kind}_gemv")
+GEMV_ONLY = Tiles(int4_mma=None)        # the CUDA-core int4 decode kernel, the tensor-core one's predecessor
+
+
+def _name(g: Gemv) -> str:
     return f"n{g.block_n}_k{g.block_k}_w{g.num_warps}_split{g.split_k or 'auto'}"
 
 
-def sweep(name, x, q4s, f8s, report):
-    for kind, run in (("int4", lambda w, t: int4_matmul(x, w.qweight, w.zeros, w.scales, w.group, tiles=t)),
-                      ("fp8", lambda w, t: fp8_block_matmul(x, w.weight, w.scale_inv, w.block, t))):
-        weights = q4s if kind == "int4" else f8s
-        times = {_name(t, kind): round(_us([lambda w=w, t=t: run(w, t) for w in weights]), 1) for t in SWEEP[kind]}
+def sweep(name, x, dense, q4s, f8s, report):
+    runs = {"int4_mma": (q4s, lambda w, g: int4_matmul(x, w.qweight, w.zeros, w.scales, w.group, tiles=Tiles(int4_mma=g))),
+            "int4": (q4s, lambda w, g: int4_matmul(x, w.qweight, w.zeros, w.scales, w.group,
+                                                   tiles=Tiles(int4_gemv=g, int4_mma=None))),
+            "fp8": (f8s, lambda w, g: fp8_block_matmul(x, w.weight, w.scale_inv, w.block, Tiles(fp8_gemv=g))),
+            "dense": (dense, lambda w, g: rowmajor_gemv(x, w, shape=g))}
+    for kind, (weights, run) in runs.items():
+        times = {_name(g): round(_us([lambda w=w, g=g: run(w, g) for w in weights]), 1) for g in SWEEP[kind]}
         best = min(times, key=times.get)
         row = {"part": "sweep", "kernel": kind, "proj": name, "m": x.shape[0], "best": best,
                "best_us": times[best], "us": times}
@@ -94,10 +98,12 @@ def kernels(report, do_sweep: bool):
                           128) for _ in range(copies)]
         f8s = [Fp8Weight(torch.randn(n, k, device=dev).to(torch.float8_e4m3fn),
                          torch.full((n // 128, k // 128), 0.02, device=dev), (128, 128)) for _ in range(copies)]
-        for m in (1, 16, 64):
+        for m in (1, 4, 8, 16, 64):
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             t = {"bf16": _us([lambda w=w: x @ w.t() for w in dense]),
                  "int4": _us([lambda w=w: w.matmul(x) for w in q4s]),
+                 "int4_gemv": _us([lambda w=w: int4_matmul(x, w.qweight, w.zeros, w.scales, w.group, tiles=GEMV_ONLY)
+                                   for w in q4s]),
                  "fp8": _us([lambda w=w: w.matmul(x) for w in f8s])}
             row = {"part": "kernel", "proj": name, "m": m, **{f"{kk}_us": round(v, 1) for kk, v in t.items()},
                    "bf16_gbps": round(n * k * 2 / t["bf16"] / 1e3, 0), "int4_gbps": round(n * k / 2 / t["int4"] / 1e3, 0),
@@ -106,7 +112,7 @@ def kernels(report, do_sweep: bool):
             report["kernels"].append(row)
             print(json.dumps(row), flush=True)
             if do_sweep and m == 1:
-                sweep(name, x, q4s, f8s, report)
+                sweep(name, x, dense, q4s, f8s, report)
         if name == "down":     # as decode runs it: the gate/up row in (int4 activates it with silu_mul first)
             gu = torch.randn(1, 2 * k, device=dev, dtype=torch.bfloat16)
             t = {"bf16": _us([lambda w=w: silu_mul(gu) @ w.t() for w in dense]),

@@ -5,13 +5,15 @@ Decode is bound by reading the weights: 4 bits a weight instead of 16 is what bu
 tile of packed weights is read once, unpacked in registers and multiplied at the activations'
 precision (weight-only quantization, W4A16 / W8A16). The activations are never quantized.
 
-Two paths: up to `Gemv.max_m` rows (decode) the GEMV kernels multiply on CUDA cores, every row
-against each weight tile as it is loaded; more rows take the tl.dot kernels, whose tiles are at
-least 16 rows (mostly padding at batch 1). Both split K over programs when the output alone gives
+Three paths: up to `Gemv.max_m` rows (decode) the GEMV kernels multiply on CUDA cores, every row
+against each weight tile as it is loaded (int4 bf16 / fp16 rows on a GPU take the tensor-core
+decode kernel of `kernels/int4_mma.py` instead); more rows take the tl.dot kernels, whose tiles are
+at least 16 rows (mostly padding at batch 1). Both split K over programs when the output alone gives
 too few, summing float32 partials in split order.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -205,6 +207,9 @@ class Tiles:
     of K a step: 4 KB a step, ~3.75 instructions a weight on 16-bit rows (~4.5 on float32 ones, the
     EXACT conversion), 128 registers (167) with the prefetched step; the best or within 7% of it on the 8B
     projections in the H200 sweep after the conversion changed (RESULTS.md, eleventh session).
+    int4_mma: the tensor-core decode kernel's shape (`kernels/int4_mma.py`), which serves bf16 / fp16
+    rows on a GPU ahead of int4_gemv (None: int4_gemv does): 128 columns by 64 of K a program of 4
+    warps, the best of 7 shapes on the 8B projections at one row (RESULTS.md, thirteenth session).
     fp8: 16 rows by 512 bytes (16 bytes a lane, a warp per 4 rows): 8 KB a step, ~3.4 instructions
     a weight, 56 registers; wider steps gain little and narrower ones lose (~3.8 at 256)."""
     block_n: int = 64
@@ -213,6 +218,7 @@ class Tiles:
     num_stages: int = 2
     split_k: int = 0
     int4_gemv: Gemv = Gemv(block_n=256, block_k=32, num_warps=1)
+    int4_mma: Gemv | None = Gemv(block_n=128, block_k=64, num_warps=4)
     fp8_gemv: Gemv = Gemv(block_n=16, block_k=512, num_warps=4)
 
     def k_tile(self, size: int, what: str) -> int:
@@ -229,6 +235,22 @@ MAX_SPLIT_K = 16
 
 def _block_m(m: int) -> int:
     return 16 if m <= 16 else 32 if m <= 32 else 64
+
+
+@functools.cache
+def _mma_device(device: torch.device) -> bool:
+    """Gluon (Triton >= 3.6) and bf16 mma.sync (sm_80+): what `kernels/int4_mma.py` needs."""
+    version = tuple(int(v) for v in triton.__version__.split(".")[:2])
+    return version >= (3, 6) and torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def _int4_mma_serves(x: torch.Tensor, group: int, shape: Gemv | None) -> bool:
+    if shape is None or x.shape[0] > shape.max_m or x.dtype not in (torch.bfloat16, torch.float16) or not x.is_cuda:
+        return False
+    if not _mma_device(x.device):
+        return False
+    from pipespec.kernels.int4_mma import mma_block_k       # imports Gluon
+    return mma_block_k(group, shape) > 0
 
 
 def split_k_for(programs: int, k_tiles: int, sms: int) -> int:
@@ -266,7 +288,10 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, sca
         x = x.index_select(1, perm)                        # act-order: rows in group order
     x = x.contiguous()
     g = tiles.int4_gemv
-    if x.shape[0] <= g.max_m:
+    if _int4_mma_serves(x, group, tiles.int4_mma):
+        from pipespec.kernels.int4_mma import int4_mma_matmul
+        y = int4_mma_matmul(x, qweight, zeros, scales, group, tiles.int4_mma)
+    elif x.shape[0] <= g.max_m:
         if group % 8 or in_features % group:
             raise ValueError(f"int4 group size {group}: not a multiple of 8 or not dividing K = {in_features}")
         rows = triton.next_power_of_2(x.shape[0])

@@ -35,7 +35,8 @@ def pack_int4_along_k(q: torch.Tensor) -> torch.Tensor:
 @dataclass
 class Int4Weight:
     qweight: torch.Tensor            # int32 [K / 8, N]
-    zeros: torch.Tensor              # [K / group, N]
+    zeros: torch.Tensor              # [K / group, N], whole numbers 0..16 (AWQ: 0..15, GPTQ: stored + 1): the
+                                     # tensor-core decode kernel subtracts them exactly in bf16 / fp16
     scales: torch.Tensor             # [K / group, N]
     group: int
     perm: torch.Tensor | None = None  # int64 [K]: x[:, perm] meets the rows (act-order)

@@ -1,0 +1,108 @@
+"""The int4 tensor-core decode kernel (`kernels/int4_mma.py`) against x @ W.T with the dequantized
+weight, and which rows `int4_matmul` gives it. Gluon kernels do not run under the Triton
+interpreter: GPU only (the CUDA-core GEMV it stands in for is checked on CPU too)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipespec.kernels.gemv import Gemv
+from pipespec.model.quant.packed import Int4Weight
+from tests.model.quant import writers
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+# products and sums are exact in float32 ((q - z) is an integer, x a 16-bit float): the output's rounding
+TOL = {torch.bfloat16: 5e-3, torch.float16: 1e-3}
+SHAPES = [None, Gemv(block_n=256, block_k=128, num_warps=4, split_k=2), Gemv(block_n=64, block_k=32, num_warps=2,
+                                                                              split_k=3)]
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def _packed(layout, n=160, k=512):
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(8))
+    if layout == "awq":
+        t, ref = writers.awq(w, group=128)
+        packed = Int4Weight.from_awq(t["qweight"], t["qzeros"], t["scales"].float(), 128)
+    else:
+        t, ref = writers.gptq(w, group=64, act_order=layout == "gptq_act_order", seed=9)
+        packed = Int4Weight.from_gptq(t["qweight"], t["qzeros"], t["scales"].float(), t["g_idx"])
+    return packed.to(torch.device("cuda")), ref.cuda()
+
+
+@pytest.fixture
+def mma_calls(monkeypatch):
+    """Row counts that reached the tensor-core kernel."""
+    from pipespec.kernels import int4_mma
+    calls, run = [], int4_mma.int4_mma_matmul
+    monkeypatch.setattr(int4_mma, "int4_mma_matmul", lambda x, *a, **k: calls.append(x.shape[0]) or run(x, *a, **k))
+    return calls
+
+
+def _tiles(shape):
+    from pipespec.kernels.quant_matmul import DEFAULT_TILES
+    from dataclasses import replace
+    return DEFAULT_TILES if shape is None else replace(DEFAULT_TILES, int4_mma=shape)
+
+
+def _id(shape):
+    return "default" if shape is None else f"n{shape.block_n}_k{shape.block_k}_w{shape.num_warps}_split{shape.split_k}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", SHAPES, ids=_id)
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("layout", ["awq", "gptq", "gptq_act_order"])
+def test_int4_mma_equals_the_dequantized_product(layout, rows, shape, dtype, mma_calls):
+    """160 columns: a partial last tile for every shape; GPTQ's zeros are 1..16, AWQ's 0..15."""
+    from pipespec.kernels.quant_matmul import int4_matmul
+    packed, ref = _packed(layout)
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(10)).to("cuda", dtype)
+    with torch.inference_mode():
+        got = int4_matmul(x, packed.qweight, packed.zeros, packed.scales, packed.group, packed.perm, _tiles(shape))
+    assert mma_calls == [rows]
+    assert got.shape == (rows, 160) and got.dtype == dtype
+    assert _rel(got, x.float() @ ref.t()) < TOL[dtype]
+
+
+def test_int4_mma_matches_the_cuda_core_gemv_at_a_real_shape():
+    """An 8B-like o projection (4,096 x 4,096, group 128, split K chosen by the heuristic): both
+    decode kernels give the exact product to within bf16 rounding."""
+    from dataclasses import replace
+    from pipespec.kernels.quant_matmul import DEFAULT_TILES, int4_matmul
+    g = torch.Generator(device="cuda").manual_seed(11)
+    q = torch.randint(-2**31, 2**31 - 1, (512, 4096), device="cuda", dtype=torch.int32, generator=g)
+    z = torch.randint(0, 16, (32, 4096), device="cuda", generator=g).float()
+    s = torch.rand(32, 4096, device="cuda", generator=g) * 0.01
+    x = torch.randn(2, 4096, device="cuda", generator=g).bfloat16()
+    with torch.inference_mode():
+        mma = int4_matmul(x, q, z, s, 128)
+        gemv = int4_matmul(x, q, z, s, 128, tiles=replace(DEFAULT_TILES, int4_mma=None))
+        exact = int4_matmul(x.float(), q, z, s, 128)
+    assert _rel(mma, exact) < 3e-3 and _rel(gemv, exact) < 3e-3
+
+
+def test_rows_the_tensor_core_kernel_does_not_take_go_elsewhere(mma_calls):
+    """float32 rows, more than max_m rows and groups of 16 (no 32-wide K step fits) take the other
+    kernels, with the same product; the kernel itself names what it refuses."""
+    from pipespec.kernels.int4_mma import int4_mma_matmul
+    from pipespec.kernels.quant_matmul import DEFAULT_TILES, int4_matmul
+    packed, ref = _packed("awq")
+    with torch.inference_mode():
+        for rows, dtype in ((2, torch.float32), (9, torch.bfloat16)):
+            x = torch.randn(rows, 512, device="cuda").to(dtype)
+            got = int4_matmul(x, packed.qweight, packed.zeros, packed.scales, packed.group)
+            assert _rel(got, x.float() @ ref.t()) < 2e-2
+        t, ref16 = writers.awq(torch.randn(160, 512, generator=torch.Generator().manual_seed(12)), group=16)
+        packed16 = Int4Weight.from_awq(t["qweight"], t["qzeros"], t["scales"].float(), 16).to(torch.device("cuda"))
+        x = torch.randn(1, 512, device="cuda").bfloat16()
+        got = int4_matmul(x, packed16.qweight, packed16.zeros, packed16.scales, 16)
+        assert _rel(got, x.float() @ ref16.cuda().t()) < 2e-2
+        assert mma_calls == []
+        with pytest.raises(ValueError, match="up to 8 bf16 / fp16 rows"):
+            int4_mma_matmul(torch.randn(9, 512, device="cuda").bfloat16(), packed.qweight, packed.zeros,
+                            packed.scales, 128, DEFAULT_TILES.int4_mma)
+        with pytest.raises(ValueError, match="group size 16"):
+            int4_mma_matmul(x, packed.qweight, packed.zeros, packed.scales, 16, DEFAULT_TILES.int4_mma)
