@@ -18,6 +18,7 @@ of word w = 4 ch + c), so the words' layout is A's with its three K bits dropped
 in natural K order (a lane's 8 K of a word: one 16-byte load) and permuted in registers the same
 way. `convert_layout(..., assert_trivial=True)` proves both conversions move nothing.
 Per step (inside one group): the (q - z) x sums from the MMA times the group's scales, in float32.
+PDL as the CUDA-core GEMV's (`kernels/pdl.py`): wait first, signal after the loop.
 """
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from pipespec.kernels import sm_count
 from pipespec.kernels.gemv import Gemv, _run, gemv_split_k
+from pipespec.kernels.pdl import pdl_args
+from pipespec.kernels.pdl_gluon import pdl_signal, pdl_wait
 
 
 def _unpack_asm(magic: int, sub: str) -> str:
@@ -53,7 +56,8 @@ _FP16_UNPACK = gl.constexpr(_unpack_asm(0x64006400, "sub.f16x2"))
 def _int4_mma_kernel(x_ptr, q_ptr, z_ptr, s_ptr, y_ptr, p_ptr, count_ptr, M, stride_xm, stride_ym, k_per_split,
                      N: gl.constexpr, K: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr,
                      BLOCK_K: gl.constexpr, SPLIT_K: gl.constexpr, TAIL_SUM: gl.constexpr, WARPS: gl.constexpr,
-                     W_LAYOUT: gl.constexpr, X_LAYOUT: gl.constexpr):
+                     W_LAYOUT: gl.constexpr, X_LAYOUT: gl.constexpr, PDL: gl.constexpr):
+    pdl_wait(PDL)
     CH: gl.constexpr = BLOCK_K // 32
     KW: gl.constexpr = BLOCK_K // 8
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8])
@@ -100,6 +104,7 @@ def _int4_mma_kernel(x_ptr, q_ptr, z_ptr, s_ptr, y_ptr, p_ptr, count_ptr, M, str
         x = gl.permute(x, [0, 3, 4, 1, 2, 5])                                  # [ch, i1, i0, c, h, m]
         b = gl.convert_layout(gl.reshape(x, [BLOCK_K, 8]), b_l, assert_trivial=True)
         acc += mma_v2(a, b, gl.zeros([BLOCK_N, 8], gl.float32, mma)) * s[:, None]
+    pdl_signal(PDL)
     rm_c = gl.arange(0, 8, layout=gl.SliceLayout(0, mma))
     mask = (rm_c[None, :] < M) & (rn[:, None] < N)
     if SPLIT_K == 1:
@@ -151,4 +156,4 @@ def int4_mma_matmul(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor,
     words, xl = _layouts(shape.block_n, block_k, shape.num_warps)
     return _run(_int4_mma_kernel, grid, x, out_features, in_features, block_k, split, ((qweight, zeros, scales), ()),
                 None, False, GROUP=group, BLOCK_N=shape.block_n, WARPS=shape.num_warps, W_LAYOUT=words,
-                X_LAYOUT=xl, num_warps=shape.num_warps)
+                X_LAYOUT=xl, num_warps=shape.num_warps, **pdl_args(x.device))

@@ -106,3 +106,41 @@ def test_rows_the_tensor_core_kernel_does_not_take_go_elsewhere(mma_calls):
                             packed.scales, 128, DEFAULT_TILES.int4_mma)
         with pytest.raises(ValueError, match="group size 16"):
             int4_mma_matmul(x, packed.qweight, packed.zeros, packed.scales, 16, DEFAULT_TILES.int4_mma)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9, reason="needs sm_90+")
+def test_a_pdl_chain_of_int4_products_replayed_from_a_graph_equals_the_plain_one(monkeypatch, mma_calls):
+    """Each product's input is the one before's output (split K, so a sum kernel between): with PDL
+    on, a kernel that read x before its wait would see the last replay's rows."""
+    from pipespec.kernels import pdl_scope
+    from pipespec.kernels.pdl import pdl_on
+    from pipespec.kernels.quant_matmul import int4_matmul
+    from pipespec.stage.cuda_graphs import capture_graph
+    g = torch.Generator(device="cuda").manual_seed(13)
+    weights = []
+    for k, n in [(1024, 2048), (2048, 1024)] * 4:
+        q = torch.randint(-2**31, 2**31 - 1, (k // 8, n), device="cuda", dtype=torch.int32, generator=g)
+        weights.append((q, torch.full((k // 128, n), 8.0, device="cuda"), torch.full((k // 128, n), 0.22 / k**0.5, device="cuda")))
+    x = torch.zeros(1, 1024, device="cuda", dtype=torch.bfloat16)
+
+    def chain():
+        h = x
+        for q, z, s in weights:
+            h = int4_matmul(h, q, z, s, 128)
+        return h
+
+    outs = {}
+    for pdl in ("0", "1"):
+        monkeypatch.setenv("PIPESPEC_PDL", pdl)
+        with pdl_scope():
+            assert pdl_on(x.device) == (pdl == "1")
+        with torch.inference_mode():
+            graph, out = capture_graph(None, chain)
+            results = []
+            for seed in range(10):
+                x.copy_(torch.randn(1, 1024, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed)))
+                graph.replay()
+                results.append(out.clone())
+        outs[pdl] = torch.stack(results)
+    assert mma_calls and outs["0"].abs().sum() > 0 and torch.isfinite(outs["0"]).all()
+    assert torch.equal(outs["0"], outs["1"])

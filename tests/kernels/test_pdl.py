@@ -84,7 +84,7 @@ def _pdl_kernels():
     """(file, kernel) of every Triton kernel in pipespec/kernels that takes the `PDL` constexpr."""
     import pipespec.kernels
     for path in sorted(Path(pipespec.kernels.__file__).parent.glob("*.py")):
-        if path.name == "pdl.py":           # the helpers themselves
+        if path.name in ("pdl.py", "pdl_gluon.py"):           # the helpers themselves
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.FunctionDef) and any(a.arg == "PDL" for a in node.args.args) \
