@@ -6,15 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipespec.kernels.gemv import Gemv
-from pipespec.model.quant.packed import Int4Weight
 from tests.model.quant import writers
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 # products and sums are exact in float32 ((q - z) is an integer, x a 16-bit float): the output's rounding
 TOL = {torch.bfloat16: 5e-3, torch.float16: 1e-3}
-SHAPES = [None, Gemv(block_n=256, block_k=128, num_warps=4, split_k=2), Gemv(block_n=64, block_k=32, num_warps=2,
-                                                                              split_k=3)]
+SHAPES = [None, dict(block_n=256, block_k=128, num_warps=4, split_k=2), dict(block_n=64, block_k=32, num_warps=2, split_k=3)]
 
 
 def _rel(a, b):
@@ -23,12 +20,7 @@ def _rel(a, b):
 
 def _packed(layout, n=160, k=512):
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(8))
-    if layout == "awq":
-        t, ref = writers.awq(w, group=128)
-        packed = Int4Weight.from_awq(t["qweight"], t["qzeros"], t["scales"].float(), 128)
-    else:
-        t, ref = writers.gptq(w, group=64, act_order=layout == "gptq_act_order", seed=9)
-        packed = Int4Weight.from_gptq(t["qweight"], t["qzeros"], t["scales"].float(), t["g_idx"])
+    packed, ref = writers.packed_int4(w, layout, group=128 if layout == "awq" else 64, seed=9)
     return packed.to(torch.device("cuda")), ref.cuda()
 
 
@@ -44,11 +36,12 @@ def mma_calls(monkeypatch):
 def _tiles(shape):
     from pipespec.kernels.quant_matmul import DEFAULT_TILES
     from dataclasses import replace
-    return DEFAULT_TILES if shape is None else replace(DEFAULT_TILES, int4_mma=shape)
+    from pipespec.kernels.gemv import Gemv
+    return DEFAULT_TILES if shape is None else replace(DEFAULT_TILES, int4_mma=Gemv(**shape))
 
 
 def _id(shape):
-    return "default" if shape is None else f"n{shape.block_n}_k{shape.block_k}_w{shape.num_warps}_split{shape.split_k}"
+    return "default" if shape is None else "n{block_n}_k{block_k}_w{num_warps}_split{split_k}".format(**shape)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -95,8 +88,9 @@ def test_rows_the_tensor_core_kernel_does_not_take_go_elsewhere(mma_calls):
             x = torch.randn(rows, 512, device="cuda").to(dtype)
             got = int4_matmul(x, packed.qweight, packed.zeros, packed.scales, packed.group)
             assert _rel(got, x.float() @ ref.t()) < 2e-2
-        t, ref16 = writers.awq(torch.randn(160, 512, generator=torch.Generator().manual_seed(12)), group=16)
-        packed16 = Int4Weight.from_awq(t["qweight"], t["qzeros"], t["scales"].float(), 16).to(torch.device("cuda"))
+        packed16, ref16 = writers.packed_int4(torch.randn(160, 512, generator=torch.Generator().manual_seed(12)),
+                                              "awq", group=16)
+        packed16 = packed16.to(torch.device("cuda"))
         x = torch.randn(1, 512, device="cuda").bfloat16()
         got = int4_matmul(x, packed16.qweight, packed16.zeros, packed16.scales, 16)
         assert _rel(got, x.float() @ ref16.cuda().t()) < 2e-2

@@ -32,12 +32,7 @@ def _x(m, k, dtype, seed=0):
 @pytest.mark.parametrize("layout", ["awq", "gptq", "gptq_act_order"])
 def test_int4_matmul_equals_the_dequantized_product(layout, m, dtype):
     w = torch.randn(96, 256, generator=torch.Generator().manual_seed(1))
-    if layout == "awq":
-        t, ref = writers.awq(w, group=64)
-        packed = Int4Weight.from_awq(t["qweight"], t["qzeros"], t["scales"].float(), 64)
-    else:
-        t, ref = writers.gptq(w, group=32, act_order=layout == "gptq_act_order", seed=2)
-        packed = Int4Weight.from_gptq(t["qweight"], t["qzeros"], t["scales"].float(), t["g_idx"])
+    packed, ref = writers.packed_int4(w, layout, group=64 if layout == "awq" else 32, seed=2)
     x = _x(m, 256, dtype)
     got = packed.to(torch.device(DEVICE)).matmul(x)
     assert got.shape == (m, 96) and got.dtype == dtype
@@ -143,11 +138,7 @@ def gemv_calls(monkeypatch):
 
 def _int4(layout):
     w = torch.randn(160, 512, generator=torch.Generator().manual_seed(8))
-    if layout == "awq":
-        t, ref = writers.awq(w, group=64)
-        return Int4Weight.from_awq(t["qweight"], t["qzeros"], t["scales"].float(), 64), ref
-    t, ref = writers.gptq(w, group=32, act_order=layout == "gptq_act_order", seed=9)
-    return Int4Weight.from_gptq(t["qweight"], t["qzeros"], t["scales"].float(), t["g_idx"]), ref
+    return writers.packed_int4(w, layout, group=64 if layout == "awq" else 32, seed=9)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

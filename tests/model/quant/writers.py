@@ -66,3 +66,13 @@ def gptq(w: torch.Tensor, group: int, act_order: bool, seed: int = 0):
     qweight = _pack(q.t().contiguous()).t().contiguous()             # rows 8k..8k+7 into word k
     return {"qweight": qweight, "qzeros": _pack(zeros - 1), "scales": scales.half(),
             "g_idx": g_idx.to(torch.int32)}, ref
+
+
+def packed_int4(w: torch.Tensor, layout: str, group: int, seed: int = 0):
+    """(`Int4Weight` as the loader packs it, dense reference) for layout awq, gptq or gptq_act_order."""
+    from pipespec.model.quant.packed import Int4Weight
+    if layout == "awq":
+        t, ref = awq(w, group)
+        return Int4Weight.from_awq(t["qweight"], t["qzeros"], t["scales"].float(), group), ref
+    t, ref = gptq(w, group, act_order=layout == "gptq_act_order", seed=seed)
+    return Int4Weight.from_gptq(t["qweight"], t["qzeros"], t["scales"].float(), t["g_idx"]), ref
