@@ -70,7 +70,7 @@ def _int4_mma_kernel(x_ptr, q_ptr, z_ptr, s_ptr, y_ptr, p_ptr, count_ptr, M, str
     rm = gl.arange(0, 8, layout=gl.SliceLayout(0, X_LAYOUT))
     x_off = gl.minimum(rm, M - 1)[None, :] * stride_xm + rk[:, None]      # rows past M repeat the last
     rn = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
-    w_mask = (rw[:, None] < KW) & (rn_w[None, :] < N)
+    w_mask = (rw[:, None] < KW) & (rn_w[None, :] < N)          # (rw < KW: the words' shape)
     acc = gl.zeros([BLOCK_N, 8], gl.float32, mma)
     k_start = gl.program_id(1) * k_per_split
     for k0 in range(k_start, gl.minimum(k_start + k_per_split, K), BLOCK_K):
@@ -148,8 +148,8 @@ def int4_mma_matmul(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor,
     if x.shape[0] > 8 or x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"the int4 MMA decode kernel takes up to 8 bf16 / fp16 rows, not {x.shape[0]} {x.dtype}")
     block_k = mma_block_k(group, shape)
-    if not block_k:
-        raise ValueError(f"int4 group size {group}: not a multiple of 32")
+    if not block_k or in_features % group:
+        raise ValueError(f"int4 group size {group}: not a multiple of 32 or not dividing K = {in_features}")
     grid = (triton.cdiv(out_features, shape.block_n),)
     split = shape.split_k or gemv_split_k(grid[0], in_features // block_k, sm_count(x.device),
                                           shape.block_n * block_k // 2, out_features * in_features // 2, out_features)
