@@ -11,7 +11,8 @@ from tests.model.quant import writers
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 # products and sums are exact in float32 ((q - z) is an integer, x a 16-bit float): the output's rounding
 TOL = {torch.bfloat16: 5e-3, torch.float16: 1e-3}
-SHAPES = [None, dict(block_n=256, block_k=128, num_warps=4, split_k=2), dict(block_n=64, block_k=32, num_warps=2, split_k=3)]
+SHAPES = [None, dict(block_n=256, block_k=128, num_warps=4, split_k=2),
+          dict(block_n=64, block_k=32, num_warps=2, split_k=3)]
 
 
 def _rel(a, b):
@@ -34,9 +35,9 @@ def mma_calls(monkeypatch):
 
 
 def _tiles(shape):
-    from pipespec.kernels.quant_matmul import DEFAULT_TILES
     from dataclasses import replace
     from pipespec.kernels.gemv import Gemv
+    from pipespec.kernels.quant_matmul import DEFAULT_TILES
     return DEFAULT_TILES if shape is None else replace(DEFAULT_TILES, int4_mma=Gemv(**shape))
 
 
@@ -114,7 +115,9 @@ def test_a_pdl_chain_of_int4_products_replayed_from_a_graph_equals_the_plain_one
     weights = []
     for k, n in [(1024, 2048), (2048, 1024)] * 4:
         q = torch.randint(-2**31, 2**31 - 1, (k // 8, n), device="cuda", dtype=torch.int32, generator=g)
-        weights.append((q, torch.full((k // 128, n), 8.0, device="cuda"), torch.full((k // 128, n), 0.22 / k**0.5, device="cuda")))
+        zeros = torch.full((k // 128, n), 8.0, device="cuda")
+        scales = torch.full((k // 128, n), 0.22 / k**0.5, device="cuda")        # keeps each output ~N(0, 1)
+        weights.append((q, zeros, scales))
     x = torch.zeros(1, 1024, device="cuda", dtype=torch.bfloat16)
 
     def chain():
