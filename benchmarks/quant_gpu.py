@@ -24,6 +24,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -56,17 +57,17 @@ def _us(calls) -> float:
 # row-major GEMV, the peer that shares fp8's kernel): rows a program, elements of a row a step. The
 # defaults first, then more columns a lane or warps, longer or shorter steps, fixed splits.
 SHAPES = {
-    "int4_mma": ((128, 64, 4, 0), (128, 128, 4, 0), (256, 128, 4, 0), (256, 64, 4, 0), (128, 128, 2, 0),
-                 (128, 64, 2, 0), (128, 32, 4, 0), (64, 64, 4, 0), (128, 64, 4, 4), (128, 64, 4, 8)),
+    "int4_mma": ((128, 128, 4, 0), (256, 128, 4, 0), (128, 64, 4, 0), (256, 64, 4, 0), (128, 128, 2, 0),
+                 (64, 64, 4, 0), (128, 128, 4, 4), (128, 128, 4, 8)),
     "int4": ((256, 32, 1, 0), (256, 64, 1, 0), (256, 16, 1, 0), (128, 64, 1, 0), (128, 32, 1, 0), (512, 32, 2, 0),
              (256, 32, 1, 16), (256, 32, 1, 32)),
     "fp8": ((16, 512, 4, 0), (8, 512, 4, 0), (32, 512, 4, 0), (16, 1024, 4, 0), (16, 512, 8, 0), (16, 512, 4, 2)),
     "dense": ((8, 512, 4, 0), (8, 1024, 4, 0), (16, 512, 4, 0), (8, 512, 8, 0), (8, 512, 4, 2)),
 }
-SWEEP = {kind: [Gemv(*shape) for shape in shapes] for kind, shapes in SHAPES.items()}
+SWEEP = {kind: [Gemv(*shape, tail_sum=kind != "int4_mma") for shape in shapes] for kind, shapes in SHAPES.items()}
 
 
-GEMV_ONLY = Tiles(int4_mma=None)        # the CUDA-core int4 decode kernel, the tensor-core one's predecessor
+GEMV_ONLY = Tiles(int4_mma=None, int4_mma_wide=None)    # the CUDA-core int4 decode kernel (the MMA one's predecessor)
 
 
 def _name(g: Gemv) -> str:
@@ -75,9 +76,9 @@ def _name(g: Gemv) -> str:
 
 def sweep(name, x, dense, q4s, f8s, report):
     runs = {"int4_mma": (q4s, lambda w, g: int4_matmul(x, w.qweight, w.zeros, w.scales, w.group,
-                                                       tiles=Tiles(int4_mma=g))),
+                                                       tiles=Tiles(int4_mma=g, int4_mma_wide=None))),
             "int4": (q4s, lambda w, g: int4_matmul(x, w.qweight, w.zeros, w.scales, w.group,
-                                                   tiles=Tiles(int4_gemv=g, int4_mma=None))),
+                                                   tiles=replace(GEMV_ONLY, int4_gemv=g))),
             "fp8": (f8s, lambda w, g: fp8_block_matmul(x, w.weight, w.scale_inv, w.block, Tiles(fp8_gemv=g))),
             "dense": (dense, lambda w, g: rowmajor_gemv(x, w, shape=g))}
     for kind, (weights, run) in runs.items():

@@ -17,8 +17,11 @@ That needs explicit layouts, hence Gluon (Triton >= 3.6): the MMA's A fragment g
 positions are the nibbles of one word (position p = 32 ch + 8 i + 2 c + h holds K = 8 w + i + 4 h
 of word w = 4 ch + c), so the words' layout is A's with its three K bits dropped, and x is loaded
 in natural K order (a lane's 8 K of a word: one 16-byte load) and permuted in registers the same
-way. `convert_layout(..., assert_trivial=True)` proves both conversions move nothing.
-Per step (inside one group): the (q - z) x sums from the MMA times the group's scales, in float32.
+way. Which output column an A row stands for is free: `_column` gives a lane's A rows adjacent
+columns, so its words of a K row are one 16-byte load where A's own order made four 4-byte ones.
+`convert_layout(..., assert_trivial=True)` proves the conversions move nothing.
+Per step (inside one group): the (q - z) x sums from the MMA times the group's scales, in float32;
+the next step's loads are issued before this one computes (one step ahead in registers).
 PDL as the CUDA-core GEMV's (`kernels/pdl.py`): wait first, signal after the loop.
 """
 from __future__ import annotations
@@ -49,18 +52,48 @@ def _unpack_asm(magic: int, sub: str) -> str:
     return "{\n.reg .b32 t;\n" + "\n".join(lines) + "\n}"
 
 
-_BF16_UNPACK = gl.constexpr(_unpack_asm(0x43004300, "sub.bf16x2"))
-_FP16_UNPACK = gl.constexpr(_unpack_asm(0x64006400, "sub.f16x2"))
+# per activation dtype: (the unpack, the value of its magic exponent added to the zeros)
+UNPACK = {torch.bfloat16: (_unpack_asm(0x43004300, "sub.bf16x2"), 128.0),
+          torch.float16: (_unpack_asm(0x64006400, "sub.f16x2"), 1024.0)}
+
+
+@gluon.jit
+def _load_step(q_ptrs, z_ptr, s_ptr, x_ptrs, k0, rn_w, rn, w_mask, N: gl.constexpr, GROUP: gl.constexpr,
+               MASKED: gl.constexpr):
+    """One step's words [KW, BN], zeros [BN] (words' columns), scales [BN] (the MMA's rows) and x^T
+    [BK, 8] at K = k0."""
+    g = k0 // GROUP
+    if MASKED:
+        words = gl.load(q_ptrs + (k0 // 8) * N, mask=w_mask, other=0)
+        z = gl.load(z_ptr + g * N + rn_w, mask=rn_w < N, other=0.0)
+        s = gl.load(s_ptr + g * N + rn, mask=rn < N, other=0.0)
+    else:
+        words = gl.load(q_ptrs + (k0 // 8) * N)
+        z = gl.load(z_ptr + g * N + rn_w)
+        s = gl.load(s_ptr + g * N + rn)
+    return words, z, s, gl.load(x_ptrs + k0)
+
+
+@gluon.jit
+def _column(r, T: gl.constexpr, WARPS: gl.constexpr):
+    """The tile's column held by A's row r: row 16 WARPS t + 16 w + 8 u + g (warp w, lane 4 g + c,
+    its u-th row of the t-th 16-row tile) is column 16 T w + 2 T g + 2 t + u, so that a lane's 2 T
+    rows are adjacent columns."""
+    return (16 * T) * ((r // 16) % WARPS) + (2 * T) * (r % 8) + 2 * (r // (16 * WARPS)) + (r // 8) % 2
 
 
 @gluon.jit
 def _int4_mma_kernel(x_ptr, q_ptr, z_ptr, s_ptr, y_ptr, p_ptr, count_ptr, M, stride_xm, stride_ym, k_per_split,
                      N: gl.constexpr, K: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr,
                      BLOCK_K: gl.constexpr, SPLIT_K: gl.constexpr, TAIL_SUM: gl.constexpr, WARPS: gl.constexpr,
-                     W_LAYOUT: gl.constexpr, X_LAYOUT: gl.constexpr, PDL: gl.constexpr):
+                     W_LAYOUT: gl.constexpr, X_LAYOUT: gl.constexpr, UNPACK_ASM: gl.constexpr,
+                     MAGIC: gl.constexpr, PDL: gl.constexpr):
     pdl_wait(PDL)
     CH: gl.constexpr = BLOCK_K // 32
     KW: gl.constexpr = BLOCK_K // 8
+    MASKED: gl.constexpr = N % BLOCK_N != 0
+    T: gl.constexpr = BLOCK_N // (16 * WARPS)
+    dt: gl.constexpr = x_ptr.dtype.element_ty
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
@@ -69,49 +102,52 @@ def _int4_mma_kernel(x_ptr, q_ptr, z_ptr, s_ptr, y_ptr, p_ptr, count_ptr, M, str
     rn_w = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, W_LAYOUT))
     rk = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, X_LAYOUT))
     rm = gl.arange(0, 8, layout=gl.SliceLayout(0, X_LAYOUT))
-    x_off = gl.minimum(rm, M - 1)[None, :] * stride_xm + rk[:, None]      # rows past M repeat the last
-    rn = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
+    x_ptrs = x_ptr + gl.minimum(rm, M - 1)[None, :] * stride_xm + rk[:, None]    # rows past M repeat the last
+    q_ptrs = q_ptr + rw[:, None] * N + rn_w[None, :]
+    rn = n0 + _column(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma)), T, WARPS)
     w_mask = (rw[:, None] < KW) & (rn_w[None, :] < N)          # (rw < KW: the words' shape)
     acc = gl.zeros([BLOCK_N, 8], gl.float32, mma)
     k_start = gl.program_id(1) * k_per_split
-    for k0 in range(k_start, gl.minimum(k_start + k_per_split, K), BLOCK_K):
-        g = k0 // GROUP
-        if N % BLOCK_N == 0:
-            words = gl.load(q_ptr + (k0 // 8 + rw)[:, None] * N + rn_w[None, :])
-            z = gl.load(z_ptr + g * N + rn_w)
-            s = gl.load(s_ptr + g * N + rn)
-        else:
-            words = gl.load(q_ptr + (k0 // 8 + rw)[:, None] * N + rn_w[None, :], mask=w_mask, other=0)
-            z = gl.load(z_ptr + g * N + rn_w, mask=rn_w < N, other=0.0)
-            s = gl.load(s_ptr + g * N + rn, mask=rn < N, other=0.0)
-        if x_ptr.dtype.element_ty == gl.bfloat16:        # plus the value of the magic exponent
-            z = z + 128.0
-        else:
-            z = z + 1024.0
-        zh = z.to(x_ptr.dtype.element_ty).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+    k_end = gl.minimum(k_start + k_per_split, K)
+    # one step ahead in registers: the next step's loads are in flight while this one computes (a
+    # cp.async ring in shared memory, 3-6 steps ahead, was slower: RESULTS.md, fourteenth session)
+    words, z, s, x = _load_step(q_ptrs, z_ptr, s_ptr, x_ptrs, k_start, rn_w, rn, w_mask, N, GROUP, MASKED)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        # the last step loads itself again (cache hits) rather than masking the loads
+        nxt = _load_step(q_ptrs, z_ptr, s_ptr, x_ptrs, gl.minimum(k0 + BLOCK_K, k_end - BLOCK_K), rn_w, rn,
+                         w_mask, N, GROUP, MASKED)
+        zh = (z + MAGIC).to(dt).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
         zz, _ = gl.broadcast((zh | (zh << 16))[None, :], words)
-        w2 = gl.join(words, words)                  # pack=2 takes two elements an asm: the word twice
-        z2 = gl.join(zz, zz)
-        if x_ptr.dtype.element_ty == gl.bfloat16:
-            p0, p1, p2, p3 = gl.inline_asm_elementwise(_BF16_UNPACK, "=r,=r,=r,=r,r,r,r,r", [w2, z2],
-                                                       dtype=(x_ptr.dtype.element_ty,) * 4, is_pure=True, pack=2)
-        else:
-            p0, p1, p2, p3 = gl.inline_asm_elementwise(_FP16_UNPACK, "=r,=r,=r,=r,r,r,r,r", [w2, z2],
-                                                       dtype=(x_ptr.dtype.element_ty,) * 4, is_pure=True, pack=2)
-        q = gl.join(gl.join(p0, p1), gl.join(p2, p3))                          # [KW, BN, h, i0, i1]
-        q = gl.permute(gl.reshape(q, [CH, 4, BLOCK_N, 2, 2, 2]), [2, 0, 5, 4, 1, 3])   # [BN, ch, i1, i0, c, h]
+        # pack=2 takes two elements an asm: the word and its zero pair twice
+        p0, p1, p2, p3 = gl.inline_asm_elementwise(UNPACK_ASM, "=r,=r,=r,=r,r,r,r,r",
+                                                   [gl.join(words, words), gl.join(zz, zz)],
+                                                   dtype=(x_ptr.dtype.element_ty,) * 4, is_pure=True, pack=2)
+        q = gl.join(gl.join(p0, p1), gl.join(p2, p3))           # [KW, BN, h, i0, i1], columns in memory order
+        q = gl.reshape(q, [CH, 4, WARPS, 8, T, 2, 2, 2, 2])     # [ch, c, w, g, t, u, h, i0, i1] (`_column`)
+        q = gl.permute(q, [4, 2, 5, 3, 0, 8, 7, 1, 6])           # [A's rows: t, w, u, g; its K: ch, i1, i0, c, h]
         a = gl.convert_layout(gl.reshape(q, [BLOCK_N, BLOCK_K]), a_l, assert_trivial=True)
-        x = gl.reshape(gl.load(x_ptr + k0 + x_off), [CH, 4, 2, 2, 2, 8])      # K = 32 ch + 8 c + 4 h + 2 i1 + i0
-        x = gl.permute(x, [0, 3, 4, 1, 2, 5])                                  # [ch, i1, i0, c, h, m]
+        x = gl.permute(gl.reshape(x, [CH, 4, 2, 2, 2, 8]), [0, 3, 4, 1, 2, 5])   # K = 32 ch + 8 c + 4 h + 2 i1 + i0
         b = gl.convert_layout(gl.reshape(x, [BLOCK_K, 8]), b_l, assert_trivial=True)
         acc += mma_v2(a, b, gl.zeros([BLOCK_N, 8], gl.float32, mma)) * s[:, None]
+        words, z, s, x = nxt
     pdl_signal(PDL)
     rm_c = gl.arange(0, 8, layout=gl.SliceLayout(0, mma))
     mask = (rm_c[None, :] < M) & (rn[:, None] < N)
+    y_ptrs = y_ptr + rm_c[None, :] * stride_ym + rn[:, None]
     if SPLIT_K == 1:
-        gl.store(y_ptr + rm_c[None, :] * stride_ym + rn[:, None], acc.to(y_ptr.dtype.element_ty), mask=mask)
-    else:           # float32 partials, summed in split order by `_sum_splits`
-        gl.store(p_ptr + gl.program_id(1) * M * N + rm_c[None, :] * N + rn[:, None], acc, mask=mask)
+        gl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    else:           # float32 partials [SPLIT_K, M, N] summed in split order, by `_sum_splits` or, with
+        # TAIL_SUM, by the tile's last split as `gemv._store` does (the same bits)
+        planes = p_ptr + rm_c[None, :] * N + rn[:, None]
+        gl.store(planes + gl.program_id(1) * M * N, acc, mask=mask)
+        if TAIL_SUM:
+            gl.thread_barrier()     # every lane's partial is stored before the count releases them
+            if gl.atomic_add(count_ptr + gl.program_id(0), 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
+                total = gl.load(planes, mask=mask, other=0.0, cache_modifier=".cg")
+                for sp in gl.static_range(1, SPLIT_K):
+                    total += gl.load(planes + sp * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+                gl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=mask)
+                gl.store(count_ptr + gl.program_id(0), 0)
 
 
 def _bits(n: int) -> list[int]:
@@ -120,13 +156,13 @@ def _bits(n: int) -> list[int]:
 
 @functools.cache
 def _layouts(block_n: int, block_k: int, warps: int):
-    """The words' [K / 8, BN] layout (A's, less its bits h, i0, i1: A holds output column
-    16 w' + lane / 4 (+ 8) of warp w', then the next 16 * warps) and x^T's [BK, 8] in natural K order."""
+    """The words' [K / 8, BN] layout in memory order, each lane's 2 T columns adjacent (16-byte loads
+    at T = 2; `_column` says which of A's rows they are), and x^T's [BK, 8] in natural K order."""
     tiles, chunks = block_n // (16 * warps), block_k // 32
     words = gl.DistributedLinearLayout(
-        reg_bases=[[0, 8]] + [[4 * b, 0] for b in _bits(chunks)] + [[0, 16 * warps * b] for b in _bits(tiles)],
-        lane_bases=[[1, 0], [2, 0], [0, 1], [0, 2], [0, 4]], warp_bases=[[0, 16 * b] for b in _bits(warps)],
-        block_bases=[], shape=[block_k // 8, block_n])
+        reg_bases=[[0, 1]] + [[0, 2 * b] for b in _bits(tiles)] + [[4 * b, 0] for b in _bits(chunks)],
+        lane_bases=[[1, 0], [2, 0], [0, 2 * tiles], [0, 4 * tiles], [0, 8 * tiles]],
+        warp_bases=[[0, 16 * tiles * b] for b in _bits(warps)], block_bases=[], shape=[block_k // 8, block_n])
     x = gl.DistributedLinearLayout(
         reg_bases=[[1, 0], [2, 0], [4, 0]] + [[32 * b, 0] for b in _bits(chunks)],
         lane_bases=[[8, 0], [16, 0], [0, 1], [0, 2], [0, 4]], warp_bases=[[0, 0] for _ in _bits(warps)],
@@ -155,6 +191,7 @@ def int4_mma_matmul(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor,
     split = shape.split_k or gemv_split_k(grid[0], in_features // block_k, sm_count(x.device),
                                           shape.block_n * block_k // 2, out_features * in_features // 2, out_features)
     words, xl = _layouts(shape.block_n, block_k, shape.num_warps)
+    unpack, magic = UNPACK[x.dtype]
     return _run(_int4_mma_kernel, grid, x, out_features, in_features, block_k, split, ((qweight, zeros, scales), ()),
-                None, False, GROUP=group, BLOCK_N=shape.block_n, WARPS=shape.num_warps, W_LAYOUT=words,
-                X_LAYOUT=xl, num_warps=shape.num_warps, **pdl_args(x.device))
+                None, shape.tail_sum, GROUP=group, BLOCK_N=shape.block_n, WARPS=shape.num_warps, W_LAYOUT=words,
+                X_LAYOUT=xl, UNPACK_ASM=unpack, MAGIC=magic, num_warps=shape.num_warps, **pdl_args(x.device))

@@ -208,8 +208,11 @@ class Tiles:
     EXACT conversion), 128 registers (167) with the prefetched step; the best or within 7% of it on the 8B
     projections in the H200 sweep after the conversion changed (RESULTS.md, eleventh session).
     int4_mma: the tensor-core decode kernel's shape (`kernels/int4_mma.py`), which serves bf16 / fp16
-    rows on a GPU ahead of int4_gemv (None: int4_gemv does): 128 columns by 64 of K a program of 4
-    warps, the best of 7 shapes on the 8B projections at one row (RESULTS.md, thirteenth session).
+    rows on a GPU ahead of int4_gemv (None: int4_gemv does): 128 columns by 128 of K a program of 4
+    warps, split K summed by `_sum_splits`; int4_mma_wide: its shape for outputs of WIDE_N columns
+    or more (None: int4_mma's), 256 columns. The best of 16-20 shapes on the 8B projections at one
+    row in two H200 sweeps (qkv, o, down at 128 columns; gate/up, 28,672, at 256: 23 us against
+    26-29; RESULTS.md, fourteenth session).
     fp8: 16 rows by 512 bytes (16 bytes a lane, a warp per 4 rows): 8 KB a step, ~3.4 instructions
     a weight, 56 registers; wider steps gain little and narrower ones lose (~3.8 at 256)."""
     block_n: int = 64
@@ -218,7 +221,8 @@ class Tiles:
     num_stages: int = 2
     split_k: int = 0
     int4_gemv: Gemv = Gemv(block_n=256, block_k=32, num_warps=1)
-    int4_mma: Gemv | None = Gemv(block_n=128, block_k=64, num_warps=4)
+    int4_mma: Gemv | None = Gemv(block_n=128, block_k=128, num_warps=4, tail_sum=False)
+    int4_mma_wide: Gemv | None = Gemv(block_n=256, block_k=128, num_warps=4, tail_sum=False)
     fp8_gemv: Gemv = Gemv(block_n=16, block_k=512, num_warps=4)
 
     def k_tile(self, size: int, what: str) -> int:
@@ -230,6 +234,7 @@ class Tiles:
 
 
 DEFAULT_TILES = Tiles()
+WIDE_N = 16384
 MAX_SPLIT_K = 16
 
 
@@ -288,9 +293,10 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, sca
         x = x.index_select(1, perm)                        # act-order: rows in group order
     x = x.contiguous()
     g = tiles.int4_gemv
-    if _int4_mma_serves(x, group, tiles.int4_mma):
+    mma = tiles.int4_mma_wide if out_features >= WIDE_N and tiles.int4_mma_wide else tiles.int4_mma
+    if _int4_mma_serves(x, group, mma):
         from pipespec.kernels.int4_mma import int4_mma_matmul
-        y = int4_mma_matmul(x, qweight, zeros, scales, group, tiles.int4_mma)
+        y = int4_mma_matmul(x, qweight, zeros, scales, group, mma)
     elif x.shape[0] <= g.max_m:
         if group % 8 or in_features % group:
             raise ValueError(f"int4 group size {group}: not a multiple of 8 or not dividing K = {in_features}")

@@ -11,8 +11,10 @@ from tests.model.quant import writers
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 # products and sums are exact in float32 ((q - z) is an integer, x a 16-bit float): the output's rounding
 TOL = {torch.bfloat16: 5e-3, torch.float16: 1e-3}
+# a lane's adjacent columns (`_column`): 2 at the default, 4, 2 and 1; split K summed by `_sum_splits`
+# at the default, in the kernel's tail at the others
 SHAPES = [None, dict(block_n=256, block_k=128, num_warps=4, split_k=2),
-          dict(block_n=64, block_k=32, num_warps=2, split_k=3)]
+          dict(block_n=64, block_k=32, num_warps=2, split_k=3), dict(block_n=64, block_k=64, num_warps=4, split_k=2)]
 
 
 def _rel(a, b):
