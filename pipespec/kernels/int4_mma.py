@@ -9,8 +9,9 @@ A word's nibbles are unpacked straight into A's registers, two a 32-bit register
 movement between lanes: `lop3` masks nibbles i and i + 4 under the exponent of 128 (bf16 0x4300;
 fp16 1024, 0x6400), which reads as the pair (128 + q_i, 128 + q_{i+4}), and one packed subtract
 of (128 + z, 128 + z) leaves q - z exactly (both are small integers: AWQ's and GPTQ's zeros are
-integers, 0..16). The unpack is ~1.4 slots a weight; with x, the MMA and the loop ~2.9 in the
-sm_90 SASS at the default shape (RESULTS.md, thirteenth session).
+integers, 0..16). The unpack is ~1.4 slots a weight; with x, the MMA and the loop ~2.3 in the
+sm_90 SASS at the default shape (290 instructions a warp in each 128 x 128 step; RESULTS.md, fourteenth
+session).
 
 That needs explicit layouts, hence Gluon (Triton >= 3.6): the MMA's A fragment gives lane
 (c = lane % 4) four K pairs a 32-wide chunk of K; the dot's K order is chosen so that those eight
