@@ -4,9 +4,10 @@
    `x @ W.T` against `int4_matmul` (group 128) and `fp8_block_matmul` (128 x 128 blocks): the
    microseconds of one call replayed from a CUDA graph that cycles through copies of the weight
    totalling 512 MB of bf16 (so L2 does not serve them; decode replays graphs too), and the weight
-   bytes read per second. With `--sweep`, the batch-1 row of every projection also tries other
-   launch shapes of the decode kernels (`Gemv`, split-K included) and reports the best, to choose
-   the defaults from.
+   bytes read per second; at 16 and 64 rows also the int4 MMA kernel allowed those rows
+   (`int4_mma_us`, `MMA_64`), which the defaults leave to tl.dot tiles. With `--sweep`, the batch-1
+   row of every projection also tries other launch shapes of the decode kernels (`Gemv`, split-K
+   included) and reports the best, to choose the defaults from.
 2. Engines: the Llama-3-8B shape with random weights (`--load-format dummy`), bf16 against
    `--quantization fp8` and `--quantization awq` (int4), CUDA graphs on, random 32-token prompts,
    greedy, 64 new tokens; tokens/s by batch, medians of interleaved repeats; the peer is the bf16
@@ -68,6 +69,8 @@ SWEEP = {kind: [Gemv(*shape, tail_sum=kind != "int4_mma") for shape in shapes] f
 
 
 GEMV_ONLY = Tiles(int4_mma=None, int4_mma_wide=None)    # the CUDA-core int4 decode kernel (the MMA one's predecessor)
+# the MMA decode kernel at up to 64 rows, where the defaults take tl.dot tiles from 9 rows up
+MMA_64 = Tiles(int4_mma=replace(Tiles().int4_mma, max_m=64), int4_mma_wide=replace(Tiles().int4_mma_wide, max_m=64))
 
 
 def _name(g: Gemv) -> str:
@@ -107,6 +110,9 @@ def kernels(report, do_sweep: bool):
                  "int4_gemv": _us([lambda w=w: int4_matmul(x, w.qweight, w.zeros, w.scales, w.group, tiles=GEMV_ONLY)
                                    for w in q4s]),
                  "fp8": _us([lambda w=w: w.matmul(x) for w in f8s])}
+            if m > 8:
+                t["int4_mma"] = _us([lambda w=w: int4_matmul(x, w.qweight, w.zeros, w.scales, w.group, tiles=MMA_64)
+                                     for w in q4s])
             row = {"part": "kernel", "proj": name, "m": m, **{f"{kk}_us": round(v, 1) for kk, v in t.items()},
                    "bf16_gbps": round(n * k * 2 / t["bf16"] / 1e3, 0), "int4_gbps": round(n * k / 2 / t["int4"] / 1e3, 0),
                    "fp8_gbps": round(n * k / t["fp8"] / 1e3, 0),

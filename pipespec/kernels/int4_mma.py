@@ -1,10 +1,11 @@
-"""int4 decode product on tensor cores: y = x @ W.T for up to 8 bf16 / fp16 rows, W in the
-`Int4Weight` layout (qweight int32 [K / 8, N], zeros and scales float32 [K / group, N]).
+"""int4 decode product on tensor cores: y = x @ W.T for up to 64 bf16 / fp16 rows (8 at the cost
+of one), W in the `Int4Weight` layout (qweight int32 [K / 8, N], zeros and scales float32 [K / group, N]).
 
 The CUDA-core GEMV (`quant_matmul._int4_gemv_kernel`) spends ~3.75 issue slots a weight (unpack,
 then one FMA per weight and row), which keeps it near 60% issue and ~2 TB/s on an H200, and its
 FMAs grow with the rows. Here the weights are the A operand of `mma.m16n8k16` (swap-AB: 16 output
-columns by 16 of K a fragment) and x^T its B operand, 8 columns: all M <= 8 rows cost the same.
+columns by 16 of K a fragment) and x^T its B operand, 8 columns: all M <= 8 rows cost the same
+(more rows: 16, 32 or 64 columns, B fragments side by side, shorter K steps for their registers).
 A word's nibbles are unpacked straight into A's registers, two a 32-bit register, with no data
 movement between lanes: `lop3` masks nibbles i and i + 4 under the exponent of 128 (bf16 0x4300;
 fp16 1024, 0x6400), which reads as the pair (128 + q_i, 128 + q_{i+4}), and one packed subtract
@@ -88,7 +89,7 @@ def _int4_mma_kernel(x_ptr, q_ptr, z_ptr, s_ptr, y_ptr, p_ptr, count_ptr, M, str
                      N: gl.constexpr, K: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr,
                      BLOCK_K: gl.constexpr, SPLIT_K: gl.constexpr, TAIL_SUM: gl.constexpr, WARPS: gl.constexpr,
                      W_LAYOUT: gl.constexpr, X_LAYOUT: gl.constexpr, UNPACK_ASM: gl.constexpr,
-                     MAGIC: gl.constexpr, PDL: gl.constexpr):
+                     MAGIC: gl.constexpr, ROWS: gl.constexpr, PDL: gl.constexpr):
     pdl_wait(PDL)
     CH: gl.constexpr = BLOCK_K // 32
     KW: gl.constexpr = BLOCK_K // 8
@@ -102,12 +103,12 @@ def _int4_mma_kernel(x_ptr, q_ptr, z_ptr, s_ptr, y_ptr, p_ptr, count_ptr, M, str
     rw = gl.arange(0, KW, layout=gl.SliceLayout(1, W_LAYOUT))
     rn_w = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, W_LAYOUT))
     rk = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, X_LAYOUT))
-    rm = gl.arange(0, 8, layout=gl.SliceLayout(0, X_LAYOUT))
+    rm = gl.arange(0, ROWS, layout=gl.SliceLayout(0, X_LAYOUT))
     x_ptrs = x_ptr + gl.minimum(rm, M - 1)[None, :] * stride_xm + rk[:, None]    # rows past M repeat the last
     q_ptrs = q_ptr + rw[:, None] * N + rn_w[None, :]
     rn = n0 + _column(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma)), T, WARPS)
     w_mask = (rw[:, None] < KW) & (rn_w[None, :] < N)          # (rw < KW: the words' shape)
-    acc = gl.zeros([BLOCK_N, 8], gl.float32, mma)
+    acc = gl.zeros([BLOCK_N, ROWS], gl.float32, mma)
     k_start = gl.program_id(1) * k_per_split
     k_end = gl.minimum(k_start + k_per_split, K)
     # one step ahead in registers: the next step's loads are in flight while this one computes (a
@@ -127,12 +128,12 @@ def _int4_mma_kernel(x_ptr, q_ptr, z_ptr, s_ptr, y_ptr, p_ptr, count_ptr, M, str
         q = gl.reshape(q, [CH, 4, WARPS, 8, T, 2, 2, 2, 2])     # [ch, c, w, g, t, u, h, i0, i1] (`_column`)
         q = gl.permute(q, [4, 2, 5, 3, 0, 8, 7, 1, 6])           # [A's rows: t, w, u, g; its K: ch, i1, i0, c, h]
         a = gl.convert_layout(gl.reshape(q, [BLOCK_N, BLOCK_K]), a_l, assert_trivial=True)
-        x = gl.permute(gl.reshape(x, [CH, 4, 2, 2, 2, 8]), [0, 3, 4, 1, 2, 5])   # K = 32 ch + 8 c + 4 h + 2 i1 + i0
-        b = gl.convert_layout(gl.reshape(x, [BLOCK_K, 8]), b_l, assert_trivial=True)
-        acc += mma_v2(a, b, gl.zeros([BLOCK_N, 8], gl.float32, mma)) * s[:, None]
+        x = gl.permute(gl.reshape(x, [CH, 4, 2, 2, 2, ROWS]), [0, 3, 4, 1, 2, 5])  # K = 32 ch + 8 c + 4 h + 2 i1 + i0
+        b = gl.convert_layout(gl.reshape(x, [BLOCK_K, ROWS]), b_l, assert_trivial=True)
+        acc += mma_v2(a, b, gl.zeros([BLOCK_N, ROWS], gl.float32, mma)) * s[:, None]
         words, z, s, x = nxt
     pdl_signal(PDL)
-    rm_c = gl.arange(0, 8, layout=gl.SliceLayout(0, mma))
+    rm_c = gl.arange(0, ROWS, layout=gl.SliceLayout(0, mma))
     mask = (rm_c[None, :] < M) & (rn[:, None] < N)
     y_ptrs = y_ptr + rm_c[None, :] * stride_ym + rn[:, None]
     if SPLIT_K == 1:
@@ -156,24 +157,35 @@ def _bits(n: int) -> list[int]:
 
 
 @functools.cache
-def _layouts(block_n: int, block_k: int, warps: int):
+def _layouts(block_n: int, block_k: int, warps: int, rows: int = 8):
     """The words' [K / 8, BN] layout in memory order, each lane's 2 T columns adjacent (16-byte loads
-    at T = 2; `_column` says which of A's rows they are), and x^T's [BK, 8] in natural K order."""
+    at T = 2; `_column` says which of A's rows they are), and x^T's [BK, rows] in natural K order
+    (rows: 8 a B fragment, more in further registers)."""
     tiles, chunks = block_n // (16 * warps), block_k // 32
     words = gl.DistributedLinearLayout(
         reg_bases=[[0, 1]] + [[0, 2 * b] for b in _bits(tiles)] + [[4 * b, 0] for b in _bits(chunks)],
         lane_bases=[[1, 0], [2, 0], [0, 2 * tiles], [0, 4 * tiles], [0, 8 * tiles]],
         warp_bases=[[0, 16 * tiles * b] for b in _bits(warps)], block_bases=[], shape=[block_k // 8, block_n])
     x = gl.DistributedLinearLayout(
-        reg_bases=[[1, 0], [2, 0], [4, 0]] + [[32 * b, 0] for b in _bits(chunks)],
+        reg_bases=[[1, 0], [2, 0], [4, 0]] + [[32 * b, 0] for b in _bits(chunks)]
+                  + [[0, 8 * b] for b in _bits(rows // 8)],
         lane_bases=[[8, 0], [16, 0], [0, 1], [0, 2], [0, 4]], warp_bases=[[0, 0] for _ in _bits(warps)],
-        block_bases=[], shape=[block_k, 8])
+        block_bases=[], shape=[block_k, rows])
     return words, x
 
 
-def mma_block_k(group: int, shape: Gemv) -> int:
-    """K a step: shape.block_k or less, inside one group, whole 32-wide chunks; 0 if none fits."""
-    block_k = shape.block_k
+MAX_ROWS = 64
+
+
+def mma_rows(m: int) -> int:
+    """x^T's columns for m rows: 8 (one B fragment) or the next power of two."""
+    return max(8, triton.next_power_of_2(m))
+
+
+def mma_block_k(group: int, shape: Gemv, rows: int = 8) -> int:
+    """K a step: shape.block_k or less, at most 2,048 / rows (x's registers: rows / 8 fragments),
+    inside one group, whole 32-wide chunks; 0 if none fits."""
+    block_k = min(shape.block_k, 2048 // rows)
     while block_k >= 32 and group % block_k:
         block_k //= 2
     return block_k if block_k >= 32 else 0
@@ -181,18 +193,22 @@ def mma_block_k(group: int, shape: Gemv) -> int:
 
 def int4_mma_matmul(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group: int,
                     shape: Gemv) -> torch.Tensor:
-    """x [M <= 8, K] bf16 / fp16 (contiguous) -> [M, N]; group: a multiple of 32 (`mma_block_k`)."""
+    """x [M <= 64, K] bf16 / fp16 (contiguous) -> [M, N]; group: a multiple of 32 (`mma_block_k`).
+    Up to 8 rows cost what one does (one B fragment); more take 8 columns a fragment more."""
     in_features, out_features = qweight.shape[0] * 8, qweight.shape[1]
-    if x.shape[0] > 8 or x.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"the int4 MMA decode kernel takes up to 8 bf16 / fp16 rows, not {x.shape[0]} {x.dtype}")
-    block_k = mma_block_k(group, shape)
+    if x.shape[0] > MAX_ROWS or x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"the int4 MMA decode kernel takes up to {MAX_ROWS} bf16 / fp16 rows, "
+                         f"not {x.shape[0]} {x.dtype}")
+    rows = mma_rows(x.shape[0])
+    block_k = mma_block_k(group, shape, rows)
     if not block_k or in_features % group:
         raise ValueError(f"int4 group size {group}: not a multiple of 32 or not dividing K = {in_features}")
     grid = (triton.cdiv(out_features, shape.block_n),)
     split = shape.split_k or gemv_split_k(grid[0], in_features // block_k, sm_count(x.device),
                                           shape.block_n * block_k // 2, out_features * in_features // 2, out_features)
-    words, xl = _layouts(shape.block_n, block_k, shape.num_warps)
+    words, xl = _layouts(shape.block_n, block_k, shape.num_warps, rows)
     unpack, magic = UNPACK[x.dtype]
     return _run(_int4_mma_kernel, grid, x, out_features, in_features, block_k, split, ((qweight, zeros, scales), ()),
                 None, shape.tail_sum, GROUP=group, BLOCK_N=shape.block_n, WARPS=shape.num_warps, W_LAYOUT=words,
-                X_LAYOUT=xl, UNPACK_ASM=unpack, MAGIC=magic, num_warps=shape.num_warps, **pdl_args(x.device))
+                X_LAYOUT=xl, UNPACK_ASM=unpack, MAGIC=magic, ROWS=rows, num_warps=shape.num_warps,
+                **pdl_args(x.device))

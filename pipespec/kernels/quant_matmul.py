@@ -212,7 +212,8 @@ class Tiles:
     warps, split K summed by `_sum_splits`; int4_mma_wide: its shape for outputs of WIDE_N columns
     or more (None: int4_mma's), 256 columns. The best of 16-20 shapes on the 8B projections at one
     row in two H200 sweeps (qkv, o, down at 128 columns; gate/up, 28,672, at 256: 23 us against
-    26-29; RESULTS.md, fourteenth session).
+    26-29; RESULTS.md, fourteenth session). The kernel takes up to 64 rows (`int4_mma.MAX_ROWS`);
+    max_m = 8 until more rows are timed against the tl.dot kernels.
     fp8: 16 rows by 512 bytes (16 bytes a lane, a warp per 4 rows): 8 KB a step, ~3.4 instructions
     a weight, 56 registers; wider steps gain little and narrower ones lose (~3.8 at 256)."""
     block_n: int = 64
@@ -254,8 +255,8 @@ def _int4_mma_serves(x: torch.Tensor, group: int, shape: Gemv | None) -> bool:
         return False
     if not _mma_device(x.device):
         return False
-    from pipespec.kernels.int4_mma import mma_block_k       # imports Gluon
-    return mma_block_k(group, shape) > 0
+    from pipespec.kernels.int4_mma import mma_block_k, mma_rows       # imports Gluon
+    return mma_block_k(group, shape, mma_rows(x.shape[0])) > 0
 
 
 def split_k_for(programs: int, k_tiles: int, sms: int) -> int:

@@ -63,6 +63,23 @@ def test_int4_mma_equals_the_dequantized_product(layout, rows, shape, dtype, mma
     assert _rel(got, x.float() @ ref.t()) < TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [9, 16, 33, 64])
+@pytest.mark.parametrize("layout", ["awq", "gptq_act_order"])
+def test_int4_mma_takes_more_rows_when_its_shape_allows(layout, rows, dtype, mma_calls):
+    """max_m up to 64: 16, 32 or 64 columns of x^T (more B fragments, shorter K steps), rows past M
+    repeating the last."""
+    from dataclasses import replace
+    from pipespec.kernels.quant_matmul import DEFAULT_TILES, int4_matmul
+    packed, ref = _packed(layout)
+    tiles = replace(DEFAULT_TILES, int4_mma=replace(DEFAULT_TILES.int4_mma, max_m=64))
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(14)).to("cuda", dtype)
+    with torch.inference_mode():
+        got = int4_matmul(x, packed.qweight, packed.zeros, packed.scales, packed.group, packed.perm, tiles)
+    assert mma_calls == [rows]
+    assert got.shape == (rows, 160) and _rel(got, x.float() @ ref.t()) < TOL[dtype]
+
+
 def test_int4_mma_matches_the_cuda_core_gemv_at_a_real_shape():
     """An 8B-like o projection (4,096 x 4,096, group 128, split K chosen by the heuristic): both
     decode kernels give the exact product to within bf16 rounding."""
@@ -98,8 +115,8 @@ def test_rows_the_tensor_core_kernel_does_not_take_go_elsewhere(mma_calls):
         got = int4_matmul(x, packed16.qweight, packed16.zeros, packed16.scales, 16)
         assert _rel(got, x.float() @ ref16.cuda().t()) < 2e-2
         assert mma_calls == []
-        with pytest.raises(ValueError, match="up to 8 bf16 / fp16 rows"):
-            int4_mma_matmul(torch.randn(9, 512, device="cuda").bfloat16(), packed.qweight, packed.zeros,
+        with pytest.raises(ValueError, match="up to 64 bf16 / fp16 rows"):
+            int4_mma_matmul(torch.randn(65, 512, device="cuda").bfloat16(), packed.qweight, packed.zeros,
                             packed.scales, 128, DEFAULT_TILES.int4_mma)
         with pytest.raises(ValueError, match="group size 16"):
             int4_mma_matmul(x, packed.qweight, packed.zeros, packed.scales, 16, DEFAULT_TILES.int4_mma)
