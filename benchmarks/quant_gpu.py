@@ -68,7 +68,7 @@ SHAPES = {
 SWEEP = {kind: [Gemv(*shape, tail_sum=kind != "int4_mma") for shape in shapes] for kind, shapes in SHAPES.items()}
 
 
-GEMV_ONLY = Tiles(int4_mma=None, int4_mma_wide=None)    # the CUDA-core int4 decode kernel (the MMA one's predecessor)
+GEMV_ONLY = Tiles(int4_mma=None)        # the CUDA-core int4 decode kernel, the tensor-core one's predecessor
 # the MMA decode kernel at up to 64 rows, where the defaults take tl.dot tiles from 9 rows up
 MMA_64 = Tiles(int4_mma=replace(Tiles().int4_mma, max_m=64), int4_mma_wide=replace(Tiles().int4_mma_wide, max_m=64))
 

@@ -63,7 +63,7 @@ UNPACK = {torch.bfloat16: (_unpack_asm(0x43004300, "sub.bf16x2"), 128.0),
 def _load_step(q_ptrs, z_ptr, s_ptr, x_ptrs, k0, rn_w, rn, w_mask, N: gl.constexpr, GROUP: gl.constexpr,
                MASKED: gl.constexpr):
     """One step's words [KW, BN], zeros [BN] (words' columns), scales [BN] (the MMA's rows) and x^T
-    [BK, 8] at K = k0."""
+    [BK, ROWS] at K = k0."""
     g = k0 // GROUP
     if MASKED:
         words = gl.load(q_ptrs + (k0 // 8) * N, mask=w_mask, other=0)

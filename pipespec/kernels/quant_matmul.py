@@ -210,7 +210,7 @@ class Tiles:
     int4_mma: the tensor-core decode kernel's shape (`kernels/int4_mma.py`), which serves bf16 / fp16
     rows on a GPU ahead of int4_gemv (None: int4_gemv does): 128 columns by 128 of K a program of 4
     warps, split K summed by `_sum_splits`; int4_mma_wide: its shape for outputs of WIDE_N columns
-    or more (None: int4_mma's), 256 columns. The best of 16-20 shapes on the 8B projections at one
+    or more while int4_mma is set (None: int4_mma's), 256 columns. The best of 16-20 shapes on the 8B projections at one
     row in two H200 sweeps (qkv, o, down at 128 columns; gate/up, 28,672, at 256: 23 us against
     26-29; RESULTS.md, fourteenth session). The kernel takes up to 64 rows (`int4_mma.MAX_ROWS`);
     max_m = 8 until more rows are timed against the tl.dot kernels.
@@ -294,7 +294,8 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, sca
         x = x.index_select(1, perm)                        # act-order: rows in group order
     x = x.contiguous()
     g = tiles.int4_gemv
-    mma = tiles.int4_mma_wide if out_features >= WIDE_N and tiles.int4_mma_wide else tiles.int4_mma
+    wide = tiles.int4_mma and tiles.int4_mma_wide and out_features >= WIDE_N     # int4_mma None: no MMA at all
+    mma = tiles.int4_mma_wide if wide else tiles.int4_mma
     if _int4_mma_serves(x, group, mma):
         from pipespec.kernels.int4_mma import int4_mma_matmul
         y = int4_mma_matmul(x, qweight, zeros, scales, group, mma)

@@ -122,8 +122,7 @@ def _tiles(kind, shape, max_m=None):
     gemv = getattr(DEFAULT_TILES, field)
     gemv = replace(gemv, **(shape or {}), **({} if max_m is None else {"max_m": max_m}))
     # int4: the CUDA-core kernel, not the tensor-core one that serves 16-bit rows first (test_int4_mma.py)
-    gemv_only = {"int4_mma": None, "int4_mma_wide": None} if kind == "int4" else {}
-    return replace(DEFAULT_TILES, **{field: gemv}, **gemv_only), gemv.max_m
+    return replace(DEFAULT_TILES, **{field: gemv}, **({"int4_mma": None} if kind == "int4" else {})), gemv.max_m
 
 
 @pytest.fixture
