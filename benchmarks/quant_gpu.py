@@ -1,11 +1,12 @@
 """Weight-only quantized kernels and engines against bf16 on one GPU (issue 18).
 
-1. Kernels: the Llama-3-8B projections (qkv, o, gate_up, down) at M = 1, 4, 8, 16 and 64 rows: bf16
-   `x @ W.T` against `int4_matmul` (group 128) and `fp8_block_matmul` (128 x 128 blocks): the
+1. Kernels: the Llama-3-8B projections (qkv, o, gate_up, down) at M = 1, 4, 8, 16, 32 and 64 rows:
+   bf16 `x @ W.T` against `int4_matmul` (group 128) and `fp8_block_matmul` (128 x 128 blocks) as
+   the defaults route them, and their CUDA-core decode kernels alone (`*_gemv_us`): the
    microseconds of one call replayed from a CUDA graph that cycles through copies of the weight
    totalling 512 MB of bf16 (so L2 does not serve them; decode replays graphs too), and the weight
-   bytes read per second; at 16 and 64 rows also the int4 MMA kernel allowed those rows
-   (`int4_mma_us`, `MMA_64`), which the defaults leave to tl.dot tiles. With `--sweep`, the batch-1
+   bytes read per second; past 8 rows also the MMA kernels allowed more rows than the defaults
+   give them (`int4_mma_us` up to 64, `fp8_mma_us` up to 32: `MMA_MAX`). With `--sweep`, the batch-1
    row of every projection also tries other launch shapes of the decode kernels (`Gemv`, split-K
    included) and reports the best, to choose the defaults from.
 2. Engines: the Llama-3-8B shape with random weights (`--load-format dummy`), bf16 against
@@ -16,7 +17,7 @@
    prefill of the 32-token prompts and the first token).
 
 Usage (GPU machine): python benchmarks/quant_gpu.py [--batches 1,64] [--repeats 3] [--skip kernels,engines]
-       [--sweep] [--profile] [--json out.json]
+       [--sweep [KINDS]] [--profile] [--json out.json]
 """
 from __future__ import annotations
 
@@ -58,6 +59,8 @@ def _us(calls) -> float:
 # row-major GEMV, the peer that shares fp8's kernel): rows a program, elements of a row a step. The
 # defaults first, then more columns a lane or warps, longer or shorter steps, fixed splits.
 SHAPES = {
+    "fp8_mma": ((128, 128, 4, 0), (256, 128, 4, 0), (128, 64, 4, 0), (64, 128, 2, 0), (128, 128, 2, 0),
+                (128, 128, 8, 0), (256, 128, 8, 0), (128, 128, 4, 4), (128, 128, 4, 8)),
     "int4_mma": ((128, 128, 4, 0), (256, 128, 4, 0), (128, 64, 4, 0), (256, 64, 4, 0), (128, 128, 2, 0),
                  (64, 64, 4, 0), (128, 128, 4, 4), (128, 128, 4, 8)),
     "int4": ((256, 32, 1, 0), (256, 64, 1, 0), (256, 16, 1, 0), (128, 64, 1, 0), (128, 32, 1, 0), (512, 32, 2, 0),
@@ -65,26 +68,33 @@ SHAPES = {
     "fp8": ((16, 512, 4, 0), (8, 512, 4, 0), (32, 512, 4, 0), (16, 1024, 4, 0), (16, 512, 8, 0), (16, 512, 4, 2)),
     "dense": ((8, 512, 4, 0), (8, 1024, 4, 0), (16, 512, 4, 0), (8, 512, 8, 0), (8, 512, 4, 2)),
 }
-SWEEP = {kind: [Gemv(*shape, tail_sum=kind != "int4_mma") for shape in shapes] for kind, shapes in SHAPES.items()}
+SWEEP = {kind: [Gemv(*shape, tail_sum=not kind.endswith("_mma")) for shape in shapes]
+         for kind, shapes in SHAPES.items()}
 
 
-GEMV_ONLY = Tiles(int4_mma=None)        # the CUDA-core int4 decode kernel, the tensor-core one's predecessor
-# the MMA decode kernel at up to 64 rows, where the defaults take tl.dot tiles from 9 rows up
-MMA_64 = Tiles(int4_mma=replace(Tiles().int4_mma, max_m=64), int4_mma_wide=replace(Tiles().int4_mma_wide, max_m=64))
+# the CUDA-core decode kernels, the tensor-core ones' predecessors
+GEMV_ONLY = Tiles(int4_mma=None, fp8_mma=None)
+# the MMA decode kernels at up to 64 (int4) and 32 (fp8) rows, past the defaults' max_m
+MMA_MAX = Tiles(int4_mma=replace(Tiles().int4_mma, max_m=64), int4_mma_wide=replace(Tiles().int4_mma_wide, max_m=64),
+                fp8_mma=replace(Tiles().fp8_mma, max_m=32))
 
 
 def _name(g: Gemv) -> str:
     return f"n{g.block_n}_k{g.block_k}_w{g.num_warps}_split{g.split_k or 'auto'}"
 
 
-def sweep(name, x, dense, q4s, f8s, report):
+def sweep(name, x, dense, q4s, f8s, report, kinds):
     runs = {"int4_mma": (q4s, lambda w, g: int4_matmul(x, w.qweight, w.zeros, w.scales, w.group,
                                                        tiles=Tiles(int4_mma=g, int4_mma_wide=None))),
             "int4": (q4s, lambda w, g: int4_matmul(x, w.qweight, w.zeros, w.scales, w.group,
                                                    tiles=replace(GEMV_ONLY, int4_gemv=g))),
-            "fp8": (f8s, lambda w, g: fp8_block_matmul(x, w.weight, w.scale_inv, w.block, Tiles(fp8_gemv=g))),
+            "fp8_mma": (f8s, lambda w, g: fp8_block_matmul(x, w.weight, w.scale_inv, w.block, Tiles(fp8_mma=g))),
+            "fp8": (f8s, lambda w, g: fp8_block_matmul(x, w.weight, w.scale_inv, w.block,
+                                                       replace(GEMV_ONLY, fp8_gemv=g))),
             "dense": (dense, lambda w, g: rowmajor_gemv(x, w, shape=g))}
     for kind, (weights, run) in runs.items():
+        if kind not in kinds:
+            continue
         times = {_name(g): round(_us([lambda w=w, g=g: run(w, g) for w in weights]), 1) for g in SWEEP[kind]}
         best = min(times, key=times.get)
         row = {"part": "sweep", "kernel": kind, "proj": name, "m": x.shape[0], "best": best,
@@ -93,7 +103,7 @@ def sweep(name, x, dense, q4s, f8s, report):
         print(json.dumps(row), flush=True)
 
 
-def kernels(report, do_sweep: bool):
+def kernels(report, sweep_kinds: list[str]):
     dev = torch.device("cuda")
     for name, (n, k) in PROJECTIONS.items():
         copies = max(1, L2_PASS // (n * k * 2))
@@ -103,30 +113,37 @@ def kernels(report, do_sweep: bool):
                           128) for _ in range(copies)]
         f8s = [Fp8Weight(torch.randn(n, k, device=dev).to(torch.float8_e4m3fn),
                          torch.full((n // 128, k // 128), 0.02, device=dev), (128, 128)) for _ in range(copies)]
-        for m in (1, 4, 8, 16, 64):
+        for m in (1, 4, 8, 16, 32, 64):
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             t = {"bf16": _us([lambda w=w: x @ w.t() for w in dense]),
                  "int4": _us([lambda w=w: w.matmul(x) for w in q4s]),
                  "int4_gemv": _us([lambda w=w: int4_matmul(x, w.qweight, w.zeros, w.scales, w.group, tiles=GEMV_ONLY)
                                    for w in q4s]),
-                 "fp8": _us([lambda w=w: w.matmul(x) for w in f8s])}
+                 "fp8": _us([lambda w=w: w.matmul(x) for w in f8s]),
+                 "fp8_gemv": _us([lambda w=w: fp8_block_matmul(x, w.weight, w.scale_inv, w.block, GEMV_ONLY)
+                                  for w in f8s])}
             if m > 8:
-                t["int4_mma"] = _us([lambda w=w: int4_matmul(x, w.qweight, w.zeros, w.scales, w.group, tiles=MMA_64)
+                t["int4_mma"] = _us([lambda w=w: int4_matmul(x, w.qweight, w.zeros, w.scales, w.group, tiles=MMA_MAX)
                                      for w in q4s])
+            if 8 < m <= 32:
+                t["fp8_mma"] = _us([lambda w=w: fp8_block_matmul(x, w.weight, w.scale_inv, w.block, MMA_MAX)
+                                    for w in f8s])
             row = {"part": "kernel", "proj": name, "m": m, **{f"{kk}_us": round(v, 1) for kk, v in t.items()},
                    "bf16_gbps": round(n * k * 2 / t["bf16"] / 1e3, 0), "int4_gbps": round(n * k / 2 / t["int4"] / 1e3, 0),
                    "fp8_gbps": round(n * k / t["fp8"] / 1e3, 0),
                    "int4_over_bf16": round(t["bf16"] / t["int4"], 2), "fp8_over_bf16": round(t["bf16"] / t["fp8"], 2)}
             report["kernels"].append(row)
             print(json.dumps(row), flush=True)
-            if do_sweep and m == 1:
-                sweep(name, x, dense, q4s, f8s, report)
+            if sweep_kinds and m == 1:
+                sweep(name, x, dense, q4s, f8s, report, sweep_kinds)
         if name == "down":     # as decode runs it: the gate/up row in (int4 activates it with silu_mul first)
             gu = torch.randn(1, 2 * k, device=dev, dtype=torch.bfloat16)
             t = {"bf16": _us([lambda w=w: silu_mul(gu) @ w.t() for w in dense]),
                  "bf16_gemv": _us([lambda w=w: rowmajor_gemv(gu, w, gated=True) for w in dense]),
                  "int4": _us([lambda w=w: w.matmul(gu, gated=True) for w in q4s]),
-                 "fp8": _us([lambda w=w: w.matmul(gu, gated=True) for w in f8s])}
+                 "fp8": _us([lambda w=w: w.matmul(gu, gated=True) for w in f8s]),
+                 "fp8_gemv": _us([lambda w=w: fp8_block_matmul(gu, w.weight, w.scale_inv, w.block, GEMV_ONLY, gated=True)
+                                  for w in f8s])}
             row = {"part": "kernel", "proj": "down (gated)", "m": 1, **{f"{kk}_us": round(v, 1) for kk, v in t.items()}}
             report["kernels"].append(row)
             print(json.dumps(row), flush=True)
@@ -190,7 +207,8 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--util", type=float, default=0.28, help="gpu_memory_utilization of each of the 3 engines")
     ap.add_argument("--skip", default="", help="comma-separated: kernels, engines")
-    ap.add_argument("--sweep", action="store_true", help="try other launch shapes at batch 1")
+    ap.add_argument("--sweep", nargs="?", const=",".join(SHAPES), default="",
+                    help=f"try other launch shapes at batch 1 of these kernels (default all: {','.join(SHAPES)})")
     ap.add_argument("--profile", action="store_true", help="also profile batch-1 decode steps kernel by kernel")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -198,7 +216,7 @@ def main():
     skip = set(filter(None, args.skip.split(",")))
     report = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(0), "kernels": [], "engines": []}
     if "kernels" not in skip:
-        kernels(report, args.sweep)
+        kernels(report, [k for k in args.sweep.split(",") if k])
     if "engines" not in skip:
         engines(args, report)
     if args.json:

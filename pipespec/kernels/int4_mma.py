@@ -38,6 +38,7 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from pipespec.kernels import sm_count
 from pipespec.kernels.gemv import Gemv, _run, gemv_split_k
+from pipespec.kernels.mma_decode import bits, mma_rows, store_tile
 from pipespec.kernels.pdl import pdl_args
 from pipespec.kernels.pdl_gluon import pdl_signal, pdl_wait
 
@@ -133,27 +134,7 @@ def _int4_mma_kernel(x_ptr, q_ptr, z_ptr, s_ptr, y_ptr, p_ptr, count_ptr, M, str
         acc += mma_v2(a, b, gl.zeros([BLOCK_N, ROWS], gl.float32, mma)) * s[:, None]
         words, z, s, x = nxt
     pdl_signal(PDL)
-    rm_c = gl.arange(0, ROWS, layout=gl.SliceLayout(0, mma))
-    mask = (rm_c[None, :] < M) & (rn[:, None] < N)
-    y_ptrs = y_ptr + rm_c[None, :] * stride_ym + rn[:, None]
-    if SPLIT_K == 1:
-        gl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
-    else:           # float32 partials [SPLIT_K, M, N] summed in split order, by `_sum_splits` or, with
-        # TAIL_SUM, by the tile's last split as `gemv._store` does (the same bits)
-        planes = p_ptr + rm_c[None, :] * N + rn[:, None]
-        gl.store(planes + gl.program_id(1) * M * N, acc, mask=mask)
-        if TAIL_SUM:
-            gl.thread_barrier()     # every lane's partial is stored before the count releases them
-            if gl.atomic_add(count_ptr + gl.program_id(0), 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
-                total = gl.load(planes, mask=mask, other=0.0, cache_modifier=".cg")
-                for sp in gl.static_range(1, SPLIT_K):
-                    total += gl.load(planes + sp * M * N, mask=mask, other=0.0, cache_modifier=".cg")
-                gl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=mask)
-                gl.store(count_ptr + gl.program_id(0), 0)
-
-
-def _bits(n: int) -> list[int]:
-    return [1 << j for j in range(n.bit_length() - 1)]
+    store_tile(acc, y_ptr, p_ptr, count_ptr, rn, M, N, stride_ym, ROWS, SPLIT_K, TAIL_SUM, mma)
 
 
 @functools.cache
@@ -163,23 +144,18 @@ def _layouts(block_n: int, block_k: int, warps: int, rows: int = 8):
     (rows: 8 a B fragment, more in further registers)."""
     tiles, chunks = block_n // (16 * warps), block_k // 32
     words = gl.DistributedLinearLayout(
-        reg_bases=[[0, 1]] + [[0, 2 * b] for b in _bits(tiles)] + [[4 * b, 0] for b in _bits(chunks)],
+        reg_bases=[[0, 1]] + [[0, 2 * b] for b in bits(tiles)] + [[4 * b, 0] for b in bits(chunks)],
         lane_bases=[[1, 0], [2, 0], [0, 2 * tiles], [0, 4 * tiles], [0, 8 * tiles]],
-        warp_bases=[[0, 16 * tiles * b] for b in _bits(warps)], block_bases=[], shape=[block_k // 8, block_n])
+        warp_bases=[[0, 16 * tiles * b] for b in bits(warps)], block_bases=[], shape=[block_k // 8, block_n])
     x = gl.DistributedLinearLayout(
-        reg_bases=[[1, 0], [2, 0], [4, 0]] + [[32 * b, 0] for b in _bits(chunks)]
-                  + [[0, 8 * b] for b in _bits(rows // 8)],
-        lane_bases=[[8, 0], [16, 0], [0, 1], [0, 2], [0, 4]], warp_bases=[[0, 0] for _ in _bits(warps)],
+        reg_bases=[[1, 0], [2, 0], [4, 0]] + [[32 * b, 0] for b in bits(chunks)]
+                  + [[0, 8 * b] for b in bits(rows // 8)],
+        lane_bases=[[8, 0], [16, 0], [0, 1], [0, 2], [0, 4]], warp_bases=[[0, 0] for _ in bits(warps)],
         block_bases=[], shape=[block_k, rows])
     return words, x
 
 
 MAX_ROWS = 64
-
-
-def mma_rows(m: int) -> int:
-    """x^T's columns for m rows: 8 (one B fragment) or the next power of two."""
-    return max(8, triton.next_power_of_2(m))
 
 
 def mma_block_k(group: int, shape: Gemv, rows: int = 8) -> int:

@@ -6,9 +6,9 @@ tile of packed weights is read once, unpacked in registers and multiplied at the
 precision (weight-only quantization, W4A16 / W8A16). The activations are never quantized.
 
 Three paths: up to `Gemv.max_m` rows (decode) the GEMV kernels multiply on CUDA cores, every row
-against each weight tile as it is loaded (int4 bf16 / fp16 rows on a GPU take the tensor-core
-decode kernel of `kernels/int4_mma.py` instead); more rows take the tl.dot kernels, whose tiles are
-at least 16 rows (mostly padding at batch 1). All split K over programs when the output alone gives
+against each weight tile as it is loaded (bf16 / fp16 rows on a GPU take the tensor-core decode
+kernels of `kernels/int4_mma.py` and `kernels/fp8_mma.py` instead, up to their own max_m); more
+rows take the tl.dot kernels, whose tiles are at least 16 rows (mostly padding at batch 1). All split K over programs when the output alone gives
 too few, summing float32 partials in split order.
 """
 from __future__ import annotations
@@ -225,6 +225,7 @@ class Tiles:
     int4_mma: Gemv | None = Gemv(block_n=128, block_k=128, num_warps=4, tail_sum=False)
     int4_mma_wide: Gemv | None = Gemv(block_n=256, block_k=128, num_warps=4, tail_sum=False)
     fp8_gemv: Gemv = Gemv(block_n=16, block_k=512, num_warps=4)
+    fp8_mma: Gemv | None = Gemv(block_n=128, block_k=128, num_warps=4, tail_sum=False)
 
     def k_tile(self, size: int, what: str) -> int:
         if self.block_k:
@@ -255,8 +256,19 @@ def _int4_mma_serves(x: torch.Tensor, group: int, shape: Gemv | None) -> bool:
         return False
     if not _mma_device(x.device):
         return False
-    from pipespec.kernels.int4_mma import mma_block_k, mma_rows       # imports Gluon
+    from pipespec.kernels.int4_mma import mma_block_k           # imports Gluon
+    from pipespec.kernels.mma_decode import mma_rows
     return mma_block_k(group, shape, mma_rows(x.shape[0])) > 0
+
+
+def _fp8_mma_serves(x: torch.Tensor, in_features: int, block: tuple[int, int], shape: Gemv | None) -> bool:
+    if shape is None or x.shape[0] > shape.max_m or x.dtype not in (torch.bfloat16, torch.float16) or not x.is_cuda:
+        return False
+    if not _mma_device(x.device) or torch.cuda.get_device_capability(x.device) < (8, 9):    # e4m3 -> f16 cvt
+        return False
+    from pipespec.kernels.fp8_mma import fp8_mma_block_k                # imports Gluon
+    from pipespec.kernels.mma_decode import mma_rows
+    return fp8_mma_block_k(block, in_features, shape, mma_rows(x.shape[0])) > 0
 
 
 def split_k_for(programs: int, k_tiles: int, sms: int) -> int:
@@ -321,19 +333,24 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, sca
 def fp8_block_matmul(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
                      block: tuple[int, int], tiles: Tiles = DEFAULT_TILES, gated: bool = False) -> torch.Tensor:
     """x [..., K] @ (weight [N, K] e4m3 times its [N / bo, K / bi] block scales).T -> [..., N].
-    gated: x is [..., 2K] = cat[gate, up] and the product is of silu(gate) * up (the decode kernel
-    reads the gate/up row itself)."""
+    gated: x is [..., 2K] = cat[gate, up] and the product is of silu(gate) * up (the CUDA-core
+    decode kernel reads the gate/up row itself; the others take `silu_mul`'s)."""
     out_features, in_features = weight.shape
     bo, bi = block
     lead = x.shape[:-1]
     x = x.reshape(-1, x.shape[-1]).contiguous()
     g = tiles.fp8_gemv
-    if x.shape[0] <= g.max_m:
+    mma = _fp8_mma_serves(x, in_features, block, tiles.fp8_mma)
+    if gated and (mma or x.shape[0] > g.max_m):      # only the CUDA-core GEMV reads a gate/up row itself
+        from pipespec.kernels.fused_ops import silu_mul
+        x = silu_mul(x)
+        gated = False
+    if mma:
+        from pipespec.kernels.fp8_mma import fp8_mma_matmul
+        y = fp8_mma_matmul(x, weight, scale_inv.float().contiguous(), block, tiles.fp8_mma)
+    elif x.shape[0] <= g.max_m:
         y = rowmajor_gemv(x, weight, scale_inv, block, gated=gated, shape=g)
     else:
-        if gated:
-            from pipespec.kernels.fused_ops import silu_mul
-            x = silu_mul(x)
         block_n = tiles.block_n if tiles.block_n and bo % tiles.block_n == 0 else _tile(bo, "fp8 scale block rows")
         args = (weight, scale_inv.float().contiguous()), (scale_inv.shape[1],)
         y = _launch(_fp8_kernel, x, out_features, in_features, block_n, tiles.k_tile(bi, "fp8 scale block columns"),

@@ -121,8 +121,9 @@ def _tiles(kind, shape, max_m=None):
     field = f"{kind}_gemv"
     gemv = getattr(DEFAULT_TILES, field)
     gemv = replace(gemv, **(shape or {}), **({} if max_m is None else {"max_m": max_m}))
-    # int4: the CUDA-core kernel, not the tensor-core one that serves 16-bit rows first (test_int4_mma.py)
-    return replace(DEFAULT_TILES, **{field: gemv}, **({"int4_mma": None} if kind == "int4" else {})), gemv.max_m
+    # the CUDA-core kernel, not the tensor-core one that serves 16-bit rows first (test_int4_mma.py,
+    # test_fp8_mma.py)
+    return replace(DEFAULT_TILES, **{field: gemv, f"{kind}_mma": None}), gemv.max_m
 
 
 @pytest.fixture
