@@ -213,7 +213,8 @@ class Tiles:
     or more while int4_mma is set (None: int4_mma's), 256 columns. The best of 16-20 shapes on the 8B projections at one
     row in two H200 sweeps (qkv, o, down at 128 columns; gate/up, 28,672, at 256: 23 us against
     26-29; RESULTS.md, fourteenth session). The kernel takes up to 64 rows (`int4_mma.MAX_ROWS`);
-    max_m = 8 until more rows are timed against the tl.dot kernels.
+    max_m = 16: at 16 rows it took 9-49 us on the 8B projections against the tl.dot kernels' 18-87
+    and bf16's 13-64, at 64 rows 86-259 against 23-106 (fifteenth session).
     fp8: 16 rows by 512 bytes (16 bytes a lane, a warp per 4 rows): 8 KB a step, ~3.4 instructions
     a weight, 56 registers; wider steps gain little and narrower ones lose (~3.8 at 256)."""
     block_n: int = 64
@@ -222,8 +223,8 @@ class Tiles:
     num_stages: int = 2
     split_k: int = 0
     int4_gemv: Gemv = Gemv(block_n=256, block_k=32, num_warps=1)
-    int4_mma: Gemv | None = Gemv(block_n=128, block_k=128, num_warps=4, tail_sum=False)
-    int4_mma_wide: Gemv | None = Gemv(block_n=256, block_k=128, num_warps=4, tail_sum=False)
+    int4_mma: Gemv | None = Gemv(block_n=128, block_k=128, num_warps=4, tail_sum=False, max_m=16)
+    int4_mma_wide: Gemv | None = Gemv(block_n=256, block_k=128, num_warps=4, tail_sum=False, max_m=16)
     fp8_gemv: Gemv = Gemv(block_n=16, block_k=512, num_warps=4)
     fp8_mma: Gemv | None = Gemv(block_n=128, block_k=128, num_warps=4, tail_sum=False)
 

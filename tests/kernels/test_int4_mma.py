@@ -104,7 +104,7 @@ def test_rows_the_tensor_core_kernel_does_not_take_go_elsewhere(mma_calls):
     from pipespec.kernels.quant_matmul import DEFAULT_TILES, int4_matmul
     packed, ref = _packed("awq")
     with torch.inference_mode():
-        for rows, dtype in ((2, torch.float32), (9, torch.bfloat16)):
+        for rows, dtype in ((2, torch.float32), (DEFAULT_TILES.int4_mma.max_m + 1, torch.bfloat16)):
             x = torch.randn(rows, 512, device="cuda").to(dtype)
             got = int4_matmul(x, packed.qweight, packed.zeros, packed.scales, packed.group)
             assert _rel(got, x.float() @ ref.t()) < 2e-2
