@@ -6,7 +6,7 @@
    microseconds of one call replayed from a CUDA graph that cycles through copies of the weight
    totalling 512 MB of bf16 (so L2 does not serve them; decode replays graphs too), and the weight
    bytes read per second; past 8 rows also the MMA kernels allowed more rows than the defaults
-   give them (`int4_mma_us` up to 64, `fp8_mma_us` up to 32: `MMA_MAX`). With `--sweep`, the batch-1
+   give them (`int4_mma_us` up to 64, `fp8_mma_us` up to 32: `MMA_MAX`; the defaults: 32 both). With `--sweep`, the batch-1
    row of every projection also tries other launch shapes of the decode kernels (`Gemv`, split-K
    included) and reports the best, to choose the defaults from.
 2. Engines: the Llama-3-8B shape with random weights (`--load-format dummy`), bf16 against
@@ -74,7 +74,7 @@ SWEEP = {kind: [Gemv(*shape, tail_sum=not kind.endswith("_mma")) for shape in sh
 
 # the CUDA-core decode kernels, the tensor-core ones' predecessors
 GEMV_ONLY = Tiles(int4_mma=None, fp8_mma=None)
-# the MMA decode kernels at up to 64 (int4) and 32 (fp8) rows, past the defaults' max_m
+# the MMA decode kernels at up to 64 (int4) and 32 (fp8) rows
 MMA_MAX = Tiles(int4_mma=replace(Tiles().int4_mma, max_m=64), int4_mma_wide=replace(Tiles().int4_mma_wide, max_m=64),
                 fp8_mma=replace(Tiles().fp8_mma, max_m=32))
 

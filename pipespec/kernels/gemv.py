@@ -154,6 +154,7 @@ class Gemv:
     split_k: int = 0
     max_m: int = 8
     tail_sum: bool = True
+    min_m: int = 1          # fewer rows go elsewhere (the FP8 MMA kernel: one row streams faster on CUDA cores)
 
 
 # Dense weights at one or two rows: 8 rows by 512 elements (16 bytes a lane: two warps a row), an 8 KB

@@ -213,20 +213,26 @@ class Tiles:
     or more while int4_mma is set (None: int4_mma's), 256 columns. The best of 16-20 shapes on the 8B projections at one
     row in two H200 sweeps (qkv, o, down at 128 columns; gate/up, 28,672, at 256: 23 us against
     26-29; RESULTS.md, fourteenth session). The kernel takes up to 64 rows (`int4_mma.MAX_ROWS`);
-    max_m = 16: at 16 rows it took 9-49 us on the 8B projections against the tl.dot kernels' 18-87
-    and bf16's 13-64, at 64 rows 86-259 against 23-106 (fifteenth session).
+    max_m = 32: on the 8B projections it took 9-47 us at 16 rows against the tl.dot kernels' 19-87,
+    and 22-90 at 32 against 21-103 (64 rows: 86-258 against 23-106; fifteenth session).
     fp8: 16 rows by 512 bytes (16 bytes a lane, a warp per 4 rows): 8 KB a step, ~3.4 instructions
-    a weight, 56 registers; wider steps gain little and narrower ones lose (~3.8 at 256)."""
+    a weight, 56 registers; wider steps gain little and narrower ones lose (~3.8 at 256).
+    fp8_mma: the FP8 tensor-core decode kernel's shape (`kernels/fp8_mma.py`; None: fp8_gemv serves
+    every decode row), 128 rows by 128 of K a program of 4 warps, from 2 to 32 rows: at one row the
+    CUDA-core GEMV is faster (8B projections 7.6-32.5 us against 8.3-37.2), from 4 rows the MMA
+    kernel (4 rows 8.4-38.3 against 11.2-49.7, 8 rows 8.7-38.6 against 16.5-85.0, 16 and 32 rows
+    10.3-72.7 against the tl.dot kernels' 17.3-82.1); of 9 shapes swept at one row none was more
+    than ~10% faster on every projection (fifteenth session)."""
     block_n: int = 64
     block_k: int = 0
     num_warps: int = 4
     num_stages: int = 2
     split_k: int = 0
     int4_gemv: Gemv = Gemv(block_n=256, block_k=32, num_warps=1)
-    int4_mma: Gemv | None = Gemv(block_n=128, block_k=128, num_warps=4, tail_sum=False, max_m=16)
-    int4_mma_wide: Gemv | None = Gemv(block_n=256, block_k=128, num_warps=4, tail_sum=False, max_m=16)
+    int4_mma: Gemv | None = Gemv(block_n=128, block_k=128, num_warps=4, tail_sum=False, max_m=32)
+    int4_mma_wide: Gemv | None = Gemv(block_n=256, block_k=128, num_warps=4, tail_sum=False, max_m=32)
     fp8_gemv: Gemv = Gemv(block_n=16, block_k=512, num_warps=4)
-    fp8_mma: Gemv | None = Gemv(block_n=128, block_k=128, num_warps=4, tail_sum=False)
+    fp8_mma: Gemv | None = Gemv(block_n=128, block_k=128, num_warps=4, tail_sum=False, min_m=2, max_m=32)
 
     def k_tile(self, size: int, what: str) -> int:
         if self.block_k:
@@ -263,7 +269,7 @@ def _int4_mma_serves(x: torch.Tensor, group: int, shape: Gemv | None) -> bool:
 
 
 def _fp8_mma_serves(x: torch.Tensor, in_features: int, block: tuple[int, int], shape: Gemv | None) -> bool:
-    if shape is None or x.shape[0] > shape.max_m or x.dtype not in (torch.bfloat16, torch.float16) or not x.is_cuda:
+    if shape is None or not shape.min_m <= x.shape[0] <= shape.max_m or x.dtype not in (torch.bfloat16, torch.float16) or not x.is_cuda:
         return False
     if not _mma_device(x.device) or torch.cuda.get_device_capability(x.device) < (8, 9):    # e4m3 -> f16 cvt
         return False

@@ -29,8 +29,9 @@ def _fp8(block, n=200, k=512, seed=8):
 
 
 def _tiles(**fp8_mma):
+    """The kernel from one row up (the defaults give one row to the CUDA-core GEMV)."""
     from pipespec.kernels.quant_matmul import DEFAULT_TILES
-    return replace(DEFAULT_TILES, fp8_mma=replace(DEFAULT_TILES.fp8_mma, **fp8_mma))
+    return replace(DEFAULT_TILES, fp8_mma=replace(DEFAULT_TILES.fp8_mma, min_m=1, **fp8_mma))
 
 
 @pytest.fixture
@@ -64,15 +65,15 @@ def test_fp8_mma_equals_the_dequantized_product(block, rows, shape, dtype, mma_c
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows", [9, 16, 17, 32])
-def test_fp8_mma_takes_more_rows_when_its_shape_allows(rows, dtype, mma_calls):
-    """max_m up to 32: 16 or 32 columns of x^T (more B fragments, 64-wide K steps at 32), rows past M
+@pytest.mark.parametrize("rows", [2, 9, 16, 17, 32])
+def test_fp8_mma_takes_2_to_32_rows_by_default(rows, dtype, mma_calls):
+    """16 or 32 columns of x^T past 8 rows (more B fragments, 64-wide K steps at 32), rows past M
     repeating the last."""
     from pipespec.kernels.quant_matmul import fp8_block_matmul
     weight, scales, ref = _fp8((128, 128))
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(14)).to("cuda", dtype)
     with torch.inference_mode():
-        got = fp8_block_matmul(x, weight, scales, (128, 128), _tiles(max_m=32))
+        got = fp8_block_matmul(x, weight, scales, (128, 128))
     assert mma_calls == [rows]
     assert got.shape == (rows, 200) and _rel(got, x.float() @ ref.t()) < TOL[dtype]
 
@@ -134,13 +135,14 @@ def test_fp8_mma_matches_the_cuda_core_gemv_at_a_real_shape():
 
 
 def test_rows_the_tensor_core_kernel_does_not_take_go_elsewhere(mma_calls):
-    """float32 rows, more than max_m rows and a K with no 64-wide step inside its blocks (K = 96)
-    take the other kernels, with the same product; the kernel itself names what it refuses."""
+    """One row (the CUDA-core GEMV streams it faster), float32 rows, more than max_m rows and a K
+    with no 64-wide step inside its blocks (K = 96) take the other kernels, with the same product;
+    the kernel itself names what it refuses."""
     from pipespec.kernels.fp8_mma import fp8_mma_matmul
     from pipespec.kernels.quant_matmul import DEFAULT_TILES, fp8_block_matmul
     weight, scales, ref = _fp8((128, 128))
     with torch.inference_mode():
-        for rows, dtype in ((2, torch.float32), (DEFAULT_TILES.fp8_mma.max_m + 1, torch.bfloat16)):
+        for rows, dtype in ((1, torch.bfloat16), (2, torch.float32), (DEFAULT_TILES.fp8_mma.max_m + 1, torch.bfloat16)):
             x = torch.randn(rows, 512, device="cuda").to(dtype)
             assert _rel(fp8_block_matmul(x, weight, scales, (128, 128)), x.float() @ ref.t()) < 2e-2
         w96, s96, ref96 = _fp8((128, 128), k=96)

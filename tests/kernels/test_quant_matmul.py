@@ -209,8 +209,8 @@ def test_fp8_decode_kernel_equals_the_dequantized_product(block, m, shape, dtype
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m", [1, 5, 9])
 def test_fp8_gated_input_is_silu_mul_then_the_product(m, dtype):
-    """A down projection's gate/up row: read by the decode kernel itself (m <= 8), activated first
-    on the tl.dot path; either way the product of silu(gate) * up."""
+    """A down projection's gate/up row: read by the CUDA-core decode kernel itself, activated first
+    by `silu_mul` on the others (the MMA kernels, tl.dot); either way the product of silu(gate) * up."""
     from pipespec.kernels.fused_ops import silu_mul
     from pipespec.kernels.quant_matmul import fp8_block_matmul
     w = torch.randn(200, 320, generator=torch.Generator().manual_seed(13))
