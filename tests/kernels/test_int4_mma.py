@@ -64,7 +64,7 @@ def test_int4_mma_equals_the_dequantized_product(layout, rows, shape, dtype, mma
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows", [9, 16, 33, 64])
+@pytest.mark.parametrize("rows", [9, 16, 17, 32, 33, 64])
 @pytest.mark.parametrize("layout", ["awq", "gptq_act_order"])
 def test_int4_mma_takes_more_rows_when_its_shape_allows(layout, rows, dtype, mma_calls):
     """max_m up to 64: 16, 32 or 64 columns of x^T (more B fragments, shorter K steps), rows past M
