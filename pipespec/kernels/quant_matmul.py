@@ -252,16 +252,22 @@ def _block_m(m: int) -> int:
 
 
 @functools.cache
-def _mma_device(device: torch.device) -> bool:
-    """Gluon (Triton >= 3.6) and bf16 mma.sync (sm_80+): what `kernels/int4_mma.py` needs."""
+def _mma_device(device: torch.device, capability: tuple[int, int]) -> bool:
+    """Gluon (Triton >= 3.6) and at least `capability`: bf16 mma.sync (8.0) for `kernels/int4_mma.py`,
+    also the e4m3 -> f16 cvt (8.9) for `kernels/fp8_mma.py`."""
     version = tuple(int(v) for v in triton.__version__.split(".")[:2])
-    return version >= (3, 6) and torch.cuda.get_device_capability(device) >= (8, 0)
+    return version >= (3, 6) and torch.cuda.get_device_capability(device) >= capability
+
+
+def _mma_takes(x: torch.Tensor, shape: Gemv | None, capability: tuple[int, int]) -> bool:
+    """Whether an MMA decode kernel's shape takes x's rows: bf16 / fp16, min_m..max_m of them, on a GPU
+    that runs it."""
+    return (shape is not None and shape.min_m <= x.shape[0] <= shape.max_m and x.is_cuda
+            and x.dtype in (torch.bfloat16, torch.float16) and _mma_device(x.device, capability))
 
 
 def _int4_mma_serves(x: torch.Tensor, group: int, shape: Gemv | None) -> bool:
-    if shape is None or x.shape[0] > shape.max_m or x.dtype not in (torch.bfloat16, torch.float16) or not x.is_cuda:
-        return False
-    if not _mma_device(x.device):
+    if not _mma_takes(x, shape, (8, 0)):
         return False
     from pipespec.kernels.int4_mma import mma_block_k           # imports Gluon
     from pipespec.kernels.mma_decode import mma_rows
@@ -269,9 +275,7 @@ def _int4_mma_serves(x: torch.Tensor, group: int, shape: Gemv | None) -> bool:
 
 
 def _fp8_mma_serves(x: torch.Tensor, in_features: int, block: tuple[int, int], shape: Gemv | None) -> bool:
-    if shape is None or not shape.min_m <= x.shape[0] <= shape.max_m or x.dtype not in (torch.bfloat16, torch.float16) or not x.is_cuda:
-        return False
-    if not _mma_device(x.device) or torch.cuda.get_device_capability(x.device) < (8, 9):    # e4m3 -> f16 cvt
+    if not _mma_takes(x, shape, (8, 9)):
         return False
     from pipespec.kernels.fp8_mma import fp8_mma_block_k                # imports Gluon
     from pipespec.kernels.mma_decode import mma_rows
