@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from tests.kernels import rel, rows_reaching, shape_id
 from tests.model.quant import writers
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -17,10 +18,6 @@ TOL = {torch.bfloat16: 5e-3, torch.float16: 1e-3}
 # K step; split K summed by `_sum_splits` at the default, in the kernel's tail at the others
 SHAPES = [None, dict(block_n=256, block_k=128, num_warps=4, split_k=2),
           dict(block_n=64, block_k=128, num_warps=2, split_k=3), dict(block_n=128, block_k=64, num_warps=8, split_k=2)]
-
-
-def _rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def _fp8(block, n=200, k=512, seed=8):
@@ -38,17 +35,11 @@ def _tiles(**fp8_mma):
 def mma_calls(monkeypatch):
     """Row counts that reached the tensor-core kernel."""
     from pipespec.kernels import fp8_mma
-    calls, run = [], fp8_mma.fp8_mma_matmul
-    monkeypatch.setattr(fp8_mma, "fp8_mma_matmul", lambda x, *a, **k: calls.append(x.shape[0]) or run(x, *a, **k))
-    return calls
-
-
-def _id(shape):
-    return "default" if shape is None else "n{block_n}_k{block_k}_w{num_warps}_split{split_k}".format(**shape)
+    return rows_reaching(monkeypatch, fp8_mma, "fp8_mma_matmul")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("shape", SHAPES, ids=_id)
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
 @pytest.mark.parametrize("rows", [1, 3, 8])
 @pytest.mark.parametrize("block", [(128, 128), (32, 64)])
 def test_fp8_mma_equals_the_dequantized_product(block, rows, shape, dtype, mma_calls):
@@ -61,7 +52,7 @@ def test_fp8_mma_equals_the_dequantized_product(block, rows, shape, dtype, mma_c
         got = fp8_block_matmul(x, weight, scales, block, _tiles(**(shape or {})))
     assert mma_calls == [rows]
     assert got.shape == (rows, 200) and got.dtype == dtype
-    assert _rel(got, x.float() @ ref.t()) < TOL[dtype]
+    assert rel(got, x.float() @ ref.t()) < TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -75,7 +66,7 @@ def test_fp8_mma_takes_2_to_32_rows_by_default(rows, dtype, mma_calls):
     with torch.inference_mode():
         got = fp8_block_matmul(x, weight, scales, (128, 128))
     assert mma_calls == [rows]
-    assert got.shape == (rows, 200) and _rel(got, x.float() @ ref.t()) < TOL[dtype]
+    assert got.shape == (rows, 200) and rel(got, x.float() @ ref.t()) < TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -113,7 +104,7 @@ def test_small_products_are_summed_to_the_outputs_rounding():
         got = fp8_block_matmul(x, weight, torch.ones(2, 8, device="cuda"), (128, 128))
     exact = x.double() @ weight.double().t()
     for row in range(4):
-        assert _rel(got[row], exact[row]) < 4e-3, row
+        assert rel(got[row], exact[row]) < 4e-3, row
 
 
 def test_fp8_mma_matches_the_cuda_core_gemv_at_a_real_shape():
@@ -131,7 +122,7 @@ def test_fp8_mma_matches_the_cuda_core_gemv_at_a_real_shape():
             mma = fp8_block_matmul(x, weight, scales, (128, 128), gated=gated)
             cuda_cores = fp8_block_matmul(x, weight, scales, (128, 128), gemv, gated=gated)
             exact = fp8_block_matmul(x.float(), weight, scales, (128, 128), gated=gated)
-            assert _rel(mma, exact) < 3e-3 and _rel(cuda_cores, exact) < 3e-3
+            assert rel(mma, exact) < 3e-3 and rel(cuda_cores, exact) < 3e-3
 
 
 def test_rows_the_tensor_core_kernel_does_not_take_go_elsewhere(mma_calls):
@@ -144,10 +135,10 @@ def test_rows_the_tensor_core_kernel_does_not_take_go_elsewhere(mma_calls):
     with torch.inference_mode():
         for rows, dtype in ((1, torch.bfloat16), (2, torch.float32), (DEFAULT_TILES.fp8_mma.max_m + 1, torch.bfloat16)):
             x = torch.randn(rows, 512, device="cuda").to(dtype)
-            assert _rel(fp8_block_matmul(x, weight, scales, (128, 128)), x.float() @ ref.t()) < 2e-2
+            assert rel(fp8_block_matmul(x, weight, scales, (128, 128)), x.float() @ ref.t()) < 2e-2
         w96, s96, ref96 = _fp8((128, 128), k=96)
         x = torch.randn(1, 96, device="cuda").bfloat16()
-        assert _rel(fp8_block_matmul(x, w96, s96, (128, 128)), x.float() @ ref96.t()) < 2e-2
+        assert rel(fp8_block_matmul(x, w96, s96, (128, 128)), x.float() @ ref96.t()) < 2e-2
         assert mma_calls == []
         with pytest.raises(ValueError, match="up to 32 bf16 / fp16 rows"):
             fp8_mma_matmul(torch.randn(33, 512, device="cuda").bfloat16(), weight, scales, (128, 128),

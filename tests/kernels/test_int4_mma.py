@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.kernels import rel, rows_reaching, shape_id
 from tests.model.quant import writers
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -15,10 +16,6 @@ TOL = {torch.bfloat16: 5e-3, torch.float16: 1e-3}
 # at the default, in the kernel's tail at the others
 SHAPES = [None, dict(block_n=256, block_k=128, num_warps=4, split_k=2),
           dict(block_n=64, block_k=32, num_warps=2, split_k=3), dict(block_n=64, block_k=64, num_warps=4, split_k=2)]
-
-
-def _rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def _packed(layout, n=160, k=512):
@@ -31,9 +28,7 @@ def _packed(layout, n=160, k=512):
 def mma_calls(monkeypatch):
     """Row counts that reached the tensor-core kernel."""
     from pipespec.kernels import int4_mma
-    calls, run = [], int4_mma.int4_mma_matmul
-    monkeypatch.setattr(int4_mma, "int4_mma_matmul", lambda x, *a, **k: calls.append(x.shape[0]) or run(x, *a, **k))
-    return calls
+    return rows_reaching(monkeypatch, int4_mma, "int4_mma_matmul")
 
 
 def _tiles(shape):
@@ -43,12 +38,8 @@ def _tiles(shape):
     return DEFAULT_TILES if shape is None else replace(DEFAULT_TILES, int4_mma=Gemv(**shape))
 
 
-def _id(shape):
-    return "default" if shape is None else "n{block_n}_k{block_k}_w{num_warps}_split{split_k}".format(**shape)
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("shape", SHAPES, ids=_id)
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
 @pytest.mark.parametrize("rows", [1, 3, 8])
 @pytest.mark.parametrize("layout", ["awq", "gptq", "gptq_act_order"])
 def test_int4_mma_equals_the_dequantized_product(layout, rows, shape, dtype, mma_calls):
@@ -60,7 +51,7 @@ def test_int4_mma_equals_the_dequantized_product(layout, rows, shape, dtype, mma
         got = int4_matmul(x, packed.qweight, packed.zeros, packed.scales, packed.group, packed.perm, _tiles(shape))
     assert mma_calls == [rows]
     assert got.shape == (rows, 160) and got.dtype == dtype
-    assert _rel(got, x.float() @ ref.t()) < TOL[dtype]
+    assert rel(got, x.float() @ ref.t()) < TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -77,7 +68,7 @@ def test_int4_mma_takes_more_rows_when_its_shape_allows(layout, rows, dtype, mma
     with torch.inference_mode():
         got = int4_matmul(x, packed.qweight, packed.zeros, packed.scales, packed.group, packed.perm, tiles)
     assert mma_calls == [rows]
-    assert got.shape == (rows, 160) and _rel(got, x.float() @ ref.t()) < TOL[dtype]
+    assert got.shape == (rows, 160) and rel(got, x.float() @ ref.t()) < TOL[dtype]
 
 
 def test_int4_mma_matches_the_cuda_core_gemv_at_a_real_shape():
@@ -94,7 +85,7 @@ def test_int4_mma_matches_the_cuda_core_gemv_at_a_real_shape():
         mma = int4_matmul(x, q, z, s, 128)
         gemv = int4_matmul(x, q, z, s, 128, tiles=replace(DEFAULT_TILES, int4_mma=None))
         exact = int4_matmul(x.float(), q, z, s, 128)
-    assert _rel(mma, exact) < 3e-3 and _rel(gemv, exact) < 3e-3
+    assert rel(mma, exact) < 3e-3 and rel(gemv, exact) < 3e-3
 
 
 def test_rows_the_tensor_core_kernel_does_not_take_go_elsewhere(mma_calls):
@@ -107,13 +98,13 @@ def test_rows_the_tensor_core_kernel_does_not_take_go_elsewhere(mma_calls):
         for rows, dtype in ((2, torch.float32), (DEFAULT_TILES.int4_mma.max_m + 1, torch.bfloat16)):
             x = torch.randn(rows, 512, device="cuda").to(dtype)
             got = int4_matmul(x, packed.qweight, packed.zeros, packed.scales, packed.group)
-            assert _rel(got, x.float() @ ref.t()) < 2e-2
+            assert rel(got, x.float() @ ref.t()) < 2e-2
         packed16, ref16 = writers.packed_int4(torch.randn(160, 512, generator=torch.Generator().manual_seed(12)),
                                               "awq", group=16)
         packed16 = packed16.to(torch.device("cuda"))
         x = torch.randn(1, 512, device="cuda").bfloat16()
         got = int4_matmul(x, packed16.qweight, packed16.zeros, packed16.scales, 16)
-        assert _rel(got, x.float() @ ref16.cuda().t()) < 2e-2
+        assert rel(got, x.float() @ ref16.cuda().t()) < 2e-2
         assert mma_calls == []
         with pytest.raises(ValueError, match="up to 64 bf16 / fp16 rows"):
             int4_mma_matmul(torch.randn(65, 512, device="cuda").bfloat16(), packed.qweight, packed.zeros,

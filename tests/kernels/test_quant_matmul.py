@@ -10,17 +10,13 @@ import torch
 
 from pipespec.model.quant.packed import Fp8Weight, Int4Weight
 from tests.model.quant import writers
-from tests.kernels import DEVICE, ON_KERNELS
+from tests.kernels import DEVICE, ON_KERNELS, rel, shape_id
 
 pytestmark = ON_KERNELS
 # float32: exact products up to summation order; bf16: the activations' rounding (GPU only: the
 # interpreter multiplies bf16 tiles as their bit patterns)
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 DTYPES = [torch.float32, torch.bfloat16] if torch.cuda.is_available() else [torch.float32]
-
-
-def _rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def _x(m, k, dtype, seed=0):
@@ -36,7 +32,7 @@ def test_int4_matmul_equals_the_dequantized_product(layout, m, dtype):
     x = _x(m, 256, dtype)
     got = packed.to(torch.device(DEVICE)).matmul(x)
     assert got.shape == (m, 96) and got.dtype == dtype
-    assert _rel(got, x.float() @ ref.to(DEVICE).t()) < TOL[dtype]
+    assert rel(got, x.float() @ ref.to(DEVICE).t()) < TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -48,7 +44,7 @@ def test_fp8_block_matmul_equals_the_dequantized_product(m, dtype):
     x = _x(m, 320, dtype, seed=4)
     got = fp8_block_matmul(x, t["weight"].to(DEVICE), t["weight_scale_inv"].to(DEVICE), (128, 128))
     assert got.shape == (m, 200) and got.dtype == dtype
-    assert _rel(got, x.float() @ ref.to(DEVICE).t()) < TOL[dtype]
+    assert rel(got, x.float() @ ref.to(DEVICE).t()) < TOL[dtype]
 
 
 def test_tensor_parallel_shards_multiply_like_their_slice_of_the_weight():
@@ -62,9 +58,9 @@ def test_tensor_parallel_shards_multiply_like_their_slice_of_the_weight():
     x = _x(3, 256, torch.float32)
     for packed, dense in ((int4, ref), (fp8, ref8)):
         got = packed.rows(32, 96).to(torch.device(DEVICE)).matmul(x)
-        assert _rel(got, x.float() @ dense[32:96].to(DEVICE).t()) < 1e-5
+        assert rel(got, x.float() @ dense[32:96].to(DEVICE).t()) < 1e-5
         got = packed.columns(64, 192).to(torch.device(DEVICE)).matmul(x[:, 64:192])
-        assert _rel(got, x[:, 64:192].float() @ dense[:, 64:192].to(DEVICE).t()) < 1e-5
+        assert rel(got, x[:, 64:192].float() @ dense[:, 64:192].to(DEVICE).t()) < 1e-5
 
 
 @pytest.mark.parametrize("split_k", [2, 3, 5])
@@ -80,9 +76,9 @@ def test_split_k_sums_the_same_product(split_k):
     tiles = Tiles(block_n=32, split_k=split_k, int4_gemv=replace(DEFAULT_TILES.int4_gemv, max_m=0),
                   fp8_gemv=replace(DEFAULT_TILES.fp8_gemv, max_m=0))          # 2 rows, yet not the decode path
     got = int4_matmul(x, int4.qweight, int4.zeros, int4.scales, 64, tiles=tiles)
-    assert _rel(got, x @ ref.to(DEVICE).t()) < 1e-5
+    assert rel(got, x @ ref.to(DEVICE).t()) < 1e-5
     got = fp8_block_matmul(x, t8["weight"].to(DEVICE), t8["weight_scale_inv"].to(DEVICE), (32, 64), tiles)
-    assert _rel(got, x @ ref8.to(DEVICE).t()) < 1e-5
+    assert rel(got, x @ ref8.to(DEVICE).t()) < 1e-5
 
 
 def test_split_k_fills_the_gpu_only_when_the_grid_does_not():
@@ -112,10 +108,6 @@ FP8_GEMV = [None, dict(block_n=32, block_k=128, num_warps=4, split_k=2),
             dict(block_n=8, block_k=64, num_warps=2, split_k=3)]
 
 
-def _shape_id(shape):
-    return "default" if shape is None else "n{block_n}_k{block_k}_w{num_warps}_split{split_k}".format(**shape)
-
-
 def _tiles(kind, shape, max_m=None):
     from pipespec.kernels.quant_matmul import DEFAULT_TILES
     field = f"{kind}_gemv"
@@ -143,7 +135,7 @@ def _int4(layout):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", INT4_GEMV, ids=_shape_id)
+@pytest.mark.parametrize("shape", INT4_GEMV, ids=shape_id)
 @pytest.mark.parametrize("m", ["one", "middle", "max", "past_max"])
 @pytest.mark.parametrize("layout", ["awq", "gptq", "gptq_act_order"])
 def test_int4_decode_kernel_equals_the_dequantized_product(layout, m, shape, dtype, gemv_calls):
@@ -156,7 +148,7 @@ def test_int4_decode_kernel_equals_the_dequantized_product(layout, m, shape, dty
     got = int4_matmul(x, packed.qweight, packed.zeros, packed.scales, packed.group, packed.perm, tiles)
     assert gemv_calls == ([] if rows > max_m else [rows])
     assert got.shape == (rows, 160) and got.dtype == dtype
-    assert _rel(got, x.float() @ ref.to(DEVICE).t()) < TOL[dtype]
+    assert rel(got, x.float() @ ref.to(DEVICE).t()) < TOL[dtype]
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3])
@@ -173,8 +165,8 @@ def test_int4_decode_kernel_on_16_bit_rows_is_within_their_rounding(rows):
         got = int4_matmul(x, packed.qweight, packed.zeros, packed.scales, packed.group, tiles=_tiles("int4", None)[0])
         exact = int4_matmul(x.float(), packed.qweight, packed.zeros, packed.scales, packed.group)
     assert got.dtype == torch.float16
-    assert _rel(got, x.float() @ ref.to(DEVICE).t()) < 1e-3
-    assert _rel(got, exact) < 1e-3
+    assert rel(got, x.float() @ ref.to(DEVICE).t()) < 1e-3
+    assert rel(got, exact) < 1e-3
 
 
 def test_int4_decode_split_tiles_sum_in_their_last_program_as_the_sum_kernel_does():
@@ -190,7 +182,7 @@ def test_int4_decode_split_tiles_sum_in_their_last_program_as_the_sum_kernel_doe
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", FP8_GEMV, ids=_shape_id)
+@pytest.mark.parametrize("shape", FP8_GEMV, ids=shape_id)
 @pytest.mark.parametrize("m", ["one", "middle", "max", "past_max"])
 @pytest.mark.parametrize("block", [(128, 128), (32, 64)])
 def test_fp8_decode_kernel_equals_the_dequantized_product(block, m, shape, dtype, gemv_calls):
@@ -203,7 +195,7 @@ def test_fp8_decode_kernel_equals_the_dequantized_product(block, m, shape, dtype
     got = fp8_block_matmul(x, t["weight"].to(DEVICE), t["weight_scale_inv"].to(DEVICE), block, tiles)
     assert gemv_calls == ([] if rows > max_m else [rows])
     assert got.shape == (rows, 200) and got.dtype == dtype
-    assert _rel(got, x.float() @ ref.to(DEVICE).t()) < TOL[dtype]
+    assert rel(got, x.float() @ ref.to(DEVICE).t()) < TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -221,8 +213,8 @@ def test_fp8_gated_input_is_silu_mul_then_the_product(m, dtype):
         h = silu_mul(gate_up)
     got = fp8_block_matmul(gate_up, weight, scales, (128, 128), gated=True)
     assert got.shape == (m, 200)
-    assert _rel(got, fp8_block_matmul(h, weight, scales, (128, 128))) < (1e-6 if dtype == torch.float32 else 4e-3)
-    assert _rel(got, h.float() @ ref.to(DEVICE).t()) < TOL[dtype]
+    assert rel(got, fp8_block_matmul(h, weight, scales, (128, 128))) < (1e-6 if dtype == torch.float32 else 4e-3)
+    assert rel(got, h.float() @ ref.to(DEVICE).t()) < TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -240,4 +232,4 @@ def test_int4_gated_input_is_silu_mul_then_the_product(layout, m, dtype):
     got = packed.matmul(gate_up, gated=True)
     assert got.shape == (m, 160)
     assert torch.equal(got, packed.matmul(h))
-    assert _rel(got, h.float() @ ref.to(DEVICE).t()) < TOL[dtype]
+    assert rel(got, h.float() @ ref.to(DEVICE).t()) < TOL[dtype]
