@@ -5,10 +5,10 @@
    the defaults route them, and their CUDA-core decode kernels alone (`*_gemv_us`): the
    microseconds of one call replayed from a CUDA graph that cycles through copies of the weight
    totalling 512 MB of bf16 (so L2 does not serve them; decode replays graphs too), and the weight
-   bytes read per second; past 8 rows also the MMA kernels allowed more rows than the defaults
-   give them (`int4_mma_us` up to 64, `fp8_mma_us` up to 32: `MMA_MAX`; the defaults: 32 both). With `--sweep`, the batch-1
-   row of every projection also tries other launch shapes of the decode kernels (`Gemv`, split-K
-   included) and reports the best, to choose the defaults from.
+   bytes read per second; past 8 rows also the MMA kernels at their most rows (`int4_mma_us` up
+   to 64, `fp8_mma_us` up to 32: `MMA_MAX`; the defaults stop at 32). With `--sweep [KINDS]`, the
+   batch-1 row of every projection also tries other launch shapes of the decode kernels (`Gemv`,
+   split-K included) and reports the best, to choose the defaults from.
 2. Engines: the Llama-3-8B shape with random weights (`--load-format dummy`), bf16 against
    `--quantization fp8` and `--quantization awq` (int4), CUDA graphs on, random 32-token prompts,
    greedy, 64 new tokens; tokens/s by batch, medians of interleaved repeats; the peer is the bf16
@@ -142,8 +142,8 @@ def kernels(report, sweep_kinds: list[str]):
                  "bf16_gemv": _us([lambda w=w: rowmajor_gemv(gu, w, gated=True) for w in dense]),
                  "int4": _us([lambda w=w: w.matmul(gu, gated=True) for w in q4s]),
                  "fp8": _us([lambda w=w: w.matmul(gu, gated=True) for w in f8s]),
-                 "fp8_gemv": _us([lambda w=w: fp8_block_matmul(gu, w.weight, w.scale_inv, w.block, GEMV_ONLY, gated=True)
-                                  for w in f8s])}
+                 "fp8_gemv": _us([lambda w=w: fp8_block_matmul(gu, w.weight, w.scale_inv, w.block, GEMV_ONLY,
+                                                               gated=True) for w in f8s])}
             row = {"part": "kernel", "proj": "down (gated)", "m": 1, **{f"{kk}_us": round(v, 1) for kk, v in t.items()}}
             report["kernels"].append(row)
             print(json.dumps(row), flush=True)

@@ -106,10 +106,10 @@ def _fp8_mma_kernel(x_ptr, w_ptr, s_ptr, y_ptr, p_ptr, count_ptr, M, stride_xm, 
         # the last step loads itself again (cache hits) rather than masking the loads
         nxt = _load_step(w_ptrs, s_ptrs, x_ptrs, gl.minimum(k0 + BLOCK_K, k_end - BLOCK_K), w_mask, BLOCK_IN,
                          MASKED)
-        lo, hi = gl.inline_asm_elementwise(WIDEN_ASM, "=r,=r,r,r", [gl.join(w, w)], dtype=(x_ptr.dtype.element_ty,) * 2, is_pure=True,
-                                           pack=2)
-        a = gl.reshape(gl.join(lo, hi), [BLOCK_N, H, 4, 4, 2, 2])      # [n, h, c, f, i, e]: K = 64 h + 16 c + 4 f + 2 e + i
-        a = gl.permute(a, [0, 1, 3, 5, 2, 4])                           # the dot's K order: [n, h, f, e, c, i]
+        lo, hi = gl.inline_asm_elementwise(WIDEN_ASM, "=r,=r,r,r", [gl.join(w, w)],
+                                           dtype=(x_ptr.dtype.element_ty,) * 2, is_pure=True, pack=2)
+        # [n, h, c, f, i, e]: memory K = 64 h + 16 c + 4 f + 2 e + i; to the dot's K order [n, h, f, e, c, i]
+        a = gl.permute(gl.reshape(gl.join(lo, hi), [BLOCK_N, H, 4, 4, 2, 2]), [0, 1, 3, 5, 2, 4])
         a = gl.convert_layout(gl.reshape(a, [BLOCK_N, BLOCK_K]), a_l, assert_trivial=True)
         b = gl.permute(gl.reshape(x, [H, 4, 4, 2, 2, ROWS]), [0, 2, 3, 1, 4, 5])
         b = gl.convert_layout(gl.reshape(b, [BLOCK_K, ROWS]), b_l, assert_trivial=True)

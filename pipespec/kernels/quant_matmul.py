@@ -8,8 +8,8 @@ precision (weight-only quantization, W4A16 / W8A16). The activations are never q
 Three paths: up to `Gemv.max_m` rows (decode) the GEMV kernels multiply on CUDA cores, every row
 against each weight tile as it is loaded (bf16 / fp16 rows on a GPU take the tensor-core decode
 kernels of `kernels/int4_mma.py` and `kernels/fp8_mma.py` instead, up to their own max_m); more
-rows take the tl.dot kernels, whose tiles are at least 16 rows (mostly padding at batch 1). All split K over programs when the output alone gives
-too few, summing float32 partials in split order.
+rows take the tl.dot kernels, whose tiles are at least 16 rows (mostly padding at batch 1). All
+split K over programs when the output alone gives too few, summing float32 partials in split order.
 """
 from __future__ import annotations
 
