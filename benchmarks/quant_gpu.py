@@ -105,16 +105,21 @@ def sweep(name, x, dense, q4s, f8s, report, kinds):
         print(json.dumps(row), flush=True)
 
 
+def random_weights(n: int, k: int, dev: torch.device) -> tuple[torch.Tensor, Int4Weight, Fp8Weight]:
+    """One random [n, k] weight in each format: bf16, int4 (group 128) and FP8 (128 x 128 blocks)."""
+    dense = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
+    q4 = Int4Weight(torch.randint(-2**31, 2**31 - 1, (k // 8, n), device=dev, dtype=torch.int32),
+                    torch.full((k // 128, n), 8.0, device=dev), torch.full((k // 128, n), 0.005, device=dev), 128)
+    f8 = Fp8Weight(torch.randn(n, k, device=dev).to(torch.float8_e4m3fn),
+                   torch.full((n // 128, k // 128), 0.02, device=dev), (128, 128))
+    return dense, q4, f8
+
+
 def kernels(report, sweep_kinds: list[str]):
     dev = torch.device("cuda")
     for name, (n, k) in PROJECTIONS.items():
         copies = max(1, L2_PASS // (n * k * 2))
-        dense = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
-        q4s = [Int4Weight(torch.randint(-2**31, 2**31 - 1, (k // 8, n), device=dev, dtype=torch.int32),
-                          torch.full((k // 128, n), 8.0, device=dev), torch.full((k // 128, n), 0.005, device=dev),
-                          128) for _ in range(copies)]
-        f8s = [Fp8Weight(torch.randn(n, k, device=dev).to(torch.float8_e4m3fn),
-                         torch.full((n // 128, k // 128), 0.02, device=dev), (128, 128)) for _ in range(copies)]
+        dense, q4s, f8s = zip(*(random_weights(n, k, dev) for _ in range(copies)))
         for m in (1, 4, 8, 16, 32, 64):
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             t = {"bf16": _us([lambda w=w: x @ w.t() for w in dense]),
@@ -157,12 +162,8 @@ def host_times(report, calls: int = 300):
     """Host microseconds of one eager call (the loop of `calls` after warm-up, not synchronized:
     what the Python side and the launches cost) against its graph-replayed device time, for the
     4,096 x 4,096 projection at 1 and 32 rows: an eager prefill pays the host side every layer."""
-    dev, n, k = torch.device("cuda"), 4096, 4096
-    dense = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
-    f8 = Fp8Weight(torch.randn(n, k, device=dev).to(torch.float8_e4m3fn),
-                   torch.full((n // 128, k // 128), 0.02, device=dev), (128, 128))
-    q4 = Int4Weight(torch.randint(-2**31, 2**31 - 1, (k // 8, n), device=dev, dtype=torch.int32),
-                    torch.full((k // 128, n), 8.0, device=dev), torch.full((k // 128, n), 0.005, device=dev), 128)
+    dev, k = torch.device("cuda"), 4096
+    dense, q4, f8 = random_weights(4096, k, dev)
     with torch.inference_mode():
         for m in (1, 32):
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)

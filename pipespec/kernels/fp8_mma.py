@@ -32,14 +32,12 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from pipespec.kernels import sm_count
-from pipespec.kernels.gemv import Gemv, _run, gemv_split_k
-from pipespec.kernels.mma_decode import bits, mma_rows, store_tile
+from pipespec.kernels.gemv import Gemv, _run, decode_grid
+from pipespec.kernels.mma_decode import bits, mma_rows, step_k, store_tile
 from pipespec.kernels.pdl import pdl_args
 from pipespec.kernels.pdl_gluon import pdl_signal, pdl_wait
 
@@ -140,12 +138,9 @@ def _layouts(block_n: int, block_k: int, warps: int, rows: int):
 
 
 def fp8_mma_block_k(block: tuple[int, int], in_features: int, shape: Gemv, rows: int = 8) -> int:
-    """K a step: shape.block_k or less, at most 2,048 / rows (x's registers), inside one scale block
-    and dividing K, whole 64-wide chunks; 0 if none fits."""
-    block_k = min(shape.block_k, 2048 // rows)
-    while block_k >= 64 and (block[1] % block_k or in_features % block_k):
-        block_k //= 2
-    return block_k if block_k >= 64 else 0
+    """K a step (`step_k`): inside one scale block and dividing K, whole 64-wide chunks (a lane's
+    16 bytes in each)."""
+    return step_k(shape, rows, 64, block[1], in_features)
 
 
 def fp8_mma_matmul(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
@@ -161,9 +156,7 @@ def fp8_mma_matmul(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tenso
     if not block_k or shape.block_n % (16 * shape.num_warps):
         raise ValueError(f"FP8 blocks {block} with K = {in_features}: no step of 64-wide chunks inside one block "
                          f"divides K, or {shape.block_n} columns are not 16 a warp")
-    grid = (triton.cdiv(out_features, shape.block_n),)
-    split = shape.split_k or gemv_split_k(grid[0], in_features // block_k, sm_count(x.device),
-                                          shape.block_n * block_k, out_features * in_features, out_features)
+    grid, split = decode_grid(shape, x.device, out_features, in_features, shape.block_n, block_k, 8)
     w_layout, x_layout = _layouts(shape.block_n, block_k, shape.num_warps, rows)
     widen, exp = WIDEN[x.dtype]
     return _run(_fp8_mma_kernel, grid, x, out_features, in_features, block_k, split,

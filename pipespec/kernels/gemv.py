@@ -231,14 +231,22 @@ def _run(kernel, grid: tuple, x: torch.Tensor, out_features: int, in_features: i
     return y
 
 
+def decode_grid(gemv: Gemv, device: torch.device, out_features: int, in_features: int, block_n: int,
+                block_k: int, bits: int) -> tuple[tuple[int], int]:
+    """A decode kernel's grid of output tiles and its K splits (`gemv.split_k`, or `gemv_split_k`'s
+    for steps of block_n x block_k weights of `bits` each)."""
+    grid = (triton.cdiv(out_features, block_n),)
+    split = gemv.split_k or gemv_split_k(grid[0], triton.cdiv(in_features, block_k), sm_count(device),
+                                         block_n * block_k * bits // 8, out_features * in_features * bits // 8,
+                                         out_features)
+    return grid, split
+
+
 def _launch_gemv(kernel, x: torch.Tensor, out_features: int, in_features: int, block_n: int, block_k: int,
                  num_warps: int, gemv: Gemv, bits: int, args: tuple, out_dtype: torch.dtype | None = None,
                  **constexprs) -> torch.Tensor:
     """A decode kernel over (N tiles, K splits), all M rows in each program; `bits` a weight."""
-    grid = (triton.cdiv(out_features, block_n),)
-    split = gemv.split_k or gemv_split_k(grid[0], triton.cdiv(in_features, block_k), sm_count(x.device),
-                                         block_n * block_k * bits // 8, out_features * in_features * bits // 8,
-                                         out_features)
+    grid, split = decode_grid(gemv, x.device, out_features, in_features, block_n, block_k, bits)
     return _run(kernel, grid, x, out_features, in_features, block_k, split, args, out_dtype, gemv.tail_sum,
                 BLOCK_M=triton.next_power_of_2(x.shape[0]), BLOCK_N=block_n, num_warps=num_warps, **constexprs)
 

@@ -31,14 +31,12 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from pipespec.kernels import sm_count
-from pipespec.kernels.gemv import Gemv, _run, gemv_split_k
-from pipespec.kernels.mma_decode import bits, mma_rows, store_tile
+from pipespec.kernels.gemv import Gemv, _run, decode_grid
+from pipespec.kernels.mma_decode import bits, mma_rows, step_k, store_tile
 from pipespec.kernels.pdl import pdl_args
 from pipespec.kernels.pdl_gluon import pdl_signal, pdl_wait
 
@@ -159,12 +157,8 @@ MAX_ROWS = 64
 
 
 def mma_block_k(group: int, shape: Gemv, rows: int = 8) -> int:
-    """K a step: shape.block_k or less, at most 2,048 / rows (x's registers: rows / 8 fragments),
-    inside one group, whole 32-wide chunks; 0 if none fits."""
-    block_k = min(shape.block_k, 2048 // rows)
-    while block_k >= 32 and group % block_k:
-        block_k //= 2
-    return block_k if block_k >= 32 else 0
+    """K a step (`step_k`): inside one group, whole 32-wide chunks (a word row a lane's K pairs)."""
+    return step_k(shape, rows, 32, group)
 
 
 def int4_mma_matmul(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group: int,
@@ -179,9 +173,7 @@ def int4_mma_matmul(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor,
     block_k = mma_block_k(group, shape, rows)
     if not block_k or in_features % group:
         raise ValueError(f"int4 group size {group}: not a multiple of 32 or not dividing K = {in_features}")
-    grid = (triton.cdiv(out_features, shape.block_n),)
-    split = shape.split_k or gemv_split_k(grid[0], in_features // block_k, sm_count(x.device),
-                                          shape.block_n * block_k // 2, out_features * in_features // 2, out_features)
+    grid, split = decode_grid(shape, x.device, out_features, in_features, shape.block_n, block_k, 4)
     words, xl = _layouts(shape.block_n, block_k, shape.num_warps, rows)
     unpack, magic = UNPACK[x.dtype]
     return _run(_int4_mma_kernel, grid, x, out_features, in_features, block_k, split, ((qweight, zeros, scales), ()),

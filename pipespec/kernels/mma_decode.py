@@ -9,10 +9,21 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from pipespec.kernels.gemv import Gemv
+
 
 def mma_rows(m: int) -> int:
     """x^T's columns for m rows: 8 (one B fragment) or the next power of two."""
     return max(8, triton.next_power_of_2(m))
+
+
+def step_k(shape: Gemv, rows: int, chunk: int, *sizes: int) -> int:
+    """K a step: shape.block_k or less, at most 2,048 / rows (x^T's registers: rows / 8 B fragments),
+    whole `chunk`-wide chunks, dividing each of `sizes` (a group, a scale block, K); 0 if none fits."""
+    block_k = min(shape.block_k, 2048 // rows)
+    while block_k >= chunk and any(size % block_k for size in sizes):
+        block_k //= 2
+    return block_k if block_k >= chunk else 0
 
 
 def bits(n: int) -> list[int]:
