@@ -53,6 +53,16 @@ def fused_routing_supported(num_experts: int, n_group: int = 1) -> bool:
     return num_experts & (num_experts - 1) == 0 and num_experts % n_group == 0 and num_experts >= n_group
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for launch sizes on the host: triton.cdiv is a constexpr function there, ~1 us a call."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The least power of two >= n (1 for n <= 1), for block sizes on the host (as `cdiv`)."""
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
 @functools.cache
 def _sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count

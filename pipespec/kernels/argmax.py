@@ -14,11 +14,14 @@ import torch
 import triton
 import triton.language as tl
 
+from pipespec.kernels import cdiv, next_pow2
+from pipespec.kernels.launch import cached_launch
 from pipespec.kernels.pdl import pdl_args, pdl_signal, pdl_wait
 
 CHUNK = 4096
 
 
+@cached_launch
 @triton.jit
 def _chunk_argmax_kernel(x_ptr, val_ptr, idx_ptr, V, stride_row, CHUNKS: tl.constexpr, BLOCK: tl.constexpr,
                          PDL: tl.constexpr):
@@ -33,6 +36,7 @@ def _chunk_argmax_kernel(x_ptr, val_ptr, idx_ptr, V, stride_row, CHUNKS: tl.cons
     tl.store(idx_ptr + row * CHUNKS + chunk, chunk * BLOCK + at)
 
 
+@cached_launch
 @triton.jit
 def _row_argmax_kernel(val_ptr, idx_ptr, out_ptr, CHUNKS: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
     pdl_signal(PDL)
@@ -55,11 +59,11 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, dtype=torch.int64, device=x.device)
     if rows == 0:
         return out.view(lead)
-    chunks = triton.cdiv(vocab, CHUNK)
+    chunks = cdiv(vocab, CHUNK)
     vals = torch.empty(rows, chunks, dtype=torch.float32, device=x.device)
     idx = torch.empty(rows, chunks, dtype=torch.int32, device=x.device)
     _chunk_argmax_kernel[(rows, chunks)](x, vals, idx, vocab, x.stride(0), CHUNKS=chunks, BLOCK=CHUNK, num_warps=4,
                                          **pdl_args(x.device))
-    _row_argmax_kernel[(rows,)](vals, idx, out, CHUNKS=chunks, BLOCK_C=triton.next_power_of_2(chunks), num_warps=1,
+    _row_argmax_kernel[(rows,)](vals, idx, out, CHUNKS=chunks, BLOCK_C=next_pow2(chunks), num_warps=1,
                                 **pdl_args(x.device))
     return out.view(lead)

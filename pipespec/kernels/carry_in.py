@@ -12,9 +12,12 @@ import torch
 import triton
 import triton.language as tl
 
+from pipespec.kernels import cdiv
+from pipespec.kernels.launch import cached_launch
 from pipespec.layout import Carry, StepLayout
 
 
+@cached_launch
 @triton.jit
 def _carry_in_kernel(ids_ptr, pos_ptr, slot_ptr, mtp_ptr, seq_ptr, commit_ptr, line_ptr, qsl_ptr, carried_ptr,
                      real_ptr, tok_ptr, drafts_ptr, shift_ptr, cand_ptr, tables_ptr, num_rows, table_stride, width,
@@ -61,7 +64,7 @@ def carry_in(layout: StepLayout, carry: Carry, line: torch.Tensor, block_size: i
     k = carry.drafts.shape[1]
     tables = layout.block_tables
     block = 128
-    _carry_in_kernel[(triton.cdiv(n, block),)](
+    _carry_in_kernel[(cdiv(n, block),)](
         layout.input_ids, layout.positions, layout.slot_mapping, layout.mtp_input_ids, layout.seq_lens,
         commit if commit is not None else layout.seq_lens, line, layout.query_start_loc, layout.carried,
         layout.seq_lens if layout.req_real_drafts is None else layout.req_real_drafts,    # (read with K > 0 only)

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pipespec.kernels import cdiv, next_pow2
+from pipespec.kernels.launch import cached_launch
 from pipespec.kernels.pdl import pdl_args, pdl_signal, pdl_wait
 
 
@@ -32,6 +34,7 @@ def _window(past, x_row, r, ok, fresh, live, C: tl.constexpr, PAST: tl.constexpr
     return tl.load(ptrs, mask=mask, other=0.0).to(x_row.dtype.element_ty)
 
 
+@cached_launch
 @triton.jit
 def _causal_conv_kernel(x_ptr, rows_ptr, valid_ptr, len_ptr, conv_ptr, cand_ptr, slot_ptr, fresh_ptr, commit_ptr,
                         settle_ptr, w_ptr, out_ptr, line_ptr, length, cand_rows, stride_x, C: tl.constexpr,
@@ -99,10 +102,10 @@ def causal_conv(x: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, length
     out = torch.empty(bsz, length, channels, dtype=x.dtype, device=x.device)
     one_row = length == 1
     line = torch.empty(bsz, 1 if one_row else past + length, channels, dtype=x.dtype, device=x.device)  # scratch
-    block = min(1024 if not one_row else 256, triton.next_power_of_2(channels))
-    _causal_conv_kernel[(bsz, triton.cdiv(channels, block))](
+    block = min(1024 if not one_row else 256, next_pow2(channels))
+    _causal_conv_kernel[(bsz, cdiv(channels, block))](
         x, rows.contiguous(), valid.contiguous(), lengths.contiguous(), conv, cand, slots.contiguous(),
         fresh.contiguous(), commit.contiguous(), settles.contiguous(), weight.contiguous(), out, line, length,
         cand.shape[1], x.stride(0), C=channels, PAST=past, BLOCK_C=block, ONE_ROW=one_row,
-        WIN=triton.next_power_of_2(past + 1), num_warps=4, **pdl_args(x.device))
+        WIN=next_pow2(past + 1), num_warps=4, **pdl_args(x.device))
     return out

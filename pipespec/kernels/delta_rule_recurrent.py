@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pipespec.kernels.launch import cached_launch
 from pipespec.kernels.pdl import pdl_args, pdl_signal, pdl_wait
 
 
@@ -30,6 +31,7 @@ def _softplus(x):
     return tl.where(x > 20.0, x, tl.where(x < -15.0, tl.exp(x), tl.log(1.0 + tl.exp(x))))
 
 
+@cached_launch
 @triton.jit
 def _recurrent_kernel(conv_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, rows_ptr, valid_ptr, rec_ptr, cand_ptr, slot_ptr,
                       fresh_ptr, commit_ptr, settle_ptr, o_ptr, length, cand_rows, stride_a, stride_b, q_scale,

@@ -37,6 +37,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from pipespec.kernels.gemv import Gemv, _run, decode_grid
+from pipespec.kernels.launch import cached_launch
 from pipespec.kernels.mma_decode import bits, mma_rows, step_k, store_tile
 from pipespec.kernels.pdl import pdl_args
 from pipespec.kernels.pdl_gluon import pdl_signal, pdl_wait
@@ -74,6 +75,7 @@ def _load_step(w_ptrs, s_ptrs, x_ptrs, k0, w_mask, BLOCK_IN: gl.constexpr, MASKE
     return w, gl.load(s_ptrs + k0 // BLOCK_IN), gl.load(x_ptrs + k0)
 
 
+@cached_launch
 @gluon.jit
 def _fp8_mma_kernel(x_ptr, w_ptr, s_ptr, y_ptr, p_ptr, count_ptr, M, stride_xm, stride_ym, scale_cols, k_per_split,
                     N: gl.constexpr, K: gl.constexpr, BLOCK_OUT: gl.constexpr, BLOCK_IN: gl.constexpr,

@@ -12,8 +12,11 @@ import torch
 import triton
 import triton.language as tl
 
+from pipespec.kernels import cdiv, next_pow2
+from pipespec.kernels.launch import cached_launch
 from pipespec.kernels.pdl import pdl_args, pdl_signal, pdl_wait
 
+@cached_launch
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, out_ptr, res_out_ptr, w_ptr, n_cols, stride_x, eps,
                      HAS_RESIDUAL: tl.constexpr, ZERO_CENTRED: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
@@ -63,10 +66,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         return out if residual is None else (out, res_out)
     _rms_norm_kernel[(rows,)](x, residual.contiguous() if residual is not None else x, out, res_out,
                               weight, n, x.stride(0) if x.dim() == 2 else n, eps, HAS_RESIDUAL=residual is not None,
-                              ZERO_CENTRED=zero_centred, BLOCK=triton.next_power_of_2(n), **pdl_args(x.device))
+                              ZERO_CENTRED=zero_centred, BLOCK=next_pow2(n), **pdl_args(x.device))
     return out if residual is None else (out, res_out)
 
 
+@cached_launch
 @triton.jit
 def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, n_cols, eps, BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl_signal(PDL)
@@ -90,11 +94,12 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     n = x.shape[-1]
     out = torch.empty_like(x)
     if x.numel():
-        _gated_rms_norm_kernel[(x.numel() // n,)](x, z, weight, out, n, eps, BLOCK=triton.next_power_of_2(n),
+        _gated_rms_norm_kernel[(x.numel() // n,)](x, z, weight, out, n, eps, BLOCK=next_pow2(n),
                                                   **pdl_args(x.device))
     return out
 
 
+@cached_launch
 @triton.jit
 def _silu_mul_kernel(x_ptr, out_ptr, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl_signal(PDL)
@@ -114,13 +119,14 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     n = gate_up.shape[-1] // 2
     out = torch.empty(*gate_up.shape[:-1], n, dtype=gate_up.dtype, device=gate_up.device)
     rows = gate_up.numel() // (2 * n)
-    block = min(1024, triton.next_power_of_2(n))
+    block = min(1024, next_pow2(n))
     if rows == 0:
         return out
-    _silu_mul_kernel[(rows, triton.cdiv(n, block))](gate_up, out, n, BLOCK=block, **pdl_args(gate_up.device))
+    _silu_mul_kernel[(rows, cdiv(n, block))](gate_up, out, n, BLOCK=block, **pdl_args(gate_up.device))
     return out
 
 
+@cached_launch
 @triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, stride_t, stride_h,
                  HEAD_DIM: tl.constexpr, PDL: tl.constexpr):
@@ -149,6 +155,7 @@ def rope_(x: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor, pos
     return x
 
 
+@cached_launch
 @triton.jit
 def _slice_rope_kernel(x_ptr, out_ptr, cos_ptr, sin_ptr, pos_ptr, stride_t, stride_h, heads,
                        HALF: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
@@ -187,13 +194,14 @@ def slice_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions:
     t, heads, d = x.shape
     out = torch.empty(t, heads, d, dtype=x.dtype, device=x.device)
     if t:
-        block_h = min(16, triton.next_power_of_2(heads))
-        _slice_rope_kernel[(t, triton.cdiv(heads, block_h))](x, out, cos, sin, positions, x.stride(0), x.stride(1),
+        block_h = min(16, next_pow2(heads))
+        _slice_rope_kernel[(t, cdiv(heads, block_h))](x, out, cos, sin, positions, x.stride(0), x.stride(1),
                                                              heads, HALF=d // 2, INTERLEAVED=interleaved,
                                                              BLOCK_H=block_h, num_warps=1, **pdl_args(x.device))
     return out
 
 
+@cached_launch
 @triton.jit
 def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_kt, stride_vt,
                      ROW: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
@@ -216,9 +224,10 @@ def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, k: torch.Tensor
         return
     assert k.stride(1) == k.shape[2] and v.stride(1) == v.shape[2] and k.stride(2) == 1 and v.stride(2) == 1
     _write_kv_kernel[(k.shape[0],)](k, v, key_cache, value_cache, slot_mapping, k.stride(0), v.stride(0),
-                                    ROW=row, BLOCK=triton.next_power_of_2(row), **pdl_args(k.device))
+                                    ROW=row, BLOCK=next_pow2(row), **pdl_args(k.device))
 
 
+@cached_launch
 @triton.jit
 def _mla_entry_kernel(kv_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, cache_ptr, stride_kt, stride_ct, eps,
                       R: tl.constexpr, R_PAD: tl.constexpr, HALF: tl.constexpr, INTERLEAVED: tl.constexpr,
@@ -253,5 +262,5 @@ def mla_cache_entry(kv_a: torch.Tensor, norm_weight: torch.Tensor, eps: float, c
     assert kv_a.stride(1) == 1 and cache.stride(-1) == 1 and half & (half - 1) == 0
     if t:
         _mla_entry_kernel[(t,)](kv_a, norm_weight, cos, sin, positions, slot_mapping, cache, kv_a.stride(0),
-                                cache.stride(0), eps, R=rank, R_PAD=triton.next_power_of_2(rank), HALF=half,
+                                cache.stride(0), eps, R=rank, R_PAD=next_pow2(rank), HALF=half,
                                 INTERLEAVED=interleaved, num_warps=4, **pdl_args(kv_a.device))

@@ -19,10 +19,13 @@ import torch
 import triton
 import triton.language as tl
 
+from pipespec.kernels import cdiv, next_pow2
 from pipespec.kernels.fused_ops import rms_scale
+from pipespec.kernels.launch import cached_launch
 from pipespec.kernels.pdl import pdl_args, pdl_signal, pdl_wait
 
 
+@cached_launch
 @triton.jit
 def _qk_norm_rope_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, k_ptr, stride_t, eps,
                          H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
@@ -78,10 +81,11 @@ def qk_norm_rope(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, q_
     if t:
         _qk_norm_rope_kernel[(t, heads + kv_heads)](
             qkv, q_weight, k_weight, cos, sin, positions, q, k, qkv.stride(0), eps, H=heads, KVH=kv_heads, D=head_dim,
-            D_PAD=triton.next_power_of_2(head_dim), HALF=rot // 2, num_warps=1, **pdl_args(qkv.device))
+            D_PAD=next_pow2(head_dim), HALF=rot // 2, num_warps=1, **pdl_args(qkv.device))
     return q, k
 
 
+@cached_launch
 @triton.jit
 def _sigmoid_gate_kernel(x_ptr, g_ptr, out_ptr, stride_gt, H: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
                          PDL: tl.constexpr):
@@ -104,7 +108,7 @@ def sigmoid_gate(x: torch.Tensor, qkv: torch.Tensor, heads: int, head_dim: int) 
     x = x.contiguous()
     out = torch.empty_like(x)
     if t:
-        block = min(1024, triton.next_power_of_2(heads * head_dim))
-        _sigmoid_gate_kernel[(t, triton.cdiv(heads * head_dim, block))](
+        block = min(1024, next_pow2(heads * head_dim))
+        _sigmoid_gate_kernel[(t, cdiv(heads * head_dim, block))](
             x, qkv, out, qkv.stride(0), H=heads, D=head_dim, BLOCK=block, num_warps=4, **pdl_args(x.device))
     return out

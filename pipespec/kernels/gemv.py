@@ -23,7 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pipespec.kernels import sm_count
+from pipespec.kernels import cdiv, next_pow2, sm_count
+from pipespec.kernels.launch import cached_launch
 from pipespec.kernels.pdl import pdl_args, pdl_signal, pdl_wait
 
 
@@ -59,6 +60,7 @@ def _store(y_ptr, p_ptr, count_ptr, acc, rm, rn, M, N, stride_ym, tile, split, S
                 tl.store(count_ptr + tile, 0)
 
 
+@cached_launch
 @triton.jit
 def _sum_splits(p_ptr, y_ptr, size, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """y (contiguous) = the float32 partials [SPLIT_K, size] summed in split order (deterministic,
@@ -89,6 +91,7 @@ def gemv_input(ptrs, K, mask, GATED: tl.constexpr, MASKED: tl.constexpr):
     return x
 
 
+@cached_launch
 @triton.jit
 def _rowmajor_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, p_ptr, count_ptr, M, stride_xm, stride_ym, scale_cols,
                           k_per_split,
@@ -215,10 +218,10 @@ def _run(kernel, grid: tuple, x: torch.Tensor, out_features: int, in_features: i
     y = torch.empty(m, out_features, device=x.device, dtype=out_dtype or x.dtype)
     if m == 0:
         return y
-    k_tiles = triton.cdiv(in_features, block_k)
+    k_tiles = cdiv(in_features, block_k)
     split = max(1, min(split, k_tiles))
-    k_per_split = triton.cdiv(k_tiles, split) * block_k
-    split = triton.cdiv(in_features, k_per_split)          # no empty splits
+    k_per_split = cdiv(k_tiles, split) * block_k
+    split = cdiv(in_features, k_per_split)          # no empty splits
     partials = y if split == 1 else torch.empty(split, m, out_features, device=x.device, dtype=torch.float32)
     counts = split_counts(x.device, math.prod(grid)) if split > 1 and tail_sum else None
     weights, scalars = args
@@ -226,7 +229,7 @@ def _run(kernel, grid: tuple, x: torch.Tensor, out_features: int, in_features: i
                            *scalars, k_per_split, N=out_features, K=in_features, BLOCK_K=block_k, SPLIT_K=split,
                            TAIL_SUM=counts is not None, **meta)
     if split > 1 and counts is None:    # 128 outputs a one-warp program: a 4,096-wide row is read by 32 SMs
-        _sum_splits[(triton.cdiv(y.numel(), 128),)](partials, y, y.numel(), SPLIT_K=split, BLOCK=128, num_warps=1,
+        _sum_splits[(cdiv(y.numel(), 128),)](partials, y, y.numel(), SPLIT_K=split, BLOCK=128, num_warps=1,
                                                     **pdl_args(x.device))
     return y
 
@@ -235,8 +238,8 @@ def decode_grid(gemv: Gemv, device: torch.device, out_features: int, in_features
                 block_k: int, bits: int) -> tuple[tuple[int], int]:
     """A decode kernel's grid of output tiles and its K splits (`gemv.split_k`, or `gemv_split_k`'s
     for steps of block_n x block_k weights of `bits` each)."""
-    grid = (triton.cdiv(out_features, block_n),)
-    split = gemv.split_k or gemv_split_k(grid[0], triton.cdiv(in_features, block_k), sm_count(device),
+    grid = (cdiv(out_features, block_n),)
+    split = gemv.split_k or gemv_split_k(grid[0], cdiv(in_features, block_k), sm_count(device),
                                          block_n * block_k * bits // 8, out_features * in_features * bits // 8,
                                          out_features)
     return grid, split
@@ -248,7 +251,7 @@ def _launch_gemv(kernel, x: torch.Tensor, out_features: int, in_features: int, b
     """A decode kernel over (N tiles, K splits), all M rows in each program; `bits` a weight."""
     grid, split = decode_grid(gemv, x.device, out_features, in_features, block_n, block_k, bits)
     return _run(kernel, grid, x, out_features, in_features, block_k, split, args, out_dtype, gemv.tail_sum,
-                BLOCK_M=triton.next_power_of_2(x.shape[0]), BLOCK_N=block_n, num_warps=num_warps, **constexprs)
+                BLOCK_M=next_pow2(x.shape[0]), BLOCK_N=block_n, num_warps=num_warps, **constexprs)
 
 
 def rowmajor_gemv(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | None = None,

@@ -36,6 +36,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from pipespec.kernels.gemv import Gemv, _run, decode_grid
+from pipespec.kernels.launch import cached_launch
 from pipespec.kernels.mma_decode import bits, mma_rows, step_k, store_tile
 from pipespec.kernels.pdl import pdl_args
 from pipespec.kernels.pdl_gluon import pdl_signal, pdl_wait
@@ -83,6 +84,7 @@ def _column(r, T: gl.constexpr, WARPS: gl.constexpr):
     return (16 * T) * ((r // 16) % WARPS) + (2 * T) * (r % 8) + 2 * (r // (16 * WARPS)) + (r // 8) % 2
 
 
+@cached_launch
 @gluon.jit
 def _int4_mma_kernel(x_ptr, q_ptr, z_ptr, s_ptr, y_ptr, p_ptr, count_ptr, M, stride_xm, stride_ym, k_per_split,
                      N: gl.constexpr, K: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr,

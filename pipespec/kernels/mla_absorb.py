@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pipespec.kernels import cdiv, next_pow2
+from pipespec.kernels.launch import cached_launch
 from pipespec.kernels.pdl import pdl_args, pdl_signal, pdl_wait
 
 MAX_ROWS = 8          # query rows the kernels take
@@ -25,6 +27,7 @@ MAX_ROWS = 8          # query rows the kernels take
 FAST_ROWS = 1
 
 
+@cached_launch
 @triton.jit
 def _uk_kernel(q_ptr, w_ptr, out_ptr, T, stride_qt, stride_qh, stride_ot, stride_oh,
                DN: tl.constexpr, HEAD_ROWS: tl.constexpr, R: tl.constexpr,
@@ -50,6 +53,7 @@ def _uk_kernel(q_ptr, w_ptr, out_ptr, T, stride_qt, stride_qh, stride_ot, stride
              tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=t_ok[:, None] & (rr[None, :] < R))
 
 
+@cached_launch
 @triton.jit
 def _uv_kernel(x_ptr, w_ptr, out_ptr, T, stride_xt, stride_xh, stride_ot, stride_oh,
                DN: tl.constexpr, DV: tl.constexpr, HEAD_ROWS: tl.constexpr, R: tl.constexpr,
@@ -84,7 +88,7 @@ def _launch(kernel, x: torch.Tensor, weight: torch.Tensor, out_width: int, tile:
     t, heads, _ = x.shape
     out = torch.empty(t, heads, out_width, dtype=x.dtype, device=x.device)
     if t:
-        kernel[(heads, triton.cdiv(out_width, tile))](x, weight, out, t, x.stride(0), x.stride(1), out.stride(0),
+        kernel[(heads, cdiv(out_width, tile))](x, weight, out, t, x.stride(0), x.stride(1), out.stride(0),
                                                       out.stride(1), num_warps=4, **meta, **pdl_args(x.device))
     return out
 
@@ -92,7 +96,7 @@ def _launch(kernel, x: torch.Tensor, weight: torch.Tensor, out_width: int, tile:
 def absorb_query(q_nope: torch.Tensor, weight: torch.Tensor, dn: int, dv: int) -> torch.Tensor:
     """q_nope [T, H, dn] (any row and head strides) through W_uk: -> q_lat [T, H, R] in q's dtype."""
     _check(q_nope, weight, q_nope.shape[1], dn)
-    rows = triton.next_power_of_2(max(q_nope.shape[0], 1))
+    rows = next_pow2(max(q_nope.shape[0], 1))
     return _launch(_uk_kernel, q_nope, weight, weight.shape[1], 64, DN=dn, HEAD_ROWS=dn + dv, R=weight.shape[1],
                    BLOCK_T=rows, BLOCK_D=max(8, 64 // rows), BLOCK_R=64)
 
@@ -100,6 +104,6 @@ def absorb_query(q_nope: torch.Tensor, weight: torch.Tensor, dn: int, dv: int) -
 def absorb_output(o_lat: torch.Tensor, weight: torch.Tensor, dn: int, dv: int) -> torch.Tensor:
     """o_lat [T, H, R] through W_uv: -> [T, H, dv] in o_lat's dtype."""
     _check(o_lat, weight, o_lat.shape[1], o_lat.shape[2])
-    rows = triton.next_power_of_2(max(o_lat.shape[0], 1))
+    rows = next_pow2(max(o_lat.shape[0], 1))
     return _launch(_uv_kernel, o_lat, weight, dv, 16, DN=dn, DV=dv, HEAD_ROWS=dn + dv, R=o_lat.shape[2],
                    BLOCK_T=rows, BLOCK_V=16, BLOCK_R=max(64, 512 // rows))

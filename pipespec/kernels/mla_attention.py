@@ -26,7 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pipespec.kernels import sm_count
+from pipespec.kernels import cdiv, next_pow2, sm_count
+from pipespec.kernels.launch import cached_launch
 from pipespec.kernels.paged_attention import combine_splits, num_kv_splits, split_partials, store_partial
 from pipespec.kernels.pdl import pdl_args, pdl_signal, pdl_wait
 
@@ -48,6 +49,7 @@ class MLALaunch:
 DEFAULT_MLA_LAUNCH = MLALaunch()
 
 
+@cached_launch
 @triton.jit
 def _mla_kernel(ql_ptr, qr_ptr, cache_ptr, out_ptr, block_tables_ptr, query_start_ptr, seq_lens_ptr,
                 part_m_ptr, part_l_ptr, part_acc_ptr, scale,
@@ -139,7 +141,7 @@ def mla_paged_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, cache: torch.
     if t == 0 or batch == 0:
         return out
     block_m = launch.block_m or (16 if max_query_len * heads <= 16 else 32)
-    tiles = triton.cdiv(max_query_len * heads, block_m)
+    tiles = cdiv(max_query_len * heads, block_m)
     if num_splits is None:
         num_splits = num_kv_splits(batch * tiles, block_tables.shape[1] * page_size, sm_count(q_lat.device),
                                    min_kv=2 * MIN_CHUNK, keys_per_split=MIN_CHUNK)
@@ -147,8 +149,8 @@ def mla_paged_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, cache: torch.
     _mla_kernel[(batch, tiles, num_splits)](
         q_lat, q_rope, cache, out, block_tables, query_start_loc, seq_lens, part_m, part_l, part_acc, scale,
         q_lat.stride(0), q_lat.stride(1), q_rope.stride(0), q_rope.stride(1), out.stride(0), out.stride(1),
-        cache.stride(0), block_tables.stride(0), HEADS=heads, R=rank, R_PAD=max(16, triton.next_power_of_2(rank)),
-        DR=rope_dim, DR_PAD=max(16, triton.next_power_of_2(rope_dim)), PAGE=page_size, BLOCK_M=block_m,
+        cache.stride(0), block_tables.stride(0), HEADS=heads, R=rank, R_PAD=max(16, next_pow2(rank)),
+        DR=rope_dim, DR_PAD=max(16, next_pow2(rope_dim)), PAGE=page_size, BLOCK_M=block_m,
         BLOCK_N=launch.block_n if q_lat.element_size() <= 2 else min(launch.block_n, 32),   # float32: smem
         PRECISION="ieee" if q_lat.dtype == torch.float32 else "tf32", NUM_SPLITS=num_splits,
         MIN_KEYS=MIN_CHUNK, num_warps=launch.num_warps, num_stages=launch.num_stages, **pdl_args(q_lat.device))

@@ -5,16 +5,16 @@ with split K, a float32 partial summed in split order.
 """
 from __future__ import annotations
 
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from pipespec.kernels import next_pow2
 from pipespec.kernels.gemv import Gemv
 
 
 def mma_rows(m: int) -> int:
     """x^T's columns for m rows: 8 (one B fragment) or the next power of two."""
-    return max(8, triton.next_power_of_2(m))
+    return max(8, next_pow2(m))
 
 
 def step_k(shape: Gemv, rows: int, chunk: int, *sizes: int) -> int:

@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pipespec.kernels import cdiv, next_pow2
+from pipespec.kernels.launch import cached_launch
 from pipespec.kernels.pdl import pdl_args, pdl_signal, pdl_wait
 from pipespec.kernels.quant_matmul import unpack_int4
 
@@ -62,6 +64,7 @@ def _local_expert(ids_ptr, pair, first, E):
     return tl.where(mine, e, 0), mine
 
 
+@cached_launch
 @triton.jit
 def _gate_up_kernel(x_ptr, ids_ptr, gu_ptr, gs_ptr, sgu_ptr, h_ptr, first, E, stride_x, routed_pairs,
                     K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, FP8: tl.constexpr, BO: tl.constexpr,
@@ -96,6 +99,7 @@ def _gate_up_kernel(x_ptr, ids_ptr, gu_ptr, gs_ptr, sgu_ptr, h_ptr, first, E, st
     tl.store(h_ptr + p * I + rn, silu_mul(tl.sum(acc_g, 1), tl.sum(acc_u, 1), h_ptr), mask=rn < I)
 
 
+@cached_launch
 @triton.jit
 def _down_kernel(h_ptr, ids_ptr, w_ptr, down_ptr, ds_ptr, sdown_ptr, y_ptr, add_ptr, first, E, routed_pairs,
                  K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, FP8: tl.constexpr, BO: tl.constexpr,
@@ -151,6 +155,7 @@ def _int4_tile(q_ptr, z_ptr, s_ptr, e, k0, rw, cols, col_ok, K: tl.constexpr, N:
     return (q - z[None, :]) * s[None, :]
 
 
+@cached_launch
 @triton.jit
 def _int4_gate_up_kernel(x_ptr, ids_ptr, q_ptr, z_ptr, s_ptr, h_ptr, first, E, stride_x,
                          K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, GROUP: tl.constexpr,
@@ -171,6 +176,7 @@ def _int4_gate_up_kernel(x_ptr, ids_ptr, q_ptr, z_ptr, s_ptr, h_ptr, first, E, s
     tl.store(h_ptr + p * I + rn, silu_mul(acc_g, acc_u, h_ptr), mask=rn < I)
 
 
+@cached_launch
 @triton.jit
 def _int4_down_kernel(h_ptr, ids_ptr, w_ptr, q_ptr, z_ptr, s_ptr, y_ptr, first, E,
                       H: tl.constexpr, I: tl.constexpr, GROUP: tl.constexpr,
@@ -209,11 +215,11 @@ def few_pair_int4_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Ten
     block_k = min(64, group & -group)                # a step inside one group
     # 32 outputs a program: a word row is 128 bytes, and at one token the k * I / 32 and k * H / 32
     # programs fill the GPU
-    _int4_gate_up_kernel[(t * k, triton.cdiv(i_dim, 32))](
+    _int4_gate_up_kernel[(t * k, cdiv(i_dim, 32))](
         x, ids, gate_up.qweight, gate_up.zeros, gate_up.scales, hid, first or 0, e, x.stride(0), K=k, H=h_dim,
         I=i_dim, GROUP=group, BLOCK_N=32, BLOCK_K=block_k, num_warps=2)
     per_pair = torch.empty(t * k, h_dim, dtype=torch.float32, device=x.device)
-    _int4_down_kernel[(t * k, triton.cdiv(h_dim, 32))](
+    _int4_down_kernel[(t * k, cdiv(h_dim, 32))](
         hid, ids, weights, down.qweight, down.zeros, down.scales, per_pair, first or 0, e, H=h_dim, I=i_dim,
         GROUP=group, BLOCK_N=32, BLOCK_K=block_k, num_warps=2)
     return per_pair.view(t, k, h_dim).sum(1).to(x.dtype)    # the slots in order: deterministic
@@ -288,14 +294,14 @@ def few_pair_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
     hid = torch.empty(pairs, i_dim, dtype=x.dtype, device=x.device)
     first = first or 0
     sgu, sdown = shared if shared is not None else (gu, dn)     # no shared expert: unused pointers
-    _gate_up_kernel[(pairs, triton.cdiv(i_dim, shape.gate_up_n))](
+    _gate_up_kernel[(pairs, cdiv(i_dim, shape.gate_up_n))](
         x, ids, gu, gs, sgu, hid, first, e, x.stride(0), t * k, K=k, H=h_dim, I=i_dim, FP8=fp8, BO=bo, BI=bi,
-        BLOCK_N=shape.gate_up_n, BLOCK_K=min(shape.gate_up_k, triton.next_power_of_2(h_dim)),
+        BLOCK_N=shape.gate_up_n, BLOCK_K=min(shape.gate_up_k, next_pow2(h_dim)),
         SHARED=shared is not None, num_warps=shape.gate_up_warps, **pdl_args(x.device))
-    bs = triton.next_power_of_2(k)
-    _down_kernel[(t, triton.cdiv(h_dim, shape.down_n))](
+    bs = next_pow2(k)
+    _down_kernel[(t, cdiv(h_dim, shape.down_n))](
         hid, ids, weights, dn, ds, sdown, out, out if add is None else add.contiguous(), first, e, t * k, K=k,
         H=h_dim, I=i_dim, FP8=fp8, BO=bo, BI=bi, BLOCK_S=bs, BLOCK_N=shape.down_n,
-        BLOCK_K=min(max(64, shape.down_k // bs), triton.next_power_of_2(i_dim)), ADD=add is not None,
+        BLOCK_K=min(max(64, shape.down_k // bs), next_pow2(i_dim)), ADD=add is not None,
         SHARED=shared is not None, num_warps=shape.down_warps, **pdl_args(x.device))
     return out

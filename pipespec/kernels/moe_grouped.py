@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pipespec.kernels import cdiv
+from pipespec.kernels.launch import cached_launch
 from pipespec.kernels.moe_experts import silu_mul
 from pipespec.kernels.quant_matmul import scaled_dot
 
@@ -47,7 +49,7 @@ def _tiles(ids: torch.Tensor, first: int, experts: int, bm: int) -> tuple[torch.
     order = flat.argsort(stable=True)
     group = flat[order]
     rank = torch.arange(p, device=dev) - (counts.cumsum(0) - counts)[group]   # place inside its group
-    tiles = triton.cdiv(p + experts * (bm - 1), bm)
+    tiles = cdiv(p + experts * (bm - 1), bm)
     local = group.clamp(max=experts - 1)
     dest = torch.where(group < experts, ends[local] - padded[local] + rank, torch.full_like(group, tiles * bm))
     rows = torch.full((tiles * bm + 1,), -1, dtype=torch.int64, device=dev).scatter_(0, dest, order)[:-1]
@@ -64,6 +66,7 @@ def _fp8_tile_product(a, w_ptr, s_ptr, row0, rn, k0, rk, COLS: tl.constexpr, BO:
     return scaled_dot(a, w, tl.load(s_ptr + (row0 // BO) * (COLS // BI) + k0 // BI), IEEE)
 
 
+@cached_launch
 @triton.jit
 def _gate_up_kernel(x_ptr, rows_ptr, tile_e_ptr, w_ptr, s_ptr, h_ptr, E, stride_x, K: tl.constexpr,
                     H: tl.constexpr, I: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr, BM: tl.constexpr,
@@ -87,6 +90,7 @@ def _gate_up_kernel(x_ptr, rows_ptr, tile_e_ptr, w_ptr, s_ptr, h_ptr, E, stride_
         tl.store(h_ptr + pair[:, None] * I + (n0 + rn)[None, :], silu_mul(acc_g, acc_u, h_ptr), mask=valid[:, None])
 
 
+@cached_launch
 @triton.jit
 def _down_kernel(h_ptr, rows_ptr, tile_e_ptr, w_ptr, s_ptr, y_ptr, E, H: tl.constexpr, I: tl.constexpr,
                  BO: tl.constexpr, BI: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):

@@ -16,7 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pipespec.kernels import fused_routing_supported
+from pipespec.kernels import fused_routing_supported, next_pow2
+from pipespec.kernels.launch import cached_launch
 from pipespec.kernels.pdl import pdl_args, pdl_signal, pdl_wait
 
 
@@ -27,6 +28,7 @@ def _take(scores, chosen, lane, j):
     return tl.where(hit, float("-inf"), chosen), tl.sum(tl.where(hit, scores, 0.0), 0)
 
 
+@cached_launch
 @triton.jit
 def _route_kernel(logit_ptr, bias_ptr, weight_ptr, id_ptr, stride_t, scale,
                   E: tl.constexpr, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, N_GROUP: tl.constexpr,
@@ -91,7 +93,7 @@ def route(logits: torch.Tensor, top_k: int, *, sigmoid: bool, bias: torch.Tensor
     ids = torch.empty(tokens, top_k, device=logits.device, dtype=torch.int64)
     if tokens:
         _route_kernel[(tokens,)](logits, bias if bias is not None else logits, weights, ids, logits.stride(0),
-                                 float(scale), E=experts, TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k),
+                                 float(scale), E=experts, TOP_K=top_k, BLOCK_K=next_pow2(top_k),
                                  N_GROUP=n_group, TOPK_GROUP=topk_group, SIGMOID=sigmoid,
                                  HAS_BIAS=bias is not None, NORM=normalize, **pdl_args(logits.device))
     return weights, ids

@@ -24,7 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pipespec.kernels import sm_count
+from pipespec.kernels import cdiv, next_pow2, sm_count
+from pipespec.kernels.launch import cached_launch
 from pipespec.kernels.pdl import pdl_args, pdl_signal, pdl_wait
 
 
@@ -38,6 +39,7 @@ def store_partial(part_m_ptr, part_l_ptr, part_acc_ptr, part, m_i, l_i, acc, d, 
         tl.store(part_acc_ptr + part[:, None] * DIM + d[None, :], acc, mask=row_ok[:, None] & (d[None, :] < DIM))
 
 
+@cached_launch
 @triton.jit
 def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, query_start_ptr, seq_lens_ptr,
@@ -112,6 +114,7 @@ def _paged_attention_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
+@cached_launch
 @triton.jit
 def _combine_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, num_heads, stride_ot, stride_oh,
                     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS: tl.constexpr,
@@ -153,8 +156,8 @@ def combine_splits(part_m: torch.Tensor, part_l: torch.Tensor, part_acc: torch.T
     """Merge the float32 partials [T * H * splits (, D)] of a split-KV launch into out [T, H, D]."""
     t, heads, dim = out.shape
     _combine_kernel[(t, heads)](part_m, part_l, part_acc, out, heads, out.stride(0), out.stride(1), HEAD_DIM=dim,
-                                DIM_PAD=triton.next_power_of_2(dim), NUM_SPLITS=num_splits,
-                                SPLITS=triton.next_power_of_2(num_splits), num_warps=4, **pdl_args(out.device))
+                                DIM_PAD=next_pow2(dim), NUM_SPLITS=num_splits,
+                                SPLITS=next_pow2(num_splits), num_warps=4, **pdl_args(out.device))
     return out
 
 
@@ -202,7 +205,7 @@ def num_kv_splits(programs: int, max_kv: int, sms: int, per_sm: int = 4, max_spl
 def kv_splits_for(batch: int, kv_heads: int, rows_per_request: int, max_kv: int, device: torch.device,
                   launch: Launch = DEFAULT_LAUNCH) -> int:
     """The splits `paged_attention` uses by default for these host shapes."""
-    tiles = triton.cdiv(rows_per_request, _block_m(rows_per_request))
+    tiles = cdiv(rows_per_request, _block_m(rows_per_request))
     return num_kv_splits(batch * kv_heads * tiles, max_kv, sm_count(device), launch.per_sm, launch.max_splits)
 
 
@@ -227,7 +230,7 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
         return out
     rows = max_query_len * group
     block_m = _block_m(rows)
-    tiles = triton.cdiv(rows, block_m)
+    tiles = cdiv(rows, block_m)
     if num_splits is None:
         num_splits = kv_splits_for(batch, kv_heads, rows, block_tables.shape[1] * page_size, q.device, launch)
     split = num_splits > 1

@@ -20,8 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from pipespec.kernels import sm_count
+from pipespec.kernels import cdiv, next_pow2, sm_count
 from pipespec.kernels.gemv import Gemv, _launch_gemv, _run, _store, rowmajor_gemv
+from pipespec.kernels.launch import cached_launch
 from pipespec.kernels.pdl import pdl_args, pdl_signal, pdl_wait
 
 
@@ -42,6 +43,7 @@ def unpack_int4(words, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     return tl.reshape(q, (BLOCK_K, BLOCK_N)).to(tl.float32)
 
 
+@cached_launch
 @triton.jit
 def _int4_kernel(x_ptr, q_ptr, z_ptr, s_ptr, y_ptr, p_ptr, count_ptr, M, stride_xm, stride_ym, k_per_split,
                  N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -73,6 +75,7 @@ def _int4_kernel(x_ptr, q_ptr, z_ptr, s_ptr, y_ptr, p_ptr, count_ptr, M, stride_
            tl.program_id(2), SPLIT_K, TAIL_SUM)
 
 
+@cached_launch
 @triton.jit
 def _fp8_kernel(x_ptr, w_ptr, s_ptr, y_ptr, p_ptr, count_ptr, M, stride_xm, stride_ym, scale_cols, k_per_split,
                 N: tl.constexpr, K: tl.constexpr,
@@ -109,6 +112,7 @@ def _int4_step_loads(q_ptr, z_ptr, s_ptr, k0, k_end, rw, rn, N: tl.constexpr, GR
     return words, tl.load(z_ptr + g * N + rn, mask=mask, other=0.0), tl.load(s_ptr + g * N + rn, mask=mask, other=0.0)
 
 
+@cached_launch
 @triton.jit
 def _int4_gemv_kernel(x_ptr, q_ptr, z_ptr, s_ptr, y_ptr, p_ptr, count_ptr, M, stride_xm, stride_ym, exp_bits,
                       k_per_split, N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr, EXACT: tl.constexpr,
@@ -295,8 +299,8 @@ def _launch(kernel, x: torch.Tensor, out_features: int, in_features: int, block_
             tiles: Tiles, args: tuple, **constexprs) -> torch.Tensor:
     """A tl.dot kernel over (M tiles, N tiles, K splits)."""
     block_m = _block_m(x.shape[0])
-    grid = triton.cdiv(x.shape[0], block_m), triton.cdiv(out_features, block_n)
-    split = tiles.split_k or split_k_for(grid[0] * grid[1], triton.cdiv(in_features, block_k), sm_count(x.device))
+    grid = cdiv(x.shape[0], block_m), cdiv(out_features, block_n)
+    split = tiles.split_k or split_k_for(grid[0] * grid[1], cdiv(in_features, block_k), sm_count(x.device))
     return _run(kernel, grid, x, out_features, in_features, block_k, split, args, IEEE=x.dtype == torch.float32,
                 BLOCK_M=block_m, BLOCK_N=block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
                 **constexprs)
@@ -325,7 +329,7 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, sca
     elif x.shape[0] <= g.max_m:
         if group % 8 or in_features % group:
             raise ValueError(f"int4 group size {group}: not a multiple of 8 or not dividing K = {in_features}")
-        rows = triton.next_power_of_2(x.shape[0])
+        rows = next_pow2(x.shape[0])
         # Each warp >= 128 columns (else its lanes split K and the layouts clash), and <= 64 // rows
         # columns a lane (its sums, 2 * rows * columns registers). A step: inside one group (its
         # zeros and scales apply to the step's sums), block_k / rows rows (registers), and x's

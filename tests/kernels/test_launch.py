@@ -1,0 +1,66 @@
+"""`kernels/launch.py`: the key of a cached eager launch separates what the JIT specializes on (CPU),
+and a launch served from the cache computes what the JIT's own launch does (GPU: the compiled path
+exists only there; the interpreter takes the JIT's path)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipespec.kernels.launch import arg_key, meta_key
+from pipespec.model.quant.packed import Fp8Weight
+from tests.kernels import rel
+from tests.model.quant import writers
+
+
+def test_the_key_separates_alignment_dtype_and_integer_classes():
+    buf = torch.zeros(64, dtype=torch.bfloat16)
+    aligned, misaligned = buf[:16], buf[1:17]                # 2 bytes off: not 16-byte aligned
+    assert arg_key((aligned,)) != arg_key((misaligned,))
+    assert arg_key((aligned,)) != arg_key((aligned.float(),))
+    assert arg_key((aligned,)) == arg_key((buf[8:24],))      # 16 bytes on: the same kernel
+    ints = [arg_key((v,)) for v in (1, 2, 16, 2 ** 31, 2 ** 64)]
+    assert len(set(ints)) == len(ints)
+    assert arg_key((3,)) == arg_key((5,)) and arg_key((32,)) == arg_key((48,))
+    assert arg_key((0.5,)) == arg_key((2.0,)) and arg_key((True,)) == arg_key((False,))
+    assert arg_key((True,)) != arg_key((1,)) and arg_key((None,)) != arg_key((0,))
+    assert arg_key(((1, 2),)) is None                        # not described: the JIT's path
+
+
+def test_constexprs_key_by_value_or_identity():
+    layout, same = [[0, 1]], [[0, 1]]                        # equal, not the same object
+    assert meta_key({"BLOCK": 64, "dt": torch.bfloat16, "asm": "mov"}) == \
+        meta_key({"BLOCK": 64, "dt": torch.bfloat16, "asm": "mov"})
+    assert meta_key({"BLOCK": 64}) != meta_key({"BLOCK": 128})
+    assert meta_key({"L": layout}) == meta_key({"L": layout})
+    assert meta_key({"L": layout}) != meta_key({"L": same})
+
+
+def _weights(device):
+    w = torch.randn(512, 1024, generator=torch.Generator().manual_seed(1))
+    int4, ref4 = writers.packed_int4(w, "awq", group=128, seed=2)
+    t, ref8 = writers.fp8(w, (128, 128))
+    fp8 = Fp8Weight(t["weight"], t["weight_scale_inv"], (128, 128))
+    return [(int4.to(device), ref4.to(device)), (fp8.to(device), ref8.to(device))]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled launch path needs a CUDA device")
+@pytest.mark.parametrize("m", [1, 16])
+def test_a_cached_launch_computes_what_the_jit_launch_does(m):
+    from pipespec.kernels import fp8_mma, gemv, int4_mma
+    device = torch.device("cuda")
+    buf = torch.randn(2 * m * 1024 + 8, device=device, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        for packed, ref in _weights(device):
+            kernels = (int4_mma._int4_mma_kernel, fp8_mma._fp8_mma_kernel, gemv._rowmajor_gemv_kernel,
+                       gemv._sum_splits)
+            for offset in (0, 1, 0):                    # aligned, misaligned (a kernel of its own), aligned again
+                for seed in range(3):
+                    x = buf[offset:offset + m * 1024].view(m, 1024)
+                    x.copy_(torch.randn(m, 1024, generator=torch.Generator().manual_seed(seed)))
+                    hits = sum(k.hits for k in kernels)
+                    got = packed.matmul(x)
+                    assert rel(got, x.float() @ ref.t()) < 2e-2
+                    if seed:                            # the first call of a key may compile: later ones hit
+                        assert sum(k.hits for k in kernels) > hits
+
