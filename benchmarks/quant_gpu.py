@@ -109,7 +109,8 @@ def random_weights(n: int, k: int, dev: torch.device) -> tuple[torch.Tensor, Int
     """One random [n, k] weight in each format: bf16, int4 (group 128) and FP8 (128 x 128 blocks)."""
     dense = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
     q4 = Int4Weight(torch.randint(-2**31, 2**31 - 1, (k // 8, n), device=dev, dtype=torch.int32),
-                    torch.full((k // 128, n), 8.0, device=dev), torch.full((k // 128, n), 0.005, device=dev), 128)
+                    torch.full((k // 128, n), 8.0, device=dev, dtype=torch.float16),        # fp16, as AWQ's
+                    torch.full((k // 128, n), 0.005, device=dev, dtype=torch.float16), 128)
     f8 = Fp8Weight(torch.randn(n, k, device=dev).to(torch.float8_e4m3fn),
                    torch.full((n // 128, k // 128), 0.02, device=dev), (128, 128))
     return dense, q4, f8

@@ -1,5 +1,6 @@
 """int4 decode product on tensor cores: y = x @ W.T for up to 64 bf16 / fp16 rows (8 at the cost
-of one), W in the `Int4Weight` layout (qweight int32 [K / 8, N], zeros and scales float32 [K / group, N]).
+of one), W in the `Int4Weight` layout (qweight int32 [K / 8, N], zeros and scales [K / group, N] in
+fp16, bf16 or float32).
 
 The CUDA-core GEMV (`quant_matmul._int4_gemv_kernel`) spends ~3.75 issue slots a weight (unpack,
 then one FMA per weight and row), which keeps it near 60% issue and ~2 TB/s on an H200, and its
@@ -119,7 +120,7 @@ def _int4_mma_kernel(x_ptr, q_ptr, z_ptr, s_ptr, y_ptr, p_ptr, count_ptr, M, str
         # the last step loads itself again (cache hits) rather than masking the loads
         nxt = _load_step(q_ptrs, z_ptr, s_ptr, x_ptrs, gl.minimum(k0 + BLOCK_K, k_end - BLOCK_K), rn_w, rn,
                          w_mask, N, GROUP, MASKED)
-        zh = (z + MAGIC).to(dt).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+        zh = (z.to(gl.float32) + MAGIC).to(dt).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
         zz, _ = gl.broadcast((zh | (zh << 16))[None, :], words)
         # pack=2 takes two elements an asm: the word and its zero pair twice
         p0, p1, p2, p3 = gl.inline_asm_elementwise(UNPACK_ASM, "=r,=r,=r,=r,r,r,r,r",
@@ -131,7 +132,7 @@ def _int4_mma_kernel(x_ptr, q_ptr, z_ptr, s_ptr, y_ptr, p_ptr, count_ptr, M, str
         a = gl.convert_layout(gl.reshape(q, [BLOCK_N, BLOCK_K]), a_l, assert_trivial=True)
         x = gl.permute(gl.reshape(x, [CH, 4, 2, 2, 2, ROWS]), [0, 3, 4, 1, 2, 5])  # K = 32 ch + 8 c + 4 h + 2 i1 + i0
         b = gl.convert_layout(gl.reshape(x, [BLOCK_K, ROWS]), b_l, assert_trivial=True)
-        acc += mma_v2(a, b, gl.zeros([BLOCK_N, ROWS], gl.float32, mma)) * s[:, None]
+        acc += mma_v2(a, b, gl.zeros([BLOCK_N, ROWS], gl.float32, mma)) * s.to(gl.float32)[:, None]
         words, z, s, x = nxt
     pdl_signal(PDL)
     store_tile(acc, y_ptr, p_ptr, count_ptr, rn, M, N, stride_ym, ROWS, SPLIT_K, TAIL_SUM, mma)

@@ -150,8 +150,8 @@ def _int4_tile(q_ptr, z_ptr, s_ptr, e, k0, rw, cols, col_ok, K: tl.constexpr, N:
     words = tl.load(q_ptr + (e * (K // 8) + k0 // 8 + rw[:, None]) * N + cols[None, :], mask=col_ok[None, :], other=0)
     q = unpack_int4(words, BLOCK_K, BLOCK_N)
     g = e * (K // GROUP) + k0 // GROUP
-    z = tl.load(z_ptr + g * N + cols, mask=col_ok, other=0.0)
-    s = tl.load(s_ptr + g * N + cols, mask=col_ok, other=0.0)
+    z = tl.load(z_ptr + g * N + cols, mask=col_ok, other=0.0).to(tl.float32)
+    s = tl.load(s_ptr + g * N + cols, mask=col_ok, other=0.0).to(tl.float32)
     return (q - z[None, :]) * s[None, :]
 
 

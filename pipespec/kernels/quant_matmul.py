@@ -178,7 +178,7 @@ def _int4_gemv_kernel(x_ptr, q_ptr, z_ptr, s_ptr, y_ptr, p_ptr, count_ptr, M, st
                 xs += x_even + x_odd
             qsum = tl.sum(qx, axis=1, keep_dims=True) * 2.0 ** -12 - tl.sum(xb, axis=1, keep_dims=True)
             xsum = tl.sum(xs, axis=1, keep_dims=True)
-        acc += s * (qsum - z * xsum)
+        acc += s.to(tl.float32) * (qsum - z.to(tl.float32) * xsum)
         words, z, s = next_words, next_z, next_s
     pdl_signal(PDL)
     _store(y_ptr, p_ptr, count_ptr, tl.sum(acc, axis=1), tl.arange(0, BLOCK_M),
@@ -309,7 +309,8 @@ def _launch(kernel, x: torch.Tensor, out_features: int, in_features: int, block_
 def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group: int,
                 perm: torch.Tensor | None = None, tiles: Tiles = DEFAULT_TILES, gated: bool = False) -> torch.Tensor:
     """x [..., K] @ W.T -> [..., N] in x's dtype, W the int4 weight in `model/quant/packed.py`'s
-    layout: qweight int32 [K / 8, N], zeros and scales float32 [K / group, N], perm (act-order) [K].
+    layout: qweight int32 [K / 8, N], zeros and scales [K / group, N] (fp16, bf16 or float32), perm
+    (act-order) [K].
     gated: x is [..., 2K] = cat[gate, up] and the product is of silu(gate) * up (`silu_mul` first)."""
     in_features, out_features = qweight.shape[0] * 8, qweight.shape[1]
     lead = x.shape[:-1]

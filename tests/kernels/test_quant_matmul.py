@@ -36,6 +36,22 @@ def test_int4_matmul_equals_the_dequantized_product(layout, m, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 3, 16, 40])
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16])
+def test_int4_zeros_and_scales_in_16_bits_give_the_float32_product(scale_dtype, m, dtype):
+    """Zeros and scales as a checkpoint stores them (fp16; bf16 for some exports) are widened in the
+    kernels: every path (the CUDA-core GEMV, the tensor-core decode kernel on a GPU, the tl.dot
+    kernel at 40 rows) gives exactly what float32 copies of the same values give."""
+    w = torch.randn(96, 256, generator=torch.Generator().manual_seed(1))
+    packed, _ = writers.packed_int4(w, "gptq", group=64, seed=2)
+    narrow = Int4Weight(packed.qweight, packed.zeros.to(scale_dtype), packed.scales.to(scale_dtype), 64)
+    wide = Int4Weight(packed.qweight, narrow.zeros.float(), narrow.scales.float(), 64)
+    x = _x(m, 256, dtype)
+    dev = torch.device(DEVICE)
+    assert torch.equal(narrow.to(dev).matmul(x), wide.to(dev).matmul(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m", [1, 33])
 def test_fp8_block_matmul_equals_the_dequantized_product(m, dtype):
     from pipespec.kernels.quant_matmul import fp8_block_matmul

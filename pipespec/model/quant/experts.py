@@ -65,7 +65,8 @@ class Fp8Stack(nn.Module):
 
 class Int4Stack(nn.Module):
     """A stack of experts' int4 weights in the `Int4Weight` layout: qweight int32 [E, K / 8, N], zeros
-    and scales float32 [E, K / group, N] (N: the outputs; non-persistent buffers, as `Fp8Stack`)."""
+    and scales [E, K / group, N] as `Int4Weight.to` keeps them (N: the outputs; non-persistent buffers,
+    as `Fp8Stack`)."""
 
     def __init__(self, experts: list[Int4Weight]):
         super().__init__()

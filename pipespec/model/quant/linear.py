@@ -140,7 +140,7 @@ def use_dummy_quantized_linears(model: nn.Module, method: str, device: torch.dev
             if group is None:
                 continue
             q = torch.randint(-2**31, 2**31 - 1, (inp // 8, out), device=device, generator=gen, dtype=torch.int32)
-            full = torch.full((inp // group, out), 1.0, device=device)
+            full = torch.full((inp // group, out), 1.0, device=device, dtype=torch.float16)   # AWQ's dtype
             packed = Int4Weight(q, full * 8, full * 0.0045, group)      # (q - 8) * s: std ~0.02
         _replace(model, mname, packed, module)
         count += 1

@@ -6,7 +6,7 @@ their parts' along the output dim (`concat`), as dense weights do.
 The layout (`kernels/quant_matmul.py` reads it):
 - `qweight` int32 [K / 8, N]: eight 4-bit values per word along the input dim K, nibble i (low
   first) holding row 8k + i; the GPTQ order, so a tile of K rows reads K / 8 words per column.
-- `zeros`, `scales` [K / group, N], float32 on the device: w[k, n] = (q[k, n] - zeros[g, n]) *
+- `zeros`, `scales` [K / group, N], fp16 / bf16 / float32: w[k, n] = (q[k, n] - zeros[g, n]) *
   scales[g, n] with g = k // group. Zeros are unpacked (GPTQ's stored-minus-one undone) so the kernel
   does one subtract and one multiply.
 - `perm` (GPTQ act-order only): the input rows in group order. The checkpoint's g_idx assigns each
@@ -20,6 +20,9 @@ from dataclasses import dataclass
 import torch
 
 from pipespec.model.quant.formats import awq_columns, dequant_fp8, gptq_rows, gptq_zeros
+
+
+SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)     # zeros and scales as the kernels read them
 
 
 def pack_int4_along_k(q: torch.Tensor) -> torch.Tensor:
@@ -48,10 +51,13 @@ class Int4Weight:
 
     def to(self, device: torch.device) -> Int4Weight:
         """On `device` and contiguous (the kernel indexes rows by the full width; a TP shard is a view
-        of some columns), zeros and scales in float32 (the kernel multiplies in float32; a 128-row
-        group costs 8 bytes a column against 64 of packed weights)."""
-        return Int4Weight(self.qweight.to(device).contiguous(), self.zeros.to(device, torch.float32).contiguous(),
-                          self.scales.to(device, torch.float32).contiguous(), self.group,
+        of some columns). Zeros and scales keep a 16-bit checkpoint dtype (AWQ and GPTQ store fp16
+        scales; the kernels widen them to float32, so the products are the same): a 128-row group
+        then costs 4 bytes a column against 64 of packed weights, where float32 costs 8. Other
+        dtypes become float32."""
+        dtype = self.scales.dtype if self.scales.dtype in SCALE_DTYPES else torch.float32
+        return Int4Weight(self.qweight.to(device).contiguous(), self.zeros.to(device, dtype).contiguous(),
+                          self.scales.to(device, dtype).contiguous(), self.group,
                           None if self.perm is None else self.perm.to(device))
 
     def rows(self, start: int, stop: int) -> Int4Weight:

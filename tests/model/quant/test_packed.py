@@ -28,6 +28,18 @@ def test_awq_repacked_dequantizes_to_the_checkpoint_weight():
     torch.testing.assert_close(w.dequantize(), ref, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_zeros_and_scales_keep_a_16_bit_checkpoint_dtype_on_the_device(dtype):
+    """AWQ / GPTQ checkpoints store fp16 scales: `to` keeps them (half the bytes of float32 for the
+    kernels to read) and turns other dtypes into float32; the weight it stands for is the same."""
+    tensors, _ = writers.awq(_weight(), group=64)
+    w = Int4Weight.from_awq(tensors["qweight"], tensors["qzeros"], tensors["scales"].to(dtype), 64)
+    moved = w.to(torch.device("cpu"))
+    want = dtype if dtype != torch.float64 else torch.float32
+    assert moved.zeros.dtype == moved.scales.dtype == want
+    torch.testing.assert_close(moved.dequantize(), w.dequantize().float(), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("act_order", [False, True])
 def test_gptq_repacked_dequantizes_to_the_checkpoint_weight(act_order):
     tensors, ref = writers.gptq(_weight(seed=2), group=32, act_order=act_order, seed=3)
