@@ -27,42 +27,44 @@ if HAVE_TRITON:     # the keys below are plain Python, tested without Triton
     from triton.runtime import driver
     from triton.runtime.jit import JITFunction
 
-_PLAIN = (int, float, bool, str, type(None), torch.dtype)
+_PLAIN = {int, float, bool, str, type(None), torch.dtype}
 MAX_ENTRIES = 256       # a kernel keyed on fresh objects at every call stops caching there
 
 
-def _int_class(v: int) -> tuple:
-    """What the JIT specializes an integer on: 1, divisibility by 16, and its width."""
-    width = 32 if -2 ** 31 <= v < 2 ** 31 else 64 if -2 ** 63 <= v < 2 ** 63 else 65
-    return v == 1, v % 16 == 0, width
-
-
 def arg_key(args: tuple) -> tuple | None:
-    """The positional arguments' part of the key, or None when one is of a type it does not describe."""
+    """The positional arguments' part of the key, flat (the hit path builds it at every launch), or
+    None when one is of a type it does not describe. A tensor adds its dtype and its address mod 16;
+    an integer a code >= 16 for what the JIT specializes it on (1, a multiple of 16, 32 / 64 / more
+    bits); bool, float and None their type (not specialized). A dtype starts every tensor's pair, so
+    no two argument lists share a key."""
     key = []
     for a in args:
         t = type(a)
-        if t is torch.Tensor or isinstance(a, torch.Tensor):
-            key.append((a.dtype, a.data_ptr() % 16 == 0))
-        elif t is bool or t is float or a is None:
-            key.append(t)                                   # not specialized on their values
+        if t is torch.Tensor:
+            key += (a.dtype, a.data_ptr() & 15)
         elif t is int:
-            key.append(_int_class(a))
+            key.append(16 + (a == 1) + 2 * (a % 16 == 0)
+                       + (4 if -2 ** 31 <= a < 2 ** 31 else 8 if -2 ** 63 <= a < 2 ** 63 else 12))
+        elif t is bool or t is float or a is None:
+            key.append(t)
+        elif isinstance(a, torch.Tensor):                   # a Parameter
+            key += (a.dtype, a.data_ptr() & 15)
         else:
             return None
     return tuple(key)
 
 
 def meta_key(meta: dict) -> tuple:
-    """Constexprs and launch options: plain values as they are, other objects by identity."""
-    return tuple((k, v if isinstance(v, _PLAIN) else id(v)) for k, v in meta.items())
+    """Constexprs and launch options, names then values: plain values as they are, other objects
+    (Gluon layouts, whose hash rebuilds tuples) by identity."""
+    return (*meta, *[v if type(v) in _PLAIN else id(v) for v in meta.values()])
 
 
 def _hooked() -> bool:
     """Whether a launch hook is set (a profiler's): those launches take the JIT's path. Triton 3.6
-    keeps an empty chain of hooks where older versions keep None."""
-    return any(h is not None and bool(getattr(h, "calls", True))
-               for h in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook))
+    keeps a chain of hooks (empty: none set) where older versions keep None or the hook itself."""
+    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    return bool(getattr(enter, "calls", enter)) or bool(getattr(leave, "calls", leave))
 
 
 class CachedLaunch:

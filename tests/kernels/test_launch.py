@@ -64,3 +64,25 @@ def test_a_cached_launch_computes_what_the_jit_launch_does(m):
                     if seed:                            # the first call of a key may compile: later ones hit
                         assert sum(k.hits for k in kernels) > hits
 
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled launch path needs a CUDA device")
+def test_a_profilers_launch_hook_sees_every_launch():
+    """With a launch hook set (proton's, say) launches take the JIT's path, which calls the hook."""
+    from triton import knobs
+    from pipespec.kernels import fused_ops
+    x = torch.randn(4, 256, device="cuda", dtype=torch.bfloat16)
+    seen = []
+    with torch.inference_mode():
+        want = fused_ops.silu_mul(x)                        # compiled and cached
+        fused_ops.silu_mul(x)
+        hits = fused_ops._silu_mul_kernel.hits
+        knobs.runtime.launch_enter_hook.add(seen.append)
+        try:
+            got = fused_ops.silu_mul(x)
+        finally:
+            knobs.runtime.launch_enter_hook.remove(seen.append)
+        assert len(seen) == 1 and fused_ops._silu_mul_kernel.hits == hits and torch.equal(got, want)
+        fused_ops.silu_mul(x)
+        assert fused_ops._silu_mul_kernel.hits == hits + 1
