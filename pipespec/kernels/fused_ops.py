@@ -196,8 +196,8 @@ def slice_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions:
     if t:
         block_h = min(16, next_pow2(heads))
         _slice_rope_kernel[(t, cdiv(heads, block_h))](x, out, cos, sin, positions, x.stride(0), x.stride(1),
-                                                             heads, HALF=d // 2, INTERLEAVED=interleaved,
-                                                             BLOCK_H=block_h, num_warps=1, **pdl_args(x.device))
+                                                      heads, HALF=d // 2, INTERLEAVED=interleaved,
+                                                      BLOCK_H=block_h, num_warps=1, **pdl_args(x.device))
     return out
 
 

@@ -230,7 +230,7 @@ def _run(kernel, grid: tuple, x: torch.Tensor, out_features: int, in_features: i
                            TAIL_SUM=counts is not None, **meta)
     if split > 1 and counts is None:    # 128 outputs a one-warp program: a 4,096-wide row is read by 32 SMs
         _sum_splits[(cdiv(y.numel(), 128),)](partials, y, y.numel(), SPLIT_K=split, BLOCK=128, num_warps=1,
-                                                    **pdl_args(x.device))
+                                             **pdl_args(x.device))
     return y
 
 

@@ -89,7 +89,7 @@ def _launch(kernel, x: torch.Tensor, weight: torch.Tensor, out_width: int, tile:
     out = torch.empty(t, heads, out_width, dtype=x.dtype, device=x.device)
     if t:
         kernel[(heads, cdiv(out_width, tile))](x, weight, out, t, x.stride(0), x.stride(1), out.stride(0),
-                                                      out.stride(1), num_warps=4, **meta, **pdl_args(x.device))
+                                               out.stride(1), num_warps=4, **meta, **pdl_args(x.device))
     return out
 
 
