@@ -186,10 +186,10 @@ def gemv_split_k(programs: int, k_steps: int, sms: int, step_bytes: int, weight_
     the step's start). Split K until the programs hold that much, while each row's float32 partials
     (4 bytes an output and split, read back by `_sum_splits`) stay under 1/8 of the weight's bytes
     (more rows cost more partials, and more FMAs: the ratio to the kernel's time holds)."""
-    want = -(-32768 * sms // step_bytes)
+    want = cdiv(32768 * sms, step_bytes)
     if programs >= want:
         return 1
-    return max(1, min(-(-want // programs), k_steps, weight_bytes // (32 * out_features)))
+    return max(1, min(cdiv(want, programs), k_steps, weight_bytes // (32 * out_features)))
 
 
 _COUNTS: dict[str, torch.Tensor] = {}     # per device: split tiles' finished-split counts, zero between launches

@@ -199,7 +199,7 @@ def num_kv_splits(programs: int, max_kv: int, sms: int, per_sm: int = 4, max_spl
     are shorter than `min_kv`."""
     if max_kv < min_kv or programs >= per_sm * sms:
         return 1
-    return max(1, min(max_splits, -(-per_sm * sms // programs), max_kv // keys_per_split))
+    return max(1, min(max_splits, cdiv(per_sm * sms, programs), max_kv // keys_per_split))
 
 
 def kv_splits_for(batch: int, kv_heads: int, rows_per_request: int, max_kv: int, device: torch.device,

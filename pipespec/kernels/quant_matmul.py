@@ -292,7 +292,7 @@ def split_k_for(programs: int, k_tiles: int, sms: int) -> int:
     stream the weight. Split K until there are about two programs per SM, each with >= 4 K tiles."""
     if programs >= sms:
         return 1
-    return max(1, min(MAX_SPLIT_K, -(-2 * sms // programs), k_tiles // 4))
+    return max(1, min(MAX_SPLIT_K, cdiv(2 * sms, programs), k_tiles // 4))
 
 
 def _launch(kernel, x: torch.Tensor, out_features: int, in_features: int, block_n: int, block_k: int,

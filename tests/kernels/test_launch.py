@@ -11,6 +11,9 @@ from pipespec.model.quant.packed import Fp8Weight
 from tests.kernels import rel
 from tests.model.quant import writers
 
+# the compiled launch path exists only on a GPU (the interpreter takes the JIT's path)
+ON_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled launch path needs a CUDA device")
+
 
 def test_the_key_separates_alignment_dtype_and_integer_classes():
     buf = torch.zeros(64, dtype=torch.bfloat16)
@@ -44,16 +47,15 @@ def _weights(device):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled launch path needs a CUDA device")
+@ON_GPU
 @pytest.mark.parametrize("m", [1, 16])
 def test_a_cached_launch_computes_what_the_jit_launch_does(m):
     from pipespec.kernels import fp8_mma, gemv, int4_mma
     device = torch.device("cuda")
     buf = torch.randn(2 * m * 1024 + 8, device=device, dtype=torch.bfloat16)
+    kernels = (int4_mma._int4_mma_kernel, fp8_mma._fp8_mma_kernel, gemv._rowmajor_gemv_kernel, gemv._sum_splits)
     with torch.inference_mode():
         for packed, ref in _weights(device):
-            kernels = (int4_mma._int4_mma_kernel, fp8_mma._fp8_mma_kernel, gemv._rowmajor_gemv_kernel,
-                       gemv._sum_splits)
             for offset in (0, 1, 0):                    # aligned, misaligned (a kernel of its own), aligned again
                 for seed in range(3):
                     x = buf[offset:offset + m * 1024].view(m, 1024)
@@ -65,9 +67,8 @@ def test_a_cached_launch_computes_what_the_jit_launch_does(m):
                         assert sum(k.hits for k in kernels) > hits
 
 
-
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled launch path needs a CUDA device")
+@ON_GPU
 def test_a_profilers_launch_hook_sees_every_launch():
     """With a launch hook set (proton's, say) launches take the JIT's path, which calls the hook."""
     from triton import knobs
