@@ -10,6 +10,7 @@ import contextvars
 import functools
 import importlib.util
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -74,3 +75,28 @@ def sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 132
     return _sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@dataclass(frozen=True)
+class SMLimits:
+    """What one SM holds at once, which bounds how many programs of a kernel it runs together:
+    registers, shared memory bytes (per block 1 KiB of it is the system's), threads, blocks. The
+    defaults are an H200's (sm_90), for the interpreter on CPU."""
+    registers: int = 65536
+    shared: int = 233472
+    threads: int = 2048
+    blocks: int = 32
+
+
+@functools.cache
+def _limits(index: int) -> SMLimits:
+    p = torch.cuda.get_device_properties(index)
+    return SMLimits(p.regs_per_multiprocessor, p.shared_memory_per_multiprocessor,
+                    p.max_threads_per_multi_processor, SMLimits.blocks)
+
+
+def sm_limits(device: torch.device) -> SMLimits:
+    """`SMLimits` of `device`, read once per device; an H200's for the interpreter on CPU."""
+    if device.type != "cuda":
+        return SMLimits()
+    return _limits(device.index if device.index is not None else torch.cuda.current_device())

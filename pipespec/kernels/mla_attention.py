@@ -28,7 +28,8 @@ import triton.language as tl
 
 from pipespec.kernels import cdiv, next_pow2, sm_count
 from pipespec.kernels.launch import cached_launch
-from pipespec.kernels.paged_attention import combine_splits, num_kv_splits, split_partials, store_partial
+from pipespec.kernels.kv_split import num_kv_splits
+from pipespec.kernels.paged_attention import combine_splits, split_partials, store_partial
 from pipespec.kernels.pdl import pdl_args, pdl_signal, pdl_wait
 
 MIN_CHUNK = 64        # keys a split takes at least: its 512-value partial a head costs what ~14 keys do

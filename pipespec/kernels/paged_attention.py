@@ -13,7 +13,7 @@ Split KV (flash-decoding): a few requests over long contexts give too few progra
 memory busy (batch 1, 8 KV heads: 8 programs on 132 SMs). Then each (request, head, tile) is also
 split into `num_splits` ranges of its KV, each writing its partial (max, sum, weighted values) to a
 scratch buffer, and `_combine_kernel` merges them. The number of splits depends only on host shapes
-(batch, heads, the block table's width), so a captured graph fixes it; each split finds its own
+(batch, heads, the block table's width: `kernels/kv_split.py`), so a captured graph fixes it; each split finds its own
 range from the device's sequence lengths, and a split with nothing to read contributes nothing.
 """
 from __future__ import annotations
@@ -24,7 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pipespec.kernels import cdiv, next_pow2, sm_count
+from pipespec.kernels import cdiv, next_pow2, sm_count, sm_limits
+from pipespec.kernels.kv_split import FIXED_TILES, MAX_SPLITS, resident_programs, wave_splits
 from pipespec.kernels.launch import cached_launch
 from pipespec.kernels.pdl import pdl_args, pdl_signal, pdl_wait
 
@@ -165,21 +166,18 @@ def _block_m(rows_per_request: int) -> int:
     return 16 if rows_per_request <= 16 else 32 if rows_per_request <= 32 else 64
 
 
-MAX_SPLITS = 128
-SPLIT_MIN_KV = 1024        # below this many keys a request's one program reads them fast enough
-
-
 @dataclass(frozen=True)
 class Launch:
     """The kernel's launch shape: the defaults, or a benchmark's candidates (`attention_kernel.py
     --sweep`). 0 picks by the query tile: for tiles of <= 32 rows (decode, verify) 128 keys a step,
     3 stages, 4 warps, as measured best on an H200 (RESULTS.md); for prefill tiles 64 keys, 2 stages,
-    8 warps (their K and V tiles would not fit three stages in shared memory at 128 keys). per_sm,
-    max_splits: the split rule's target programs per SM and its cap (`num_kv_splits`)."""
+    8 warps (their K and V tiles would not fit three stages in shared memory at 128 keys).
+    fixed_tiles, max_splits: the split rule's cost of a program beyond its key tiles and its cap
+    (`wave_splits`)."""
     block_n: int = 0
     num_stages: int = 0
     num_warps: int = 0
-    per_sm: int = 4
+    fixed_tiles: int = FIXED_TILES
     max_splits: int = MAX_SPLITS
 
     def resolved(self, block_m: int) -> tuple[int, int, int]:
@@ -192,21 +190,52 @@ class Launch:
 DEFAULT_LAUNCH = Launch()
 
 
-def num_kv_splits(programs: int, max_kv: int, sms: int, per_sm: int = 4, max_splits: int = MAX_SPLITS,
-                  min_kv: int = SPLIT_MIN_KV, keys_per_split: int = 256) -> int:
-    """Splits of each program's keys: enough programs for about `per_sm` per SM, each split reading
-    at least `keys_per_split` keys; 1 (no split) when the grid already has that many or contexts
-    are shorter than `min_kv`."""
-    if max_kv < min_kv or programs >= per_sm * sms:
-        return 1
-    return max(1, min(max_splits, cdiv(per_sm * sms, programs), max_kv // keys_per_split))
+def _launch_args(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, out: torch.Tensor,
+                 block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                 parts: tuple, max_query_len: int, scale: float, page_size: int, launch: Launch):
+    """The kernel's arguments, its constexprs and launch options but NUM_SPLITS, and its query tiles."""
+    heads, dim = q.shape[1:]
+    group = heads // key_cache.shape[1]
+    rows = max_query_len * group
+    block_m = _block_m(rows)
+    block_n, num_stages, num_warps = launch.resolved(block_m)
+    args = (q, key_cache, value_cache, out, block_tables, query_start_loc, seq_lens, *parts, heads, scale,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), key_cache.stride(0), key_cache.stride(1),
+            block_tables.stride(0))
+    meta = dict(GROUP=group, HEAD_DIM=dim, PAGE=page_size, BLOCK_M=block_m, BLOCK_N=block_n,
+                PRECISION="ieee" if q.dtype == torch.float32 else "tf32",        # float32 stays exact
+                num_warps=num_warps, num_stages=num_stages, **pdl_args(q.device))
+    return args, meta, cdiv(rows, block_m)
 
 
-def kv_splits_for(batch: int, kv_heads: int, rows_per_request: int, max_kv: int, device: torch.device,
-                  launch: Launch = DEFAULT_LAUNCH) -> int:
-    """The splits `paged_attention` uses by default for these host shapes."""
-    tiles = cdiv(rows_per_request, _block_m(rows_per_request))
-    return num_kv_splits(batch * kv_heads * tiles, max_kv, sm_count(device), launch.per_sm, launch.max_splits)
+_RESIDENT: dict[tuple, int] = {}      # programs an SM runs at once, per device and compiled variant
+
+
+def kv_splits(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
+              query_start_loc: torch.Tensor, seq_lens: torch.Tensor, max_query_len: int, page_size: int,
+              launch: Launch = DEFAULT_LAUNCH) -> int:
+    """The KV splits `paged_attention` takes by default for these inputs: `wave_splits` for the
+    block table's width over the GPU's slots for this kernel, SMs x the programs of its split
+    variant one SM runs at once (from the compiled registers and shared memory: on an H200 3 for
+    64-dim heads, 2 for 128-dim ones, both bound by registers; 1 under the interpreter)."""
+    heads, dim = q.shape[1:]
+    rows = max_query_len * (heads // key_cache.shape[1])
+    block_m = _block_m(rows)
+    block_n, num_stages, num_warps = launch.resolved(block_m)
+    key = (q.device, q.dtype, key_cache.dtype, heads, key_cache.shape[1], dim, page_size, block_m, block_n,
+           num_stages, num_warps)
+    resident = _RESIDENT.get(key)
+    if resident is None:
+        resident = 1
+        if _paged_attention_kernel.jit:
+            f32 = torch.empty(1, dtype=torch.float32, device=q.device)
+            args, meta, _ = _launch_args(q, key_cache, value_cache, q, block_tables, query_start_loc, seq_lens,
+                                         (f32, f32, f32), max_query_len, 1.0, page_size, launch)
+            compiled = _paged_attention_kernel.fn.warmup(*args, grid=(1, 1, 1), NUM_SPLITS=2, **meta)
+            resident = resident_programs(compiled.n_regs, compiled.metadata.shared, num_warps, sm_limits(q.device))
+        _RESIDENT[key] = resident
+    return wave_splits(seq_lens.shape[0] * key_cache.shape[1] * cdiv(rows, block_m), block_tables.shape[1] * page_size,
+                       sm_count(q.device) * resident, block_n, launch.max_splits, fixed_tiles=launch.fixed_tiles)
 
 
 def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -217,33 +246,22 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     """q [T, H, D] (any row/head strides); caches [slots, KVH, D]; block_tables [B, W];
     query_start_loc [B + 1]; seq_lens [B] (KV length after this step, new rows included, already
     written). `max_query_len` is a host int bounding every request's query run (it sizes the grid, so
-    a captured graph fixes it). `num_splits`: KV splits per program (None: `num_kv_splits` from the
-    host shapes). Returns out [T, H, D]."""
+    a captured graph fixes it). `num_splits`: KV splits per program (None: `kv_splits`'s). Returns out [T, H, D]."""
     t, heads, dim = q.shape
-    kv_heads = key_cache.shape[1]
-    group = heads // kv_heads
     assert q.stride(2) == 1 and key_cache.stride(2) == 1 and dim & (dim - 1) == 0
     if out is None:
         out = torch.empty(t, heads, dim, dtype=q.dtype, device=q.device)
     batch = seq_lens.shape[0]
     if t == 0 or batch == 0:
         return out
-    rows = max_query_len * group
-    block_m = _block_m(rows)
-    tiles = cdiv(rows, block_m)
     if num_splits is None:
-        num_splits = kv_splits_for(batch, kv_heads, rows, block_tables.shape[1] * page_size, q.device, launch)
+        num_splits = kv_splits(q, key_cache, value_cache, block_tables, query_start_loc, seq_lens, max_query_len,
+                               page_size, launch)
     split = num_splits > 1
     part_m, part_l, part_acc = split_partials(out, num_splits)
-    grid = (batch, kv_heads, tiles * num_splits)
-    block_n, num_stages, num_warps = launch.resolved(block_m)
-    _paged_attention_kernel[grid](
-        q, key_cache, value_cache, out, block_tables, query_start_loc, seq_lens, part_m, part_l, part_acc,
-        heads, scale,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), key_cache.stride(0), key_cache.stride(1),
-        block_tables.stride(0), GROUP=group, HEAD_DIM=dim, PAGE=page_size, BLOCK_M=block_m,
-        BLOCK_N=block_n, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 stays exact
-        NUM_SPLITS=num_splits, num_warps=num_warps, num_stages=num_stages, **pdl_args(q.device))
+    args, meta, tiles = _launch_args(q, key_cache, value_cache, out, block_tables, query_start_loc, seq_lens,
+                                     (part_m, part_l, part_acc), max_query_len, scale, page_size, launch)
+    _paged_attention_kernel[(batch, key_cache.shape[1], tiles * num_splits)](*args, NUM_SPLITS=num_splits, **meta)
     if split:
         combine_splits(part_m, part_l, part_acc, out, num_splits)
     return out

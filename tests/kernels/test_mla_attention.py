@@ -74,7 +74,7 @@ def test_default_split_follows_the_block_table():
     """A graph's block tables span max_model_len, so batch-1 decode rows split; short tables (an
     eager step over a short context) take one program."""
     from pipespec.kernels.mla_attention import MIN_CHUNK
-    from pipespec.kernels.paged_attention import num_kv_splits
+    from pipespec.kernels.kv_split import num_kv_splits
     assert num_kv_splits(2, 32768, 132, min_kv=2 * MIN_CHUNK, keys_per_split=MIN_CHUNK) == 128
     assert num_kv_splits(2, 64, 132, min_kv=2 * MIN_CHUNK, keys_per_split=MIN_CHUNK) == 1
     assert num_kv_splits(128, 4096, 132, min_kv=2 * MIN_CHUNK, keys_per_split=MIN_CHUNK) == 5

@@ -89,11 +89,21 @@ def test_split_kv_matches_reference(mix, num_splits, dtype):
     assert err < (2e-2 if dtype == torch.bfloat16 else 1e-5), f"relative error {err:.2e}"
 
 
-def test_split_count_follows_the_host_shapes():
-    from pipespec.kernels.paged_attention import MAX_SPLITS, num_kv_splits
-    assert num_kv_splits(programs=8, max_kv=512, sms=132) == 1            # short contexts: one program
-    assert num_kv_splits(programs=528, max_kv=32768, sms=132) == 1        # the grid fills the GPU
-    assert num_kv_splits(programs=192, max_kv=4096, sms=132) == 3         # batch 64, 3 KV heads
-    assert num_kv_splits(programs=8, max_kv=4096, sms=132) == 16          # >= 256 keys a split
-    assert num_kv_splits(programs=8, max_kv=32768, sms=132) == 66         # four programs an SM
-    assert num_kv_splits(programs=1, max_kv=65536, sms=132) == MAX_SPLITS
+def test_default_splits_fill_the_slots_of_the_compiled_kernel():
+    """Decode rows of 64 requests (SmolLM2's 9 / 3 heads of 64) over a 4,096-token table: the split
+    count is the wave rule's over SMs x the programs of the compiled split variant an SM holds (any
+    sm_80+ GPU holds two of its <= 255 registers a thread; the interpreter compiles nothing: one)."""
+    from pipespec.kernels import sm_count
+    from pipespec.kernels.kv_split import wave_splits
+    from pipespec.kernels.paged_attention import _RESIDENT, kv_splits
+    batch, page, width = 64, 16, 256
+    q = torch.zeros(batch, 9, 64, device=DEVICE)
+    cache = torch.zeros(batch * width * page, 3, 64, device=DEVICE)
+    tables = torch.arange(batch * width, device=DEVICE).view(batch, width)
+    qsl = torch.arange(batch + 1, device=DEVICE)
+    seq_lens = torch.full((batch,), width * page, device=DEVICE)
+    splits = kv_splits(q, cache, cache, tables, qsl, seq_lens, 1, page)
+    # the decode tile: 16 query rows, 128 keys a step, 3 stages, 4 warps
+    resident = _RESIDENT[(q.device, q.dtype, cache.dtype, 9, 3, 64, page, 16, 128, 3, 4)]
+    assert resident >= 2 if torch.cuda.is_available() else resident == 1
+    assert splits == wave_splits(batch * 3, width * page, sm_count(q.device) * resident, 128)
