@@ -232,6 +232,7 @@ def kv_splits(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tenso
             args, meta, _ = _launch_args(q, key_cache, value_cache, q, block_tables, query_start_loc, seq_lens,
                                          (f32, f32, f32), max_query_len, 1.0, page_size, launch)
             compiled = _paged_attention_kernel.fn.warmup(*args, grid=(1, 1, 1), NUM_SPLITS=2, **meta)
+            assert compiled.run is not None     # loads the binary: its registers are known from then on
             resident = resident_programs(compiled.n_regs, compiled.metadata.shared, num_warps, sm_limits(q.device))
         _RESIDENT[key] = resident
     return wave_splits(seq_lens.shape[0] * key_cache.shape[1] * cdiv(rows, block_m), block_tables.shape[1] * page_size,
