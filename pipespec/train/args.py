@@ -40,6 +40,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     d.add_argument("--gen-only", action="store_true",
                    help="generate the data into --data-cache and stop (train in a later run)")
     d.add_argument("--gen-prompts", type=int, default=None, help="training prompts to answer (default: all)")
+    d.add_argument("--vocab-prompts", type=int, default=0,
+                   help="more training prompts, on words of the target's vocabulary (a topic template each; "
+                        "no held-out subject's word), mixed in with the others")
     d.add_argument("--gen-temperatures", default="0.0,0.7",
                    help="one pass over the prompts per temperature, in order, while time remains")
     d.add_argument("--gen-max-tokens", type=int, default=256)

@@ -7,6 +7,7 @@ cannot score on them by remembering the answers it was trained on.
 from __future__ import annotations
 
 import random
+import re
 import zlib
 
 TOPIC_TEMPLATES = [
@@ -192,3 +193,30 @@ def chat_prompts(split: str, heldout_fraction: float = 0.15, seed: int = 0) -> l
     prompts = sorted(set(prompts))
     random.Random(seed).shuffle(prompts)
     return prompts
+
+
+_WORD = re.compile(r" [a-z]{5,}")
+
+
+def heldout_words(heldout_fraction: float = 0.15) -> set[str]:
+    """Every word of every held-out subject, lower case: what no training prompt may mention."""
+    words = set()
+    for subjects in (TOPICS, SKILLS, CODE_TASKS, SENTENCES):
+        for subject in subjects:
+            if _held_out(subject, heldout_fraction):
+                words.update(re.findall(r"[a-z]+", subject.lower()))
+    return words
+
+
+def vocabulary_prompts(tokenizer, count: int, heldout_fraction: float = 0.15, seed: int = 0) -> list[str]:
+    """`count` training prompts on the whole words of the target's own vocabulary (tokens that decode
+    to a space and five or more lower-case letters), one topic template each: tens of thousands of
+    subjects where the lists above hold a few hundred, so that the answers a head learns from cover
+    more of what people ask about. A word of any held-out subject is never used, so the held-out
+    split stays unmentioned by any training prompt."""
+    banned = heldout_words(heldout_fraction)
+    words = sorted({t.strip() for t in (tokenizer.decode([i]) for i in range(tokenizer.vocab_size))
+                    if _WORD.fullmatch(t) and t.strip() not in banned})
+    rng = random.Random(seed)
+    rng.shuffle(words)
+    return [rng.choice(TOPIC_TEMPLATES).format(words[i % len(words)]) for i in range(min(count, 4 * len(words)))]

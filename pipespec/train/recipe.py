@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import random
 import sys
 import time
 from pathlib import Path
@@ -18,7 +19,7 @@ from pipespec.model.weights import load_weights
 from pipespec.train.budget import GenBudget, plan_text
 from pipespec.train.data import Batcher, Sample, load_samples, plain_text_samples, save_samples, self_generate
 from pipespec.train.evaluate import agreement, as_dict, report
-from pipespec.train.prompts import chat_prompts
+from pipespec.train.prompts import chat_prompts, vocabulary_prompts
 from pipespec.train.loop import TrainConfig, train
 from pipespec.train.payoff import draft_cost_ratio, payoff
 
@@ -65,6 +66,9 @@ def build_data(args, source, device) -> dict[str, list[Sample]]:
     """Held-out answers, training answers and text windows. `--gen-time` bounds both kinds of answers
     together (budget.py says how it is split); the clock starts once the engine is loaded."""
     prompts = chat_prompts("train")[:args.gen_prompts]
+    if args.vocab_prompts:
+        prompts += vocabulary_prompts(source.tokenizer(), args.vocab_prompts, seed=args.seed)
+        random.Random(args.seed).shuffle(prompts)     # while time lasts, answers of both kinds
     temps = [float(x) for x in args.gen_temperatures.split(",") if x.strip()]
     chat: list[Sample] = []
     heldout: list[Sample] = []

@@ -177,6 +177,23 @@ def test_heldout_prompts_share_no_prompt_and_no_subject_with_training():
     assert mp.chat_prompts("train") == mp.chat_prompts("train")    # deterministic order
 
 
+def test_vocabulary_prompts_mention_no_heldout_subject():
+    """Prompts on the default model's vocabulary: thousands of subjects, none a word of a held-out
+    subject (checked against the held-out prompts themselves), the same list for the same seed."""
+    import re
+    from pipespec.model.source import resolve_model
+    tok = resolve_model(None).tokenizer()
+    prompts = mp.vocabulary_prompts(tok, 20000)
+    assert len(prompts) == 20000 and prompts == mp.vocabulary_prompts(tok, 20000)
+    assert prompts != mp.vocabulary_prompts(tok, 20000, seed=1)
+    subjects = {p for p in prompts for p in [re.findall(r"[a-z]+", p)[-1]]}
+    assert len(subjects) > 10000
+    def words(split):
+        return {w for p in mp.chat_prompts(split) for w in re.findall(r"[a-z]+", p.lower())}
+    only_heldout = words("heldout") - words("train")       # held-out subjects' words, not templates'
+    assert len(only_heldout) > 50 and not subjects & only_heldout
+
+
 def test_cli_has_train_and_eval_subcommands_beside_generate():
     from pipespec.cli import build_parser
 
