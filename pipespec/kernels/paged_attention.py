@@ -13,8 +13,9 @@ Split KV (flash-decoding): a few requests over long contexts give too few progra
 memory busy (batch 1, 8 KV heads: 8 programs on 132 SMs). Then each (request, head, tile) is also
 split into `num_splits` ranges of its KV, each writing its partial (max, sum, weighted values) to a
 scratch buffer, and `_combine_kernel` merges them. The number of splits depends only on host shapes
-(batch, heads, the block table's width: `kernels/kv_split.py`), so a captured graph fixes it; each split finds its own
-range from the device's sequence lengths, and a split with nothing to read contributes nothing.
+(batch, heads, the block table's width: `kv_splits`, `kernels/kv_split.py`), so a captured graph
+fixes it; each split finds its own range from the device's sequence lengths, and a split with
+nothing to read contributes nothing.
 """
 from __future__ import annotations
 
@@ -232,7 +233,7 @@ def kv_splits(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tenso
             args, meta, _ = _launch_args(q, key_cache, value_cache, q, block_tables, query_start_loc, seq_lens,
                                          (f32, f32, f32), max_query_len, 1.0, page_size, launch)
             compiled = _paged_attention_kernel.fn.warmup(*args, grid=(1, 1, 1), NUM_SPLITS=2, **meta)
-            assert compiled.run is not None     # loads the binary: its registers are known from then on
+            _ = compiled.run        # loads the binary: its register count is known from then on
             resident = resident_programs(compiled.n_regs, compiled.metadata.shared, num_warps, sm_limits(q.device))
         _RESIDENT[key] = resident
     return wave_splits(seq_lens.shape[0] * key_cache.shape[1] * cdiv(rows, block_m), block_tables.shape[1] * page_size,
@@ -247,7 +248,8 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     """q [T, H, D] (any row/head strides); caches [slots, KVH, D]; block_tables [B, W];
     query_start_loc [B + 1]; seq_lens [B] (KV length after this step, new rows included, already
     written). `max_query_len` is a host int bounding every request's query run (it sizes the grid, so
-    a captured graph fixes it). `num_splits`: KV splits per program (None: `kv_splits`'s). Returns out [T, H, D]."""
+    a captured graph fixes it). `num_splits`: KV splits per program (None: `kv_splits`'s).
+    Returns out [T, H, D]."""
     t, heads, dim = q.shape
     assert q.stride(2) == 1 and key_cache.stride(2) == 1 and dim & (dim - 1) == 0
     if out is None:
