@@ -36,7 +36,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--out-dtype", default="bfloat16", choices=DTYPES)
     d = p.add_argument_group("data")
     d.add_argument("--data-cache", default=None,
-                   help="samples file: read if it exists, else written after generation (default: OUT.data.json)")
+                   help="samples file: read if it exists, else written after generation (default: OUT.data.json; "
+                        "a name ending in .gz is gzipped)")
     d.add_argument("--gen-only", action="store_true",
                    help="generate the data into --data-cache and stop (train in a later run)")
     d.add_argument("--gen-prompts", type=int, default=None, help="training prompts to answer (default: all)")

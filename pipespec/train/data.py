@@ -2,6 +2,7 @@
 engine) and plain text/code found on the machine; and deterministic batches over them."""
 from __future__ import annotations
 
+import gzip
 import itertools
 import json
 import logging
@@ -24,17 +25,33 @@ class Sample:
     start: int = 0              # first token of the answer (0 for plain text: all of it counts)
 
 
+def write_json(path: str | Path, obj) -> None:
+    """`obj` as JSON at `path`, gzipped when the name ends in .gz (token ids pack ~3x: a data cache
+    small enough to carry between machines)."""
+    text = json.dumps(obj)
+    if str(path).endswith(".gz"):
+        Path(path).write_bytes(gzip.compress(text.encode()))
+    else:
+        Path(path).write_text(text)
+
+
+def read_json(path: str | Path):
+    raw = Path(path).read_bytes()
+    return json.loads(gzip.decompress(raw) if str(path).endswith(".gz") else raw)
+
+
 def save_samples(path: str | Path, samples: list[Sample]) -> None:
-    Path(path).write_text(json.dumps([{"ids": list(s.ids), "start": s.start} for s in samples]))
+    write_json(path, [{"ids": list(s.ids), "start": s.start} for s in samples])
 
 
 def load_samples(path: str | Path) -> list[Sample]:
-    return [Sample(tuple(d["ids"]), d["start"]) for d in json.loads(Path(path).read_text())]
+    return [Sample(tuple(d["ids"]), d["start"]) for d in read_json(path)]
 
 
 def self_generate(llm, prompts: list[str], max_tokens: int, temperature: float = 0.0,
                   round_size: int = 256, deadline: float | None = None, what: str = "answers") -> list[Sample]:
-    """The target's chat answers to `prompts`, at most `round_size` in the engine at once.
+    """The target's chat answers to `prompts`, at most `round_size` in the engine at once (refilled
+    a quarter of a round at a time).
 
     `deadline` (a `time.monotonic()` instant) is a hard bound: when it passes, the answers under way
     are cut where they are (a greedy answer cut short is still the target's own text, so it still
@@ -51,7 +68,12 @@ def self_generate(llm, prompts: list[str], max_tokens: int, temperature: float =
     started, t0, t_log = 0, time.monotonic(), time.monotonic()
 
     def fill() -> None:
+        # Top the round up once a quarter of it has finished: on a GPU a step that prefills new
+        # prompts runs eagerly, while a step of decodes alone replays a CUDA graph, so prompts come
+        # in batches rather than one after each finished answer (which made nearly every step eager).
         nonlocal started
+        if len(live) > round_size - max(1, round_size // 4):
+            return
         while len(live) < round_size:
             item = next(todo, None)
             if item is None:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import random
 import sys
@@ -17,7 +16,8 @@ from pipespec.model.placement import resolve_device, resolve_dtype
 from pipespec.model.source import resolve_model
 from pipespec.model.weights import load_weights
 from pipespec.train.budget import GenBudget, plan_text
-from pipespec.train.data import Batcher, Sample, load_samples, plain_text_samples, save_samples, self_generate
+from pipespec.train.data import (Batcher, Sample, load_samples, plain_text_samples, read_json, save_samples,
+                                 self_generate, write_json)
 from pipespec.train.evaluate import agreement, as_dict, report
 from pipespec.train.prompts import chat_prompts, vocabulary_prompts
 from pipespec.train.loop import TrainConfig, train
@@ -117,12 +117,11 @@ def check_data(data: dict[str, list[Sample]], args) -> None:
 
 
 def _save_data(path: Path, data: dict[str, list[Sample]]) -> None:
-    path.write_text(json.dumps({k: [{"ids": list(s.ids), "start": s.start} for s in v] for k, v in data.items()}))
+    write_json(path, {k: [{"ids": list(s.ids), "start": s.start} for s in v] for k, v in data.items()})
 
 
 def _load_data(path: Path) -> dict[str, list[Sample]]:
-    raw = json.loads(path.read_text())
-    return {k: [Sample(tuple(d["ids"]), d["start"]) for d in v] for k, v in raw.items()}
+    return {k: [Sample(tuple(d["ids"]), d["start"]) for d in v] for k, v in read_json(path).items()}
 
 
 def train_command(args) -> int:

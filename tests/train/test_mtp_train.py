@@ -194,6 +194,16 @@ def test_vocabulary_prompts_mention_no_heldout_subject():
     assert len(only_heldout) > 50 and not subjects & only_heldout
 
 
+def test_samples_files_round_trip_plain_and_gzipped(tmp_path):
+    from pipespec.train.data import load_samples, save_samples
+    samples = _random_samples(50, 300, seed=3, vocab=49152)
+    save_samples(tmp_path / "s.json", samples)
+    save_samples(tmp_path / "s.json.gz", samples)
+    assert load_samples(tmp_path / "s.json") == samples == load_samples(tmp_path / "s.json.gz")
+    # gzipped for real: token ids pack to well under the plain file's size
+    assert (tmp_path / "s.json.gz").stat().st_size < (tmp_path / "s.json").stat().st_size / 2
+
+
 def test_cli_has_train_and_eval_subcommands_beside_generate():
     from pipespec.cli import build_parser
 

@@ -1,6 +1,7 @@
 """`pipespec train-mtp` as a user meets it, on the default model and the CPU, with small budgets:
 every budget bounds what its name says, the plan is logged first, missing data and heads that would
 slow decoding down are said plainly, and no table is printed over 0 positions."""
+import gzip
 import json
 import os
 import re
@@ -46,10 +47,11 @@ def test_gen_time_bounds_all_generation_and_the_plan_predicts_the_total(tmp_path
 
 def test_no_chat_answers_warns_names_the_flag_and_prints_no_empty_table(tmp_path):
     # held-out answers but no chat answers (as when --gen-time ran out on the held-out answers)
+    # (in a gzipped data cache, as one carried between machines would be)
     heldout = json.loads(CHECK_SET.read_text())
-    cache = tmp_path / "data.json"
-    cache.write_text(json.dumps({"chat": [], "text": [{"ids": h["ids"][:32], "start": 0} for h in heldout],
-                                 "heldout": heldout}))
+    cache = tmp_path / "data.json.gz"
+    data = {"chat": [], "text": [{"ids": h["ids"][:32], "start": 0} for h in heldout], "heldout": heldout}
+    cache.write_bytes(gzip.compress(json.dumps(data).encode()))
     proc, _ = _run(tmp_path, "--data-cache", str(cache), "--max-time", "1", "--gen-time", "60")
     assert proc.returncode == 0, proc.stderr
     assert re.search(r"WARNING .*0 chat answers .*raise --gen-time", proc.stderr), proc.stderr
