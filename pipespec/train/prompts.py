@@ -209,11 +209,11 @@ def heldout_words(heldout_fraction: float = 0.15) -> set[str]:
 
 
 def vocabulary_prompts(tokenizer, count: int, heldout_fraction: float = 0.15, seed: int = 0) -> list[str]:
-    """`count` training prompts on the whole words of the target's own vocabulary (tokens that decode
-    to a space and five or more lower-case letters), one topic template each: tens of thousands of
-    subjects where the lists above hold a few hundred, so that the answers a head learns from cover
-    more of what people ask about. A word of any held-out subject is never used, so the held-out
-    split stays unmentioned by any training prompt."""
+    """`count` training prompts on words of the target's own vocabulary (tokens that decode to a space
+    and five or more lower-case letters: mostly whole words, some word starts), a topic template
+    each: ~15,000 subjects for SmolLM2's vocabulary where the lists above hold a few hundred, so that
+    the answers a head learns from cover more of what people ask about. A word of any held-out
+    subject is never used, so no training prompt mentions the held-out split's subjects."""
     banned = heldout_words(heldout_fraction)
     words = sorted({t.strip() for t in (tokenizer.decode([i]) for i in range(tokenizer.vocab_size))
                     if _WORD.fullmatch(t) and t.strip() not in banned})
