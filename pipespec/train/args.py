@@ -33,6 +33,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--resume", action="store_true", help="continue from --checkpoint if it exists")
     t.add_argument("--no-init-from-last-layer", action="store_true",
                    help="start the block from random weights instead of the target's last layer")
+    t.add_argument("--block-intermediate", type=int, default=None,
+                   help="the head block's MLP width (default: the target's); wider starts from the target's "
+                        "last layer in its first columns")
     t.add_argument("--out-dtype", default="bfloat16", choices=DTYPES)
     d = p.add_argument_group("data")
     d.add_argument("--data-cache", default=None,

@@ -148,7 +148,10 @@ def train_command(args) -> int:
 
     torch.manual_seed(args.seed)
     target = load_target(source, device, train_dtype)
-    mtp = DeepSeekMTP(source.arch)
+    head_arch = source.arch
+    if args.block_intermediate:
+        head_arch = dataclasses.replace(head_arch, intermediate_size=args.block_intermediate)
+    mtp = DeepSeekMTP(head_arch)
     if not args.no_init_from_last_layer:
         mtp.init_from_target(target)
     mtp.to(device=device, dtype=torch.float32)
@@ -167,7 +170,8 @@ def train_command(args) -> int:
             "init": "random" if args.no_init_from_last_layer else "target last layer"}
 
     def write_head(step: int) -> None:
-        save_mtp(out, mtp, source.name, out_dtype, {"pipespec.train": dict(info, steps_done=step)})
+        save_mtp(out, mtp, source.name, out_dtype, {"pipespec.train": dict(info, steps_done=step)},
+                 base_arch=source.arch)
 
     curve = []
 
@@ -198,7 +202,7 @@ def train_command(args) -> int:
         check = [Sample(s.ids[:args.check_len], s.start) for s in data["heldout"][:args.check_size]]
         save_samples(args.check_set, check)
         extra["pipespec.eval_check"] = as_dict(agreement(head, target, check, cfg.num_steps, device))
-    save_mtp(out, head, source.name, out_dtype, extra)
+    save_mtp(out, head, source.name, out_dtype, extra, base_arch=source.arch)
     print(report(f"held-out ({len(data['heldout'])} self-generated answers to unseen prompts)", heldout,
                  _why_empty(data["heldout"], "held-out answers")))
     print(report(f"training answers (first {len(seen_samples)}, for the generalization gap)", seen,

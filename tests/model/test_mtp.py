@@ -155,3 +155,31 @@ def test_dense_backend_prepares_equal_length_batches_and_refuses_others():
         backend.prepare(torch.tensor([0, 5, 9]), torch.tensor([5, 4]), torch.arange(9), None, 16)
     with pytest.raises(ValueError, match="no cached prefix"):
         backend.prepare(torch.tensor([0, 1]), torch.tensor([6]), torch.tensor([5]), None, 16)
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_a_head_with_a_wider_mlp_serves_lossless_speculation(tiny_models, tmp_path, pp):
+    """A head file whose block has twice the target's MLP width (`train-mtp --block-intermediate`)
+    loads into the engine at any pipeline size: greedy output equals the engine's without
+    speculation, and drafts were made and verified."""
+    import dataclasses
+    from pipespec import LLM, SamplingParams
+    from pipespec.model.mtp import save_mtp
+    from pipespec.model.source import resolve_model
+    from tests.speculative.mtp_tiny import randomize
+    folder = tiny_models["llama"][0]
+    arch = resolve_model(str(folder)).arch
+    head = DeepSeekMTP(dataclasses.replace(arch, intermediate_size=2 * arch.intermediate_size))
+    randomize(head, seed=7)
+    path = tmp_path / "wide.safetensors"
+    save_mtp(path, head, "tiny-llama", base_arch=arch)
+    prompts = [{"prompt_token_ids": list(range(5 + i, 12 + 3 * i))} for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    kw = dict(model=str(folder), device="cpu", dtype="float32", num_kv_blocks=32, max_model_len=64)
+    with LLM(**kw) as llm:
+        want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    spec = {"method": "mtp", "num_speculative_tokens": 2, "model": str(path)}
+    with LLM(pipeline_parallel_size=pp, speculative_config=spec, **kw) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert llm.stats()["spec_decode"]["num_draft_tokens"] > 0
+    assert got == want

@@ -63,6 +63,36 @@ def test_saved_head_round_trips_names_shapes_metadata_and_outputs(tmp_path):
                                    head.compute_logits(w, target.head_weight()), rtol=0, atol=0)
 
 
+def test_wider_head_starts_as_the_target_layer_and_round_trips(tmp_path):
+    """A head with twice the target's MLP width (`train-mtp --block-intermediate`): initialized from
+    the target's last layer it computes what the plain copy computes; its file records the width
+    and the target's config, and loads back (as the engine loads a head) to the same outputs."""
+    import dataclasses
+    target = tiny_target()
+    ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(5))
+    hidden, _ = target_pass(target, ids)
+    narrow, wide = tiny_head(target.arch), DeepSeekMTP(dataclasses.replace(target.arch, intermediate_size=96))
+    narrow.init_from_target(target)
+    wide.init_from_target(target)
+    wide.load_state_dict({k: v for k, v in narrow.state_dict().items() if not k.startswith("block.")}, strict=False)
+    with torch.no_grad():
+        for n, w in zip(chained_mtp(narrow, target, ids, hidden, 2), chained_mtp(wide, target, ids, hidden, 2)):
+            torch.testing.assert_close(w, n, rtol=1e-5, atol=1e-5)
+    assert wide.block.mlp.down_proj.weight[:, 48:].abs().sum() == 0          # the extra columns start at 0
+    assert wide.block.mlp.gate_up_proj.weight[48:96].abs().sum() > 0         # the extra gate rows do not
+    path = tmp_path / "wide.safetensors"
+    save_mtp(path, wide, "tiny-target", base_arch=target.arch)
+    meta = read_mtp_metadata(path)
+    assert json.loads(meta[META_BASE_CONFIG])["intermediate_size"] == 48
+    loaded, _ = load_mtp_file(path, target.arch)
+    assert loaded.arch.intermediate_size == 96
+    with torch.no_grad():
+        for w, g in zip(chained_mtp(wide, target, ids, hidden, 2), chained_mtp(loaded, target, ids, hidden, 2)):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="cannot start from the target's 48"):
+        DeepSeekMTP(dataclasses.replace(target.arch, intermediate_size=32)).init_from_target(target)
+
+
 def test_head_file_for_another_model_is_refused(tmp_path):
     target = tiny_target()
     path = tmp_path / "head.safetensors"

@@ -84,7 +84,24 @@ class DeepSeekMTP(MTPLayer):
         return self.shared_head.head.weight if hasattr(self.shared_head, "head") else None
 
     def init_from_target(self, target: nn.Module, layer: int | None = None) -> None:
-        """Copy the target's decoder layer `layer` (default: its last) into this module's block."""
+        """Copy the target's decoder layer `layer` (default: its last) into this module's block. A
+        block with a wider MLP (`arch.intermediate_size` above the target's) takes the target's
+        gate and up rows first and its down columns first; its extra down columns start at zero, so
+        the block starts as the target's layer computes, and its extra gate and up rows keep their
+        random start, so that gradients reach the extra columns."""
         layer = self.arch.num_layers - 1 if layer is None else layer
+        source = target.model.layers[str(layer)].state_dict()
+        width, own = source["mlp.down_proj.weight"].shape[1], self.arch.intermediate_size
+        if own < width:
+            raise ValueError(f"an MLP of {own} columns cannot start from the target's {width}")
         with torch.no_grad():
-            self.block.load_state_dict(target.model.layers[str(layer)].state_dict())
+            if own == width:
+                self.block.load_state_dict(source)
+                return
+            state = self.block.state_dict()
+            gate_up, down = source.pop("mlp.gate_up_proj.weight"), source.pop("mlp.down_proj.weight")
+            mine = state["mlp.gate_up_proj.weight"]
+            mine[:width], mine[own:own + width] = gate_up[:width], gate_up[width:]
+            state["mlp.down_proj.weight"].zero_()[:, :width] = down
+            state.update(source)
+            self.block.load_state_dict(state)

@@ -17,21 +17,24 @@ META_FAMILY = "pipespec.mtp_family"
 META_BASE_MODEL = "pipespec.base_model"
 META_BASE_CONFIG = "pipespec.base_model_config"
 META_LAYER_INDEX = "pipespec.layer_index"
+META_BLOCK_INTERMEDIATE = "pipespec.block_intermediate_size"    # the head's MLP width, when not the target's
 
 
 def save_mtp(path: str | Path, module: MTPLayer, base_model: str, dtype: torch.dtype | None = None,
-             extra: dict[str, object] | None = None) -> None:
+             extra: dict[str, object] | None = None, base_arch: ArchConfig | None = None) -> None:
     """Write `module` as a safetensors file under its checkpoint names (DeepSeek-V3 names for the
-    heads pipespec trains), with metadata naming its base model. `extra` values that are not
-    strings are stored as JSON."""
+    heads pipespec trains), with metadata naming its base model (`base_arch`: the target's config,
+    default the module's) and its block's MLP width. `extra` values that are not strings are stored
+    as JSON."""
     from safetensors.torch import save_file
 
     tensors = module.checkpoint_tensors()
     if dtype is not None:
         tensors = {k: v.to(dtype) for k, v in tensors.items()}
     meta = {"format": "pt", META_FAMILY: module.family, META_BASE_MODEL: base_model,
-            META_BASE_CONFIG: json.dumps(dataclasses.asdict(module.arch)),
-            META_LAYER_INDEX: str(module.layer_index), "num_nextn_predict_layers": "1"}
+            META_BASE_CONFIG: json.dumps(dataclasses.asdict(base_arch or module.arch)),
+            META_LAYER_INDEX: str(module.layer_index), "num_nextn_predict_layers": "1",
+            META_BLOCK_INTERMEDIATE: str(module.arch.intermediate_size)}
     for key, value in (extra or {}).items():
         meta[key] = value if isinstance(value, str) else json.dumps(value)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -57,5 +60,8 @@ def load_mtp_file(path: str | Path, arch: ArchConfig, dtype: torch.dtype = torch
             if base.get(key) != getattr(arch, key):
                 raise ValueError(f"MTP head {path} was trained for {meta.get(META_BASE_MODEL)!r} with "
                                  f"{key}={base.get(key)}, but the target has {key}={getattr(arch, key)}")
+    width = int(meta.get(META_BLOCK_INTERMEDIATE, arch.intermediate_size))
+    if width != arch.intermediate_size:          # a head trained with a wider (or narrower) MLP
+        arch = dataclasses.replace(arch, intermediate_size=width)
     module = load_mtp(SafetensorsSource([Path(path)]), arch, dtype, device, max_position=max_position, tp=tp)
     return module, meta
