@@ -73,7 +73,9 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="float32", choices=DTYPES)
     p.add_argument("--steps", type=int, default=None, help="K (default: what the head was trained for)")
-    p.add_argument("--data", default=None, help="samples file to evaluate on instead of generating")
+    p.add_argument("--data", default=None,
+                   help="samples file to evaluate on instead of generating, or a train-mtp data cache (its "
+                        "held-out answers)")
     p.add_argument("--prompts", type=int, default=64, help="held-out prompts to answer (greedy)")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--gen-batch", type=int, default=64)

@@ -44,8 +44,15 @@ def save_samples(path: str | Path, samples: list[Sample]) -> None:
     write_json(path, [{"ids": list(s.ids), "start": s.start} for s in samples])
 
 
-def load_samples(path: str | Path) -> list[Sample]:
-    return [Sample(tuple(d["ids"]), d["start"]) for d in read_json(path)]
+def load_samples(path: str | Path, split: str = "heldout") -> list[Sample]:
+    """A samples file, or one split of a training data cache ({"chat", "text", "heldout"}: so that
+    heads are compared on the very answers a training run held out)."""
+    raw = read_json(path)
+    if isinstance(raw, dict):
+        if split not in raw:
+            raise ValueError(f"{path} is a data cache without a {split!r} split (it holds {', '.join(raw)})")
+        raw = raw[split]
+    return [Sample(tuple(d["ids"]), d["start"]) for d in raw]
 
 
 def self_generate(llm, prompts: list[str], max_tokens: int, temperature: float = 0.0,

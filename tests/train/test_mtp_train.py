@@ -234,6 +234,18 @@ def test_samples_files_round_trip_plain_and_gzipped(tmp_path):
     assert (tmp_path / "s.json.gz").stat().st_size < (tmp_path / "s.json").stat().st_size / 2
 
 
+def test_a_data_cache_gives_its_heldout_answers_to_evaluate(tmp_path):
+    from pipespec.train.data import load_samples, write_json
+    held, chat = _random_samples(3, 20, seed=4), _random_samples(5, 20, seed=5)
+    as_json = [{"ids": list(s.ids), "start": s.start} for s in held]
+    write_json(tmp_path / "data.json.gz", {"chat": [{"ids": list(s.ids), "start": 0} for s in chat], "text": [],
+                                           "heldout": as_json})
+    assert load_samples(tmp_path / "data.json.gz") == held
+    assert load_samples(tmp_path / "data.json.gz", "chat") == chat
+    with pytest.raises(ValueError, match="without a 'check' split"):
+        load_samples(tmp_path / "data.json.gz", "check")
+
+
 def test_cli_has_train_and_eval_subcommands_beside_generate():
     from pipespec.cli import build_parser
 
