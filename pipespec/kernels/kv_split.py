@@ -24,7 +24,7 @@ def num_kv_splits(programs: int, max_kv: int, sms: int, per_sm: int = 4, max_spl
 def resident_programs(registers: int, shared: int, num_warps: int, sm: SMLimits) -> int:
     """Programs of a compiled kernel (`registers` a thread, `shared` bytes) one SM runs at once:
     registers are granted 8 a thread at a time, a block's shared memory takes 1 KiB more."""
-    warp_registers = -(-registers // 8) * 8 * 32
+    warp_registers = cdiv(registers, 8) * 8 * 32
     return max(1, min(sm.registers // (warp_registers * num_warps), sm.shared // (shared + 1024),
                       sm.threads // (32 * num_warps), sm.blocks))
 

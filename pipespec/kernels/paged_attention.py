@@ -191,22 +191,26 @@ class Launch:
 DEFAULT_LAUNCH = Launch()
 
 
+def _tile(q: torch.Tensor, key_cache: torch.Tensor, max_query_len: int, launch: Launch) -> tuple[int, ...]:
+    """(query tiles a request and KV head, block_m, block_n, num_stages, num_warps) of a launch."""
+    rows = max_query_len * (q.shape[1] // key_cache.shape[1])
+    block_m = _block_m(rows)
+    return (cdiv(rows, block_m), block_m, *launch.resolved(block_m))
+
+
 def _launch_args(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, out: torch.Tensor,
                  block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                  parts: tuple, max_query_len: int, scale: float, page_size: int, launch: Launch):
     """The kernel's arguments, its constexprs and launch options but NUM_SPLITS, and its query tiles."""
     heads, dim = q.shape[1:]
-    group = heads // key_cache.shape[1]
-    rows = max_query_len * group
-    block_m = _block_m(rows)
-    block_n, num_stages, num_warps = launch.resolved(block_m)
+    tiles, block_m, block_n, num_stages, num_warps = _tile(q, key_cache, max_query_len, launch)
     args = (q, key_cache, value_cache, out, block_tables, query_start_loc, seq_lens, *parts, heads, scale,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), key_cache.stride(0), key_cache.stride(1),
             block_tables.stride(0))
-    meta = dict(GROUP=group, HEAD_DIM=dim, PAGE=page_size, BLOCK_M=block_m, BLOCK_N=block_n,
+    meta = dict(GROUP=heads // key_cache.shape[1], HEAD_DIM=dim, PAGE=page_size, BLOCK_M=block_m, BLOCK_N=block_n,
                 PRECISION="ieee" if q.dtype == torch.float32 else "tf32",        # float32 stays exact
                 num_warps=num_warps, num_stages=num_stages, **pdl_args(q.device))
-    return args, meta, cdiv(rows, block_m)
+    return args, meta, tiles
 
 
 _RESIDENT: dict[tuple, int] = {}      # programs an SM runs at once, per device and compiled variant
@@ -220,9 +224,7 @@ def kv_splits(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tenso
     variant one SM runs at once (from the compiled registers and shared memory: on an H200 3 for
     64-dim heads, 2 for 128-dim ones, both bound by registers; 1 under the interpreter)."""
     heads, dim = q.shape[1:]
-    rows = max_query_len * (heads // key_cache.shape[1])
-    block_m = _block_m(rows)
-    block_n, num_stages, num_warps = launch.resolved(block_m)
+    tiles, block_m, block_n, num_stages, num_warps = _tile(q, key_cache, max_query_len, launch)
     key = (q.device, q.dtype, key_cache.dtype, heads, key_cache.shape[1], dim, page_size, block_m, block_n,
            num_stages, num_warps)
     resident = _RESIDENT.get(key)
@@ -236,7 +238,7 @@ def kv_splits(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tenso
             _ = compiled.run        # loads the binary: its register count is known from then on
             resident = resident_programs(compiled.n_regs, compiled.metadata.shared, num_warps, sm_limits(q.device))
         _RESIDENT[key] = resident
-    return wave_splits(seq_lens.shape[0] * key_cache.shape[1] * cdiv(rows, block_m), block_tables.shape[1] * page_size,
+    return wave_splits(seq_lens.shape[0] * key_cache.shape[1] * tiles, block_tables.shape[1] * page_size,
                        sm_count(q.device) * resident, block_n, launch.max_splits, fixed_tiles=launch.fixed_tiles)
 
 

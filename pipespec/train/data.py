@@ -40,19 +40,36 @@ def read_json(path: str | Path):
     return json.loads(gzip.decompress(raw) if str(path).endswith(".gz") else raw)
 
 
+def _as_json(samples: list[Sample]) -> list[dict]:
+    return [{"ids": list(s.ids), "start": s.start} for s in samples]
+
+
+def _from_json(items: list[dict]) -> list[Sample]:
+    return [Sample(tuple(d["ids"]), d["start"]) for d in items]
+
+
 def save_samples(path: str | Path, samples: list[Sample]) -> None:
-    write_json(path, [{"ids": list(s.ids), "start": s.start} for s in samples])
+    write_json(path, _as_json(samples))
+
+
+def save_data(path: str | Path, data: dict[str, list[Sample]]) -> None:
+    """A training data cache: its splits ({"chat", "text", "heldout"}) in one file."""
+    write_json(path, {split: _as_json(samples) for split, samples in data.items()})
+
+
+def load_data(path: str | Path) -> dict[str, list[Sample]]:
+    return {split: _from_json(items) for split, items in read_json(path).items()}
 
 
 def load_samples(path: str | Path, split: str = "heldout") -> list[Sample]:
-    """A samples file, or one split of a training data cache ({"chat", "text", "heldout"}: so that
-    heads are compared on the very answers a training run held out)."""
+    """A samples file, or one split of a training data cache (`save_data`: so that heads are
+    compared on the very answers a training run held out)."""
     raw = read_json(path)
     if isinstance(raw, dict):
         if split not in raw:
             raise ValueError(f"{path} is a data cache without a {split!r} split (it holds {', '.join(raw)})")
         raw = raw[split]
-    return [Sample(tuple(d["ids"]), d["start"]) for d in raw]
+    return _from_json(raw)
 
 
 def self_generate(llm, prompts: list[str], max_tokens: int, temperature: float = 0.0,

@@ -16,8 +16,8 @@ from pipespec.model.placement import resolve_device, resolve_dtype
 from pipespec.model.source import resolve_model
 from pipespec.model.weights import load_weights
 from pipespec.train.budget import GenBudget, plan_text
-from pipespec.train.data import (Batcher, Sample, load_samples, plain_text_samples, read_json, save_samples,
-                                 self_generate, write_json)
+from pipespec.train.data import (Batcher, Sample, load_data, load_samples, plain_text_samples, save_data,
+                                 save_samples, self_generate)
 from pipespec.train.evaluate import agreement, as_dict, report
 from pipespec.train.prompts import chat_prompts, vocabulary_prompts
 from pipespec.train.loop import TrainConfig, train
@@ -116,14 +116,6 @@ def check_data(data: dict[str, list[Sample]], args) -> None:
                        "(now %s s) or --heldout-prompts (now %d)", args.gen_time, args.heldout_prompts)
 
 
-def _save_data(path: Path, data: dict[str, list[Sample]]) -> None:
-    write_json(path, {k: [{"ids": list(s.ids), "start": s.start} for s in v] for k, v in data.items()})
-
-
-def _load_data(path: Path) -> dict[str, list[Sample]]:
-    return {k: [Sample(tuple(d["ids"]), d["start"]) for d in v] for k, v in read_json(path).items()}
-
-
 def train_command(args) -> int:
     t_start = time.perf_counter()
     out = Path(args.out)
@@ -134,12 +126,12 @@ def train_command(args) -> int:
     cache = Path(args.data_cache or f"{out}.data.json")
     logger.info("%s", plan_text(args, str(cache) if cache.exists() else None))
     if cache.exists():
-        data = _load_data(cache)
+        data = load_data(cache)
         logger.info("read the training data from %s", cache)
     else:
         data = build_data(args, source, device)
         cache.parent.mkdir(parents=True, exist_ok=True)
-        _save_data(cache, data)
+        save_data(cache, data)
     t_data = time.perf_counter() - t_start
     check_data(data, args)
     if args.gen_only:
