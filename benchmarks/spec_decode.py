@@ -1,8 +1,10 @@
 """MTP speculative decoding vs none, same run: tokens/s and mean acceptance length.
 
-SmolLM2-135M-Instruct with its bundled head, greedy chat answers to held-out-style prompts.
+SmolLM2-135M-Instruct with its bundled head, greedy chat answers to held-out-style prompts, or
+(`--prompts heldout`) to the trainer's held-out split: subjects no training prompt mentions (issue
+17's acceptance goal is measured there).
 Usage: python benchmarks/spec_decode.py [--device cpu|cuda] [--pp 1 2] [--batch 1 8] [--k 1 2 3]
-       [--max-tokens 64] [--repeats 3] [--dtype auto]
+       [--max-tokens 64] [--repeats 3] [--dtype auto] [--prompts bench|heldout] [--stop-at-eos]
 Each cell is the median over --repeats; configurations are interleaved per repeat so drift hits all.
 """
 from __future__ import annotations
@@ -16,6 +18,7 @@ import time
 import torch
 
 from pipespec import LLM, SamplingParams
+from pipespec.train.prompts import chat_prompts
 
 PROMPTS = ["Write a short poem about autumn leaves.", "Explain how a bicycle gear works.",
            "Give three tips for a job interview.", "What is the difference between a list and a tuple in Python?",
@@ -46,11 +49,11 @@ def print_profile(llm: LLM, prompts, params: SamplingParams, title: str, sorts: 
         print(events.table(sort_by=key, row_limit=rows, max_name_column_width=70))
 
 
-def chat_ids(tok) -> list[list[int]]:
-    """PROMPTS as user turns in the model's chat template, token ids (the template adds its own
+def chat_ids(tok, prompts: list[str] = PROMPTS) -> list[list[int]]:
+    """`prompts` as user turns in the model's chat template, token ids (the template adds its own
     special tokens)."""
     return [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]), add_special_tokens=False)
-            for p in PROMPTS]
+            for p in prompts]
 
 
 def main():
@@ -63,6 +66,10 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--prompts", choices=("bench", "heldout"), default="bench",
+                    help="this file's prompts, or the trainer's held-out split (pipespec.train.prompts)")
+    ap.add_argument("--stop-at-eos", action="store_true",
+                    help="answers end at EOS (tokens/s counts the tokens generated) instead of max-tokens each")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -73,8 +80,8 @@ def main():
                           speculative_config={"method": "mtp", "num_speculative_tokens": k} if k else None)
                    for k in [0] + args.k}
         tok = engines[0].get_tokenizer()
-        chats = chat_ids(tok)
-        params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+        chats = chat_ids(tok, chat_prompts("heldout") if args.prompts == "heldout" else PROMPTS)
+        params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=not args.stop_at_eos)
         for batch in args.batch:
             prompts = [{"prompt_token_ids": chats[i % len(chats)]} for i in range(batch)]
             for llm in engines.values():
@@ -87,10 +94,11 @@ def main():
                     if args.device.startswith("cuda"):
                         torch.cuda.synchronize()
                     t = time.perf_counter()
-                    llm.generate(prompts, params, use_tqdm=False)
+                    outs = llm.generate(prompts, params, use_tqdm=False)
                     if args.device.startswith("cuda"):
                         torch.cuda.synchronize()
-                    speed[k].append(batch * args.max_tokens / (time.perf_counter() - t))
+                    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+                    speed[k].append(tokens / (time.perf_counter() - t))
                     after = llm.stats().get("spec_decode")
                     if after:
                         drafts = after["num_drafts"] - before.get("num_drafts", 0)
@@ -107,7 +115,8 @@ def main():
             llm.shutdown()
     dev = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else f"{platform.machine()} cpu"
     print(json.dumps({"date": time.strftime("%Y-%m-%d"), "device": dev, "torch": torch.__version__,
-                      "max_tokens": args.max_tokens, "repeats": args.repeats, "rows": rows}, indent=1))
+                      "max_tokens": args.max_tokens, "repeats": args.repeats,
+                      "prompts": args.prompts, "stop_at_eos": args.stop_at_eos, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -7,11 +7,12 @@ step, one draft costs
     d = (MTP layer + LM head) / (target decoder layers + LM head)        (weights read)
 
 and verifying the drafts is free (1 + K rows read the same weights as one). With K drafts a step then
-yields 1 + sum_{k<=K} chain_k tokens (chain_k: drafts 1..k all accepted) for 1 + K*d of the time:
+yields L_K tokens (the acceptance length: `evaluate.py`'s greedy walk) for 1 + K*d of the time:
 
-    speedup(K) = (1 + sum_{k<=K} chain_k) / (1 + K*d)
+    speedup(K) = L_K / (1 + K*d)
 
-Speculation pays when the best K gives a speedup above 1; for K = 1 that is step-1 agreement > d.
+Speculation pays when the best K gives a speedup above 1; for K = 1 (L_1 = 1 + the share of steps
+whose draft is accepted) that is L_1 - 1 > d.
 This is the most favourable case: at larger batches verify rows cost real time too, so the bar is
 higher there (the engine's adaptive K measures that instead of assuming it).
 """
@@ -36,8 +37,8 @@ def draft_cost_ratio(target_layer_params: int, mtp_params: int, head_params: int
     return (mtp_params + head_params) / (target_layer_params + head_params)
 
 
-def payoff(chain_rates: list[float], draft_cost: float) -> Payoff:
-    """The best K >= 1 of the model above for measured chain rates [chain_1, chain_2, ...]."""
-    speedups = [(1 + sum(chain_rates[:k])) / (1 + k * draft_cost) for k in range(1, len(chain_rates) + 1)]
+def payoff(acceptance_lengths: list[float], draft_cost: float) -> Payoff:
+    """The best K >= 1 of the model above for measured acceptance lengths [L_1, L_2, ...]."""
+    speedups = [length / (1 + k * draft_cost) for k, length in enumerate(acceptance_lengths, 1)]
     best = max(range(len(speedups)), key=speedups.__getitem__)
     return Payoff(draft_cost, best + 1, speedups[best])

@@ -223,7 +223,7 @@ def warn_if_slower(heldout, target, head, args, summary) -> None:
     head_params = arch.vocab_size * arch.hidden_size
     d = draft_cost_ratio(sum(p.numel() for p in target.model.layers.parameters()),
                          sum(p.numel() for p in head.parameters()), head_params)
-    p = payoff([r.chain_rate for r in heldout], d)
+    p = payoff([r.walk_length for r in heldout], d)
     if p.pays:
         print(f"\nexpected decode speedup at batch 1: {p.speedup:.2f}x with K={p.best_k} (a draft step costs "
               f"~{d:.2f} of a target step by weights read)")

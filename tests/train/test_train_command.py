@@ -76,8 +76,8 @@ def test_payoff_model_on_synthetic_tables():
     # SmolLM2-135M's shapes: 30 layers of 3.54M weights, a 4.2M MTP layer, a 28.3M LM head
     d = draft_cost_ratio(106_202_880, 4_205_376, 28_311_552)
     assert 0.2 < d < 0.3
-    low = payoff([0.01, 0.0], d)                    # what the 60-second head measured
+    low = payoff([1.01, 1.01], d)                   # what the 60-second head measured
     assert not low.pays and low.best_k == 1 and low.speedup < 0.85
-    good = payoff([0.8, 0.6, 0.45], d)
+    good = payoff([1.8, 2.4, 2.85], d)
     assert good.pays and good.best_k == 3 and good.speedup == pytest.approx(2.85 / (1 + 3 * d))
-    assert not payoff([d * 0.99], d).pays and payoff([d * 1.01], d).pays   # the K = 1 threshold is d
+    assert not payoff([1 + d * 0.99], d).pays and payoff([1 + d * 1.01], d).pays   # the K = 1 threshold is d

@@ -1,0 +1,55 @@
+"""The greedy walk over teacher-forced agreement: what an engine drafting K tokens a step gets."""
+import pytest
+import torch
+
+from pipespec.train.data import Sample
+from pipespec.train.evaluate import agreement, walk
+
+
+def test_walk_takes_a_step_per_run_of_accepted_drafts():
+    # 12 tokens, the answer from index 2: the first draft comes from row 1, the last token is 11
+    assert walk([3] * 12, 2, 12, 3) == (3, 9)       # right every time: 4 tokens a step (the last step cut)
+    assert walk([0] * 12, 2, 12, 3) == (9, 9)       # never right: the target's token alone
+    assert walk([3] * 12, 2, 12, 1) == (5, 9)       # K caps the run
+    # misses cluster: rows 1-6 hard, rows 7-10 easy. A uniform mean over rows 1-10 reads 1 + 9/10 = 1.9
+    # tokens a step; the walk takes six one-token steps through the hard stretch, then one of three
+    runs = [0] * 7 + [3, 3, 2, 1, 0]
+    steps, tokens = walk(runs, 2, 12, 3)
+    assert (steps, tokens) == (7, 9) and tokens / steps < 1.3
+
+
+@pytest.fixture(scope="module")
+def default_source():
+    from pipespec.model.source import resolve_model
+    try:
+        return resolve_model(None)
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+
+def test_walk_is_the_engines_acceptance_length(default_source):
+    """Greedy decoding with the bundled head and the same answers walked teacher-forced: one figure."""
+    from pipespec import LLM, SamplingParams
+    from pipespec.heads import bundled_head_path
+    from pipespec.model.mtp import load_mtp_file
+    from pipespec.train.prompts import chat_prompts
+    from pipespec.train.recipe import load_target
+
+    k = 2
+    llm = LLM(dtype="float32", speculative_config={"method": "mtp", "num_speculative_tokens": k})
+    try:
+        tok = llm.get_tokenizer()
+        prompts = [{"prompt_token_ids": tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]),
+                                                   add_special_tokens=False)}
+                   for p in chat_prompts("heldout")[:4]]
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=48), use_tqdm=False)
+        engine = llm.stats()["spec_decode"]["mean_acceptance_length"]
+    finally:
+        llm.shutdown()
+    samples = [Sample(tuple(o.prompt_token_ids) + tuple(o.outputs[0].token_ids), len(o.prompt_token_ids))
+               for o in outs]
+    target = load_target(default_source, "cpu", torch.float32)
+    head, _ = load_mtp_file(bundled_head_path(), default_source.arch, torch.float32, "cpu")
+    results = agreement(head, target, samples, k, "cpu")
+    assert results[-1].walk_length == pytest.approx(engine, abs=0.03), (results, engine)
+    assert 1.2 < engine < k + 1                      # the head drafts, and not perfectly
