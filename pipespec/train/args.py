@@ -33,6 +33,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--resume", action="store_true", help="continue from --checkpoint if it exists")
     t.add_argument("--no-init-from-last-layer", action="store_true",
                    help="start the block from random weights instead of the target's last layer")
+    t.add_argument("--init-head", default=None, metavar="FILE",
+                   help="start from this head file's weights (one `train-mtp` wrote, e.g. the bundled head: "
+                        "'bundled'), to train it further on new data; its width is the file's")
     t.add_argument("--block-intermediate", type=int, default=None,
                    help="the head block's MLP width (default: the target's); wider starts from the target's "
                         "last layer in its first columns")

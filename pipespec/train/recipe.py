@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from pipespec.heads import bundled_head_path
 from pipespec.model.llama import LlamaForCausalLM
 from pipespec.model.mtp import DeepSeekMTP, load_mtp_file, read_mtp_metadata, save_mtp
 from pipespec.model.placement import resolve_device, resolve_dtype
@@ -116,6 +117,40 @@ def check_data(data: dict[str, list[Sample]], args) -> None:
                        "(now %s s) or --heldout-prompts (now %d)", args.gen_time, args.heldout_prompts)
 
 
+def init_head_path(args) -> Path | None:
+    """`--init-head`'s file, checked before anything runs (None: a new head)."""
+    if not args.init_head:
+        return None
+    if args.block_intermediate or args.no_init_from_last_layer:
+        raise ValueError("--init-head takes the head's weights and width from its file: drop "
+                         "--block-intermediate / --no-init-from-last-layer")
+    path = bundled_head_path(args.model) if args.init_head == "bundled" else Path(args.init_head)
+    if path is None:
+        raise ValueError(f"--init-head bundled: no head is bundled for {args.model or 'the default model'}")
+    if not path.is_file():
+        raise ValueError(f"--init-head {path}: no such file")
+    return path
+
+
+def initial_head(args, init_path: Path | None, source, target, device) -> tuple[DeepSeekMTP, str]:
+    """The head training starts from, in float32 on `device`, and how it was made (for the file's
+    metadata): a head file's weights (`--init-head`), or a new block from the target's last layer
+    (or random, `--no-init-from-last-layer`) at the target's MLP width or `--block-intermediate`."""
+    if init_path is not None:
+        mtp, _ = load_mtp_file(init_path, source.arch, torch.float32, device)
+        if not isinstance(mtp, DeepSeekMTP):
+            raise ValueError(f"--init-head {init_path}: a {mtp.family} head; train-mtp trains DeepSeek-style "
+                             f"heads (the files it writes)")
+        return mtp, f"head file {init_path}"
+    head_arch = source.arch
+    if args.block_intermediate:
+        head_arch = dataclasses.replace(head_arch, intermediate_size=args.block_intermediate)
+    mtp = DeepSeekMTP(head_arch)
+    if not args.no_init_from_last_layer:
+        mtp.init_from_target(target)
+    return mtp.to(device=device, dtype=torch.float32), "random" if args.no_init_from_last_layer else "target last layer"
+
+
 def train_command(args) -> int:
     t_start = time.perf_counter()
     out = Path(args.out)
@@ -123,6 +158,7 @@ def train_command(args) -> int:
     train_dtype = resolve_dtype("auto", device)
     eval_dtype = _DTYPES[args.eval_dtype]
     source = resolve_model(args.model)
+    init_path = init_head_path(args)
     cache = Path(args.data_cache or f"{out}.data.json")
     logger.info("%s", plan_text(args, str(cache) if cache.exists() else None))
     if cache.exists():
@@ -140,13 +176,7 @@ def train_command(args) -> int:
 
     torch.manual_seed(args.seed)
     target = load_target(source, device, train_dtype)
-    head_arch = source.arch
-    if args.block_intermediate:
-        head_arch = dataclasses.replace(head_arch, intermediate_size=args.block_intermediate)
-    mtp = DeepSeekMTP(head_arch)
-    if not args.no_init_from_last_layer:
-        mtp.init_from_target(target)
-    mtp.to(device=device, dtype=torch.float32)
+    mtp, init = initial_head(args, init_path, source, target, device)
     cfg = TrainConfig(num_steps=args.steps, tokens=args.tokens, batch_size=args.batch_size, seq_len=args.seq_len,
                       lr=args.lr, warmup=args.warmup, step_weight=args.step_weight, seed=args.seed,
                       max_time=args.max_time, log_every=args.log_every,
@@ -159,7 +189,7 @@ def train_command(args) -> int:
             "chat_samples": len(data["chat"]), "chat_tokens": sum(len(s.ids) for s in data["chat"]),
             "text_samples": len(data["text"]), "text_tokens": sum(len(s.ids) for s in data["text"]),
             "heldout_samples": len(data["heldout"]), "config": dataclasses.asdict(cfg),
-            "init": "random" if args.no_init_from_last_layer else "target last layer"}
+            "init": init}
 
     def write_head(step: int) -> None:
         save_mtp(out, mtp, source.name, out_dtype, {"pipespec.train": dict(info, steps_done=step)},
@@ -239,8 +269,6 @@ def warn_if_slower(heldout, target, head, args, summary) -> None:
 
 
 def eval_command(args) -> int:
-    from pipespec.heads import bundled_head_path
-
     device = resolve_device(args.device)
     dtype = _DTYPES[args.dtype]
     head_path = args.head or bundled_head_path(args.model)

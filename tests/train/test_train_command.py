@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from pipespec.train.payoff import draft_cost_ratio, payoff
 
@@ -63,6 +64,38 @@ def test_no_chat_answers_warns_names_the_flag_and_prints_no_empty_table(tmp_path
     # one second of training leaves a head far below what pays: said, with what to change
     assert re.search(r"WARNING: this head would make decoding slower: its held-out step-1 agreement is "
                      r"[\d.]+%, .*must exceed \d+% to pay\. Train longer \(--max-time", out), out
+
+
+def test_init_head_trains_on_from_a_head_file(tmp_path):
+    # the bundled head, trained on at a learning rate of 0: the file written is the bundled head, and
+    # it measures what the bundled head recorded on the same answers
+    from safetensors.torch import load_file
+    from pipespec.heads import bundled_head_path
+    from pipespec.model.mtp import read_mtp_metadata
+
+    cache = tmp_path / "data.json.gz"
+    heldout = json.loads(CHECK_SET.read_text())
+    data = {"chat": [], "text": [{"ids": h["ids"][:32], "start": 0} for h in heldout], "heldout": heldout}
+    cache.write_bytes(gzip.compress(json.dumps(data).encode()))
+    proc, _ = _run(tmp_path, "--data-cache", str(cache), "--init-head", "bundled", "--lr", "0", "--steps", "3",
+                   "--max-time", "1")
+    assert proc.returncode == 0, proc.stderr
+    written, bundled = load_file(tmp_path / "head.safetensors"), load_file(bundled_head_path())
+    assert written.keys() == bundled.keys() and all(torch.equal(written[k], bundled[k]) for k in bundled)
+    meta = read_mtp_metadata(tmp_path / "head.safetensors")
+    assert json.loads(meta["pipespec.train"])["init"] == f"head file {bundled_head_path()}"
+    recorded = json.loads(read_mtp_metadata(bundled_head_path())["pipespec.eval_check"])[0]
+    got = re.search(r"held-out \(8 .*?\n.*?\n.*?\n\| 1 \| (\d+) \| ([\d.]+)%", proc.stdout, re.S)
+    assert got and int(got.group(1)) == recorded["positions"], proc.stdout
+    assert abs(float(got.group(2)) / 100 - recorded["agreement"]) <= 0.02, (got.group(0), recorded)
+
+
+def test_init_head_refuses_a_width_flag_and_a_missing_file_before_anything_runs(tmp_path):
+    proc, _ = _run(tmp_path, "--init-head", "bundled", "--block-intermediate", "3072", "--gen-time", "0", timeout=60)
+    assert proc.returncode == 2 and "--init-head takes the head's weights and width from its file" in proc.stderr
+    proc, _ = _run(tmp_path, "--init-head", str(tmp_path / "none.safetensors"), "--gen-time", "0", timeout=60)
+    assert proc.returncode == 2 and "none.safetensors: no such file" in proc.stderr, proc.stderr
+    assert "engine ready" not in proc.stderr and "read the training data" not in proc.stderr
 
 
 def test_nothing_to_train_on_is_a_clear_error(tmp_path):
