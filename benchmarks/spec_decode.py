@@ -4,7 +4,9 @@ SmolLM2-135M-Instruct with its bundled head, greedy chat answers to held-out-sty
 (`--prompts heldout`) to the trainer's held-out split: subjects no training prompt mentions (issue
 17's acceptance goal is measured there).
 Usage: python benchmarks/spec_decode.py [--device cpu|cuda] [--pp 1 2] [--batch 1 8] [--k 1 2 3]
-       [--max-tokens 64] [--repeats 3] [--dtype auto] [--prompts bench|heldout] [--stop-at-eos]
+       [--max-tokens 64] [--repeats 3] [--dtype auto] [--prompts bench|heldout] [--stop-at-eos] [--rounds 1]
+`--rounds R` runs R batches of distinct prompts in turn in each timed run (at batch 1: R prompts, one
+at a time), so a batch-1 figure is not one prompt's.
 Each cell is the median over --repeats; configurations are interleaved per repeat so drift hits all.
 """
 from __future__ import annotations
@@ -70,6 +72,8 @@ def main():
                     help="this file's prompts, or the trainer's held-out split (pipespec.train.prompts)")
     ap.add_argument("--stop-at-eos", action="store_true",
                     help="answers end at EOS (tokens/s counts the tokens generated) instead of max-tokens each")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="batches of distinct prompts run in turn in each timed run (default 1)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -83,9 +87,10 @@ def main():
         chats = chat_ids(tok, chat_prompts("heldout") if args.prompts == "heldout" else PROMPTS)
         params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=not args.stop_at_eos)
         for batch in args.batch:
-            prompts = [{"prompt_token_ids": chats[i % len(chats)]} for i in range(batch)]
+            rounds = [[{"prompt_token_ids": chats[(r * batch + i) % len(chats)]} for i in range(batch)]
+                      for r in range(args.rounds)]
             for llm in engines.values():
-                llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+                llm.generate(rounds[0][:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
             speed = {k: [] for k in engines}
             accept = {}
             for _ in range(args.repeats):
@@ -94,7 +99,7 @@ def main():
                     if args.device.startswith("cuda"):
                         torch.cuda.synchronize()
                     t = time.perf_counter()
-                    outs = llm.generate(prompts, params, use_tqdm=False)
+                    outs = [o for prompts in rounds for o in llm.generate(prompts, params, use_tqdm=False)]
                     if args.device.startswith("cuda"):
                         torch.cuda.synchronize()
                     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
@@ -116,7 +121,7 @@ def main():
     dev = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else f"{platform.machine()} cpu"
     print(json.dumps({"date": time.strftime("%Y-%m-%d"), "device": dev, "torch": torch.__version__,
                       "max_tokens": args.max_tokens, "repeats": args.repeats,
-                      "prompts": args.prompts, "stop_at_eos": args.stop_at_eos, "rows": rows}, indent=1))
+                      "prompts": args.prompts, "stop_at_eos": args.stop_at_eos, "rounds": args.rounds, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":
