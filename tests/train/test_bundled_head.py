@@ -2,7 +2,6 @@
 import json
 from pathlib import Path
 
-import pytest
 import torch
 
 from pipespec.heads import bundled_head_path, default_model_head_path
@@ -11,15 +10,6 @@ from pipespec.train.data import load_samples
 from pipespec.train.evaluate import agreement
 
 CHECK_SET = Path(__file__).parent / "data" / "smollm2_mtp_check.json"
-
-
-@pytest.fixture(scope="module")
-def default_source():
-    from pipespec.model.source import resolve_model
-    try:
-        return resolve_model(None)
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
 
 
 def test_bundled_head_is_the_default_models_and_is_packaged():

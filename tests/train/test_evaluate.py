@@ -18,14 +18,6 @@ def test_walk_takes_a_step_per_run_of_accepted_drafts():
     assert (steps, tokens) == (7, 9) and tokens / steps < 1.3
 
 
-@pytest.fixture(scope="module")
-def default_source():
-    from pipespec.model.source import resolve_model
-    try:
-        return resolve_model(None)
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-
 
 def test_walk_is_the_engines_acceptance_length(default_source):
     """Greedy decoding with the bundled head and the same answers walked teacher-forced: one figure."""
