@@ -91,12 +91,11 @@ def agreement(mtp, target, samples: list[Sample], num_steps: int, device, batch_
             r.chain_positions += int(mask.sum())
             r.chain_agree += int((chain_ok & mask).sum())
             runs += chain_ok & mask              # chain_ok is cumulative: the sum is the run length
-        if answer_only:
-            for b, (row, length, start) in enumerate(zip(runs.tolist(), lens.tolist(), starts.tolist())):
-                for r in results:
-                    steps, tokens = walk(row, max(start, 1), length, r.step)
-                    r.walk_steps += steps
-                    r.walk_tokens += tokens
+        for row, length, start in zip(runs.tolist(), lens.tolist(), starts.tolist()):
+            for r in results:     # (not answer_only: the walk starts at the first row)
+                steps, tokens = walk(row, max(start, 1) if answer_only else 1, length, r.step)
+                r.walk_steps += steps
+                r.walk_tokens += tokens
     return results
 
 
