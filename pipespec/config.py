@@ -191,6 +191,8 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 1   # K; with adaptive, the largest K a step may use
     model: str | None = None          # a head file; None: the checkpoint's own MTP layers or the bundled head
     adaptive: bool = False
+    # draft over the first n tokens of the head file's draft vocabulary (speculative/draft_vocab.py)
+    draft_vocab_size: int | None = None
     # adaptive only, for tests and benchmarks: the steps' K in turn (repeating) instead of measuring
     k_sequence: tuple[int, ...] | None = None
 
@@ -204,6 +206,10 @@ class SpeculativeConfig:
                  f"speculative_config.num_speculative_tokens must be an integer in 1..8, got {k!r}")
         _require(isinstance(self.adaptive, bool),
                  f"speculative_config.adaptive must be true or false, got {self.adaptive!r}")
+        n = self.draft_vocab_size
+        _require(n is None or (isinstance(n, int) and not isinstance(n, bool) and n >= 1),
+                 f"speculative_config.draft_vocab_size must be a positive integer (or absent: the whole "
+                 f"vocabulary), got {n!r}")
         seq = self.k_sequence
         if seq is not None:
             _require(self.adaptive, "speculative_config.k_sequence forces the steps' K of adaptive K; "
@@ -229,7 +235,7 @@ class SpeculativeConfig:
         unknown = set(value) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ValueError(f"speculative_config has unknown keys {sorted(unknown)}; "
-                             "known: method, num_speculative_tokens, model, adaptive, k_sequence")
+                             "known: " + ", ".join(f.name for f in dataclasses.fields(cls)))
         return cls(**value)
 
 
@@ -242,6 +248,10 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
 
     def __post_init__(self):
+        if self.speculative is not None and self.speculative.draft_vocab_size:
+            _require(self.parallel.tensor_parallel_size == 1,
+                     "speculative_config.draft_vocab_size needs tensor_parallel_size 1 (with TP the LM head's "
+                     "vocabulary is split across the ranks)")
         if self.scheduler.async_scheduling:
             _require(self.parallel.world_size == 1,
                      "async_scheduling needs one stage (pipeline_parallel_size = tensor_parallel_size = 1): "

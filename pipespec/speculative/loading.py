@@ -11,6 +11,7 @@ from pipespec.model.mtp import declared_mtp_layers, detect_mtp, dummy_mtp_layers
 from pipespec.model.tp_layers import SINGLE, VocabParallelEmbedding
 from pipespec.model.weights import init_dummy_weights, load_weights
 from pipespec.parallel import TensorParallel
+from pipespec.speculative.draft_vocab import DraftVocab, read_draft_vocab
 from pipespec.speculative.proposer import MTPProposer
 
 logger = logging.getLogger(__name__)
@@ -36,12 +37,14 @@ def no_head_message(model: str | None) -> str:
             "in Python speculative_config={'method': 'mtp', 'num_speculative_tokens': 3, 'model': 'head.safetensors'}")
 
 
-def _load_layers(source, config, dtype, device, max_position: int, tp: TensorParallel) -> tuple[list[nn.Module], str]:
-    """MTP layers from speculative_config.model, else the checkpoint's own (random ones, as many as
-    config.json declares, with load_format='dummy'), else the bundled head."""
+def _load_layers(source, config, dtype, device, max_position: int,
+                 tp: TensorParallel) -> tuple[list[nn.Module], str, str | None]:
+    """(layers, where from, the head file if one): MTP layers from speculative_config.model, else the
+    checkpoint's own (random ones, as many as config.json declares, with load_format='dummy'), else
+    the bundled head."""
     arch, spec = source.arch, config.speculative
     if spec.model is not None:
-        return [load_mtp_file(spec.model, arch, dtype, device, max_position, tp=tp)[0]], spec.model
+        return [load_mtp_file(spec.model, arch, dtype, device, max_position, tp=tp)[0]], spec.model, spec.model
     declared = declared_mtp_layers(source.folder)
     if config.model.load_format == "dummy":
         if not declared:
@@ -49,16 +52,17 @@ def _load_layers(source, config, dtype, device, max_position: int, tp: TensorPar
                              "(config.json: num_nextn_predict_layers / mtp_num_hidden_layers) to draw at random; "
                              "pass a head file as speculative_config['model']")
         return (dummy_mtp_layers(arch, declared, dtype, device, max_position, tp=tp),
-                f"{declared} random layer(s) (dummy)")
+                f"{declared} random layer(s) (dummy)", None)
     weights = source.weights()
     hit = detect_mtp(weights.names(), arch.num_layers)
     if hit is not None:
         layers = load_mtp_layers(weights, arch, dtype, device, max_position, declared=declared, tp=tp)
-        return layers, f"the checkpoint's own {hit[0].family} MTP layers"
+        return layers, f"the checkpoint's own {hit[0].family} MTP layers", None
     head = bundled_head_path(config.model.model)
     if head is None:
         raise ValueError(no_head_message(config.model.model))
-    return [load_mtp_file(head, arch, dtype, device, max_position, tp=tp)[0]], f"the bundled head {head.name}"
+    return ([load_mtp_file(head, arch, dtype, device, max_position, tp=tp)[0]], f"the bundled head {head.name}",
+            str(head))
 
 
 def build_proposer(target: nn.Module, source, config, dtype: torch.dtype, device: torch.device,
@@ -66,11 +70,19 @@ def build_proposer(target: nn.Module, source, config, dtype: torch.dtype, device
     """The last stage's proposer, reaching the target's tensors through their owner (I5); on a stage
     without the target's embedding (and no tied head holding a copy) it owns an embedding copy."""
     arch = source.arch
-    layers, origin = _load_layers(source, config, dtype, device, max_position, tp)
+    layers, origin, head_file = _load_layers(source, config, dtype, device, max_position, tp)
     for layer in layers:
         layer.eval()
     k = config.num_spec_tokens
     logger.info("MTP drafting: %d layer(s) from %s, K=%d", len(layers), origin, k)
+    draft_vocab = None
+    size = config.speculative.draft_vocab_size
+    if size:
+        if head_file is None:
+            raise ValueError(f"speculative_config.draft_vocab_size needs a head file with a draft vocabulary "
+                             f"(speculative_config.model), and the drafts come from {origin}")
+        draft_vocab = DraftVocab(read_draft_vocab(head_file, size).to(device))
+        logger.info("MTP drafting over a draft vocabulary of %d of %d tokens", size, arch.vocab_size)
 
     copy = None
     if target.model.is_first:
@@ -87,4 +99,5 @@ def build_proposer(target: nn.Module, source, config, dtype: torch.dtype, device
                 init_dummy_weights(copy, dtype, device, key={"weight": "model.embed_tokens.weight"})
             else:
                 load_weights(copy, source.weights(), dtype, device, desc="Loading embedding copy for MTP")
-    return MTPProposer(layers, k, config.cache.block_size, embed, target.head_weight, embedding=copy)
+    return MTPProposer(layers, k, config.cache.block_size, embed, target.head_weight, embedding=copy,
+                       draft_vocab=draft_vocab)

@@ -29,15 +29,17 @@ from torch import nn
 
 from pipespec.layout import StepLayout
 from pipespec.model.attention import ForwardContext, KVCache
+from pipespec.speculative.draft_vocab import DraftVocab
 from pipespec.speculative.rejection import greedy_tokens
 
 
 class MTPProposer(nn.Module):
     def __init__(self, layers: list[nn.Module], num_spec_tokens: int, block_size: int,
                  embed_weight: Callable[[], torch.Tensor] | None, head_weight: Callable[[], torch.Tensor],
-                 embedding: nn.Module | None = None):
+                 embedding: nn.Module | None = None, draft_vocab: DraftVocab | None = None):
         """`embed_weight`: the target's embedding, through its owner; None with `embedding` (a
-        copy this proposer owns) or when every layer holds its own."""
+        copy this proposer owns) or when every layer holds its own. `draft_vocab`: draft over its
+        tokens only (`draft_vocab.py`)."""
         super().__init__()
         if not layers:
             raise ValueError("the MTP proposer needs at least one MTP layer")
@@ -47,6 +49,7 @@ class MTPProposer(nn.Module):
         self.block_size = block_size
         self._target_embed = embed_weight      # resolved at call time through the owner (I5)
         self._head_weight = head_weight
+        self.draft_vocab = draft_vocab
         self.kv_caches: list[KVCache] = []
 
     def _embed_weight(self) -> torch.Tensor | None:
@@ -108,4 +111,5 @@ class MTPProposer(nn.Module):
         return self.layers[i % n](ctx, tokens, hidden, embed_weight=embed, cache=self.kv_caches[i % n])
 
     def _argmax(self, layer, h: torch.Tensor) -> torch.Tensor:
-        return greedy_tokens(layer.compute_logits(h, self._head_weight()))
+        best = greedy_tokens(layer.compute_logits(h, self._head_weight(), vocab=self.draft_vocab))
+        return best if self.draft_vocab is None else self.draft_vocab.tokens(best)

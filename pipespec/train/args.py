@@ -40,6 +40,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="the head block's MLP width (default: the target's); wider starts from the target's "
                         "last layer in its first columns")
     t.add_argument("--out-dtype", default="bfloat16", choices=DTYPES)
+    t.add_argument("--draft-vocab", type=int, default=0,
+                   help="also write a draft vocabulary into the head file: the N tokens most frequent in the "
+                        "training answers (the engine drafts over them with speculative_config.draft_vocab_size)")
     d = p.add_argument_group("data")
     d.add_argument("--data-cache", default=None,
                    help="samples file: read if it exists, else written after generation (default: OUT.data.json; "
@@ -83,3 +86,6 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--gen-batch", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--draft-vocab-size", type=int, default=None,
+                   help="draft over the first N tokens of the head file's draft vocabulary, as the engine does "
+                        "with speculative_config.draft_vocab_size")

@@ -145,6 +145,17 @@ def self_generate(llm, prompts: list[str], max_tokens: int, temperature: float =
     return samples
 
 
+def most_frequent_tokens(samples: list[Sample], vocab_size: int, n: int) -> torch.Tensor:
+    """The `n` token ids most frequent in the samples' answers (ties: the lower id), most frequent first:
+    a draft vocabulary (speculative/draft_vocab.py)."""
+    if not 1 <= n <= vocab_size:
+        raise ValueError(f"a draft vocabulary holds 1..{vocab_size} tokens, got {n}")
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for s in samples:
+        counts += torch.bincount(torch.tensor(s.ids[s.start:], dtype=torch.int64), minlength=vocab_size)
+    return torch.sort(counts, descending=True, stable=True).indices[:n]
+
+
 def text_files(roots: list[Path] | None = None) -> list[Path]:
     """Plain text and code on this machine: the Python standard library and docs under sys.prefix."""
     if roots is None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pipespec.speculative.draft_vocab import DraftVocab
 from pipespec.train.data import Sample, collate
 from pipespec.train.forward import chained_mtp, step_mask, target_pass
 
@@ -64,7 +65,8 @@ def walk(runs: list[int], start: int, length: int, k: int) -> tuple[int, int]:
 
 @torch.no_grad()
 def agreement(mtp, target, samples: list[Sample], num_steps: int, device, batch_size: int = 16,
-              answer_only: bool = True) -> list[StepAgreement]:
+              answer_only: bool = True, vocab: DraftVocab | None = None) -> list[StepAgreement]:
+    """Per step k = 1..num_steps; `vocab`: the head drafts over a draft vocabulary's tokens only."""
     device = torch.device(device)
     results = [StepAgreement(k, 0, 0) for k in range(1, num_steps + 1)]
     order = sorted(samples, key=lambda s: len(s.ids))            # little padding per batch
@@ -82,7 +84,9 @@ def agreement(mtp, target, samples: list[Sample], num_steps: int, device, batch_
             mask = step_mask(lens, starts if answer_only else None, n, k)
             teacher = torch.zeros_like(mask, dtype=torch.int64)
             teacher[:, :n - k] = logits[:, k:].argmax(-1)
-            student = mtp.compute_logits(out, head).argmax(-1)
+            student = mtp.compute_logits(out, head, vocab=vocab).argmax(-1)
+            if vocab is not None:
+                student = vocab.tokens(student)
             ok = student == teacher
             chain_ok = ok if chain_ok is None else chain_ok & ok
             r = results[k - 1]

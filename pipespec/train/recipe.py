@@ -16,9 +16,10 @@ from pipespec.model.mtp import DeepSeekMTP, load_mtp_file, read_mtp_metadata, sa
 from pipespec.model.placement import resolve_device, resolve_dtype
 from pipespec.model.source import resolve_model
 from pipespec.model.weights import load_weights
+from pipespec.speculative.draft_vocab import DRAFT_VOCAB_TENSOR, DraftVocab, read_draft_vocab
 from pipespec.train.budget import GenBudget, plan_text
-from pipespec.train.data import (Batcher, Sample, load_data, load_samples, plain_text_samples, save_data,
-                                 save_samples, self_generate)
+from pipespec.train.data import (Batcher, Sample, load_data, load_samples, most_frequent_tokens, plain_text_samples,
+                                 save_data, save_samples, self_generate)
 from pipespec.train.evaluate import agreement, as_dict, report
 from pipespec.train.prompts import chat_prompts, vocabulary_prompts
 from pipespec.train.loop import TrainConfig, train
@@ -224,11 +225,21 @@ def train_command(args) -> int:
         check = [Sample(s.ids[:args.check_len], s.start) for s in data["heldout"][:args.check_size]]
         save_samples(args.check_set, check)
         extra["pipespec.eval_check"] = as_dict(agreement(head, target, check, cfg.num_steps, device))
-    save_mtp(out, head, source.name, out_dtype, extra, base_arch=source.arch)
+    tensors = None
+    if args.draft_vocab:
+        ids = most_frequent_tokens(data["chat"], source.arch.vocab_size, args.draft_vocab)
+        tensors = {DRAFT_VOCAB_TENSOR: ids}
+        vocab = DraftVocab(ids.sort().values.to(device))
+        with_vocab = agreement(head, target, data["heldout"], cfg.num_steps, device, vocab=vocab)
+        extra["pipespec.eval_heldout_draft_vocab"] = as_dict(with_vocab)
+    save_mtp(out, head, source.name, out_dtype, extra, base_arch=source.arch, tensors=tensors)
     print(report(f"held-out ({len(data['heldout'])} self-generated answers to unseen prompts)", heldout,
                  _why_empty(data["heldout"], "held-out answers")))
     print(report(f"training answers (first {len(seen_samples)}, for the generalization gap)", seen,
                  _why_empty(seen_samples, "chat answers in the training set")))
+    if args.draft_vocab:
+        print(report(f"held-out, drafting over the draft vocabulary ({args.draft_vocab} most frequent answer "
+                     f"tokens, written to the head file)", with_vocab, "no held-out answers"))
     if args.check_set:
         print(f"\ncheck set ({args.check_set}): {extra['pipespec.eval_check']}")
     warn_if_slower(heldout, target, head, args, summary)
@@ -283,8 +294,12 @@ def eval_command(args) -> int:
         samples = generate_heldout(args.model, source.arch, device, args.prompts, args.max_tokens, args.gen_batch)
     target = load_target(source, device, dtype)
     head, _ = load_mtp_file(head_path, source.arch, dtype, device)
-    results = agreement(head, target, samples, steps, device, args.batch_size)
-    print(report(f"head {head_path} on {source.name}: {len(samples)} samples, teacher-forced, {args.dtype}",
+    vocab = None
+    if args.draft_vocab_size:
+        vocab = DraftVocab(read_draft_vocab(head_path, args.draft_vocab_size).to(device))
+    results = agreement(head, target, samples, steps, device, args.batch_size, vocab=vocab)
+    over = f", drafting over {args.draft_vocab_size} tokens" if vocab is not None else ""
+    print(report(f"head {head_path} on {source.name}: {len(samples)} samples, teacher-forced, {args.dtype}{over}",
                  results, "no sample has an answer long enough to score; give --data with longer answers "
                  "or raise --max-tokens"))
     return 0

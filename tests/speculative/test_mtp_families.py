@@ -59,9 +59,9 @@ def _spy_on_drafting_layers(proposer) -> list[int]:
     """Which layer each draft comes from, in order (the real computation runs unchanged)."""
     order = []
     for index, layer in enumerate(proposer.layers):
-        def compute_logits(out, head_weight=None, _index=index, _real=layer.compute_logits):
+        def compute_logits(out, head_weight=None, vocab=None, _index=index, _real=layer.compute_logits):
             order.append(_index)
-            return _real(out, head_weight)
+            return _real(out, head_weight, vocab=vocab)
         layer.compute_logits = compute_logits
     return order
 

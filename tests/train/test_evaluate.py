@@ -2,8 +2,9 @@
 import pytest
 import torch
 
-from pipespec.train.data import Sample
+from pipespec.train.data import Sample, collate
 from pipespec.train.evaluate import agreement, walk
+from pipespec.train.forward import target_pass
 
 
 def test_walk_takes_a_step_per_run_of_accepted_drafts():
@@ -45,3 +46,21 @@ def test_walk_is_the_engines_acceptance_length(default_source):
     results = agreement(head, target, samples, k, "cpu")
     assert results[-1].walk_length == pytest.approx(engine, abs=0.03), (results, engine)
     assert 1.2 < engine < k + 1                      # the head drafts, and not perfectly
+
+
+def test_a_draft_vocabulary_restricts_the_heads_choice():
+    from pipespec.speculative.draft_vocab import DraftVocab
+    from tests.speculative.mtp_tiny import tiny_arch, tiny_head, tiny_target
+
+    target = tiny_target(mixing=0.4)
+    head = tiny_head(tiny_arch())
+    samples = [Sample(tuple(torch.randint(0, 64, (24,), generator=torch.Generator().manual_seed(i)).tolist()), 4)
+               for i in range(6)]
+    full = agreement(head, target, samples, 2, "cpu")
+    every = agreement(head, target, samples, 2, "cpu", vocab=DraftVocab(torch.arange(64)))
+    assert [(r.agree, r.walk_tokens) for r in every] == [(r.agree, r.walk_tokens) for r in full]
+    # one token: the head is right only where the target's choice is that token
+    teacher = agreement(head, target, samples, 1, "cpu", vocab=DraftVocab(torch.tensor([7])))[0]
+    assert teacher.agree < full[0].agree or full[0].agree == 0
+    _, logits = target_pass(target, collate(samples)[0])
+    assert teacher.agree <= int((logits.argmax(-1) == 7).sum())

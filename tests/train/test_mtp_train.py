@@ -169,6 +169,14 @@ def test_batches_are_a_function_of_seed_and_step():
     assert len(set(seen[:18])) == 18
 
 
+def test_most_frequent_tokens_counts_answers_only():
+    from pipespec.train.data import most_frequent_tokens
+    samples = [Sample((9, 9, 9, 1, 1, 2), 3), Sample((5, 2, 2), 1)]     # answers: 1 1 2 and 2 2
+    assert most_frequent_tokens(samples, 10, 3).tolist() == [2, 1, 0]  # then ties in id order
+    with pytest.raises(ValueError, match="a draft vocabulary holds 1..10 tokens"):
+        most_frequent_tokens(samples, 10, 11)
+
+
 def test_step_mask_counts_answer_rows_like_inference():
     # sequence of 10 tokens, answer starts at index 4: the first draft predicts index 5 (row 3)
     lens, starts = torch.tensor([10]), torch.tensor([4])

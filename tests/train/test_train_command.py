@@ -73,15 +73,23 @@ def test_init_head_trains_on_from_a_head_file(tmp_path):
     from pipespec.heads import bundled_head_path
     from pipespec.model.mtp import read_mtp_metadata
 
+    # (and --draft-vocab: the 64 tokens most frequent in the training answers, written beside it)
+    from pipespec.train.data import Sample, most_frequent_tokens
+
     cache = tmp_path / "data.json.gz"
     heldout = json.loads(CHECK_SET.read_text())
-    data = {"chat": [], "text": [{"ids": h["ids"][:32], "start": 0} for h in heldout], "heldout": heldout}
+    data = {"chat": heldout, "text": [{"ids": h["ids"][:32], "start": 0} for h in heldout], "heldout": heldout}
     cache.write_bytes(gzip.compress(json.dumps(data).encode()))
     proc, _ = _run(tmp_path, "--data-cache", str(cache), "--init-head", "bundled", "--lr", "0", "--steps", "3",
-                   "--max-time", "1")
+                   "--max-time", "1", "--draft-vocab", "64")
     assert proc.returncode == 0, proc.stderr
     written, bundled = load_file(tmp_path / "head.safetensors"), load_file(bundled_head_path())
+    vocab = written.pop("draft_vocab")
+    bundled.pop("draft_vocab", None)                  # the bundled head's own list (16,384 tokens)
     assert written.keys() == bundled.keys() and all(torch.equal(written[k], bundled[k]) for k in bundled)
+    answers = [Sample(tuple(h["ids"]), h["start"]) for h in heldout]
+    assert torch.equal(vocab, most_frequent_tokens(answers, 49152, 64))
+    assert "held-out, drafting over the draft vocabulary (64 most frequent answer tokens" in proc.stdout
     meta = read_mtp_metadata(tmp_path / "head.safetensors")
     assert json.loads(meta["pipespec.train"])["init"] == f"head file {bundled_head_path()}"
     recorded = json.loads(read_mtp_metadata(bundled_head_path())["pipespec.eval_check"])[0]

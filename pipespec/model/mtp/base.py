@@ -140,12 +140,16 @@ class MTPLayer(nn.Module):
         out, residual = self.block(x, None, self.rotary(ctx.positions), cache, ctx)
         return self.finish(out + residual)
 
-    def compute_logits(self, out: torch.Tensor, head_weight: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits from `forward`'s output; `head_weight` is the target's LM head unless the layer owns one."""
+    def compute_logits(self, out: torch.Tensor, head_weight: torch.Tensor | None = None,
+                       vocab=None) -> torch.Tensor:
+        """Logits from `forward`'s output; `head_weight` is the target's LM head unless the layer owns one.
+        `vocab` (a `DraftVocab`): logits over its tokens only, in its order."""
         weight = self.own_head()
         if weight is None:
             weight = head_weight
         if weight is None:
             raise ValueError("this MTP module has no LM head of its own; pass the target's head_weight")
+        if vocab is not None:
+            weight = vocab.head_rows(weight)
         return gather_vocab(head_logits(self.head_norm(out).to(weight.dtype), weight), self.tp,
                             self.arch.vocab_size)

@@ -21,16 +21,18 @@ META_BLOCK_INTERMEDIATE = "pipespec.block_intermediate_size"    # the head's MLP
 
 
 def save_mtp(path: str | Path, module: MTPLayer, base_model: str, dtype: torch.dtype | None = None,
-             extra: dict[str, object] | None = None, base_arch: ArchConfig | None = None) -> None:
+             extra: dict[str, object] | None = None, base_arch: ArchConfig | None = None,
+             tensors: dict[str, torch.Tensor] | None = None) -> None:
     """Write `module` as a safetensors file under its checkpoint names (DeepSeek-V3 names for the
     heads pipespec trains), with metadata naming its base model (`base_arch`: the target's config,
     default the module's) and its block's MLP width. `extra` values that are not strings are stored
-    as JSON."""
+    as JSON; `tensors`: more tensors to store as they are (a draft vocabulary)."""
     from safetensors.torch import save_file
 
-    tensors = module.checkpoint_tensors()
+    weights = module.checkpoint_tensors()
     if dtype is not None:
-        tensors = {k: v.to(dtype) for k, v in tensors.items()}
+        weights = {k: v.to(dtype) for k, v in weights.items()}
+    tensors = {**weights, **{k: v.contiguous() for k, v in (tensors or {}).items()}}
     meta = {"format": "pt", META_FAMILY: module.family, META_BASE_MODEL: base_model,
             META_BASE_CONFIG: json.dumps(dataclasses.asdict(base_arch or module.arch)),
             META_LAYER_INDEX: str(module.layer_index), "num_nextn_predict_layers": "1",
