@@ -160,6 +160,9 @@ def train_command(args) -> int:
     eval_dtype = _DTYPES[args.eval_dtype]
     source = resolve_model(args.model)
     init_path = init_head_path(args)
+    if args.draft_vocab and not 0 < args.draft_vocab <= source.arch.vocab_size:
+        raise ValueError(f"--draft-vocab must be in 1..{source.arch.vocab_size} (the target's vocabulary), "
+                         f"got {args.draft_vocab}")
     cache = Path(args.data_cache or f"{out}.data.json")
     logger.info("%s", plan_text(args, str(cache) if cache.exists() else None))
     if cache.exists():
@@ -171,6 +174,9 @@ def train_command(args) -> int:
         save_data(cache, data)
     t_data = time.perf_counter() - t_start
     check_data(data, args)
+    if args.draft_vocab and not data["chat"]:
+        raise ValueError("--draft-vocab counts the tokens of the training answers, and there are none; raise "
+                         "--gen-time or drop --draft-vocab")
     if args.gen_only:
         print(f"wrote the training data to {cache} in {t_data:.0f} s; train with --data-cache {cache}")
         return 0

@@ -98,12 +98,17 @@ def test_init_head_trains_on_from_a_head_file(tmp_path):
     assert abs(float(got.group(2)) / 100 - recorded["agreement"]) <= 0.02, (got.group(0), recorded)
 
 
-def test_init_head_refuses_a_width_flag_and_a_missing_file_before_anything_runs(tmp_path):
+def test_init_head_and_draft_vocab_refuse_bad_flags_before_anything_runs(tmp_path):
     proc, _ = _run(tmp_path, "--init-head", "bundled", "--block-intermediate", "3072", "--gen-time", "0", timeout=60)
     assert proc.returncode == 2 and "--init-head takes the head's weights and width from its file" in proc.stderr
     proc, _ = _run(tmp_path, "--init-head", str(tmp_path / "none.safetensors"), "--gen-time", "0", timeout=60)
     assert proc.returncode == 2 and "none.safetensors: no such file" in proc.stderr, proc.stderr
     assert "engine ready" not in proc.stderr and "read the training data" not in proc.stderr
+    proc, _ = _run(tmp_path, "--draft-vocab", "50000", "--gen-time", "0", timeout=60)
+    assert proc.returncode == 2 and "--draft-vocab must be in 1..49152" in proc.stderr, proc.stderr
+    proc, _ = _run(tmp_path, "--draft-vocab", "64", "--gen-time", "0", timeout=60)
+    assert proc.returncode == 2 and "--draft-vocab counts the tokens of the training answers, and there are none" \
+        in proc.stderr, proc.stderr
 
 
 def test_nothing_to_train_on_is_a_clear_error(tmp_path):
