@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompts", nargs="+", metavar="PROMPT")
     gen.set_defaults(func=_generate)
 
-    from pipespec.train.args import add_eval_args, add_train_args
+    from pipespec.train.args import add_draft_vocab_args, add_eval_args, add_train_args
 
     train = sub.add_parser("train-mtp", help="train an MTP draft head on top of a frozen target")
     add_train_args(train)
@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval-mtp", help="teacher-forced agreement of an MTP head with its target, per step")
     add_eval_args(ev)
     ev.set_defaults(func=_eval_mtp)
+    dv = sub.add_parser("draft-vocab", help="write a draft vocabulary: the tokens most frequent in a model's answers")
+    add_draft_vocab_args(dv)
+    dv.set_defaults(func=_draft_vocab)
     from pipespec.server.serve import add_serve_parser
     add_serve_parser(sub, add_engine_args)
     from pipespec.bench.cli import add_bench_parser
@@ -85,6 +88,12 @@ def _eval_mtp(args) -> int:
     from pipespec.train.recipe import eval_command
 
     return eval_command(args)
+
+
+def _draft_vocab(args) -> int:
+    from pipespec.train.recipe import draft_vocab_command
+
+    return draft_vocab_command(args)
 
 
 def _generate(args) -> int:

@@ -191,7 +191,9 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 1   # K; with adaptive, the largest K a step may use
     model: str | None = None          # a head file; None: the checkpoint's own MTP layers or the bundled head
     adaptive: bool = False
-    # draft over the first n tokens of the head file's draft vocabulary (speculative/draft_vocab.py)
+    # drafting over a draft vocabulary (speculative/draft_vocab.py): a file holding one (a head file, or
+    # one `pipespec draft-vocab` wrote; None: the head file's own), and how many of its tokens (None: all)
+    draft_vocab: str | None = None
     draft_vocab_size: int | None = None
     # adaptive only, for tests and benchmarks: the steps' K in turn (repeating) instead of measuring
     k_sequence: tuple[int, ...] | None = None
@@ -206,6 +208,8 @@ class SpeculativeConfig:
                  f"speculative_config.num_speculative_tokens must be an integer in 1..8, got {k!r}")
         _require(isinstance(self.adaptive, bool),
                  f"speculative_config.adaptive must be true or false, got {self.adaptive!r}")
+        _require(self.draft_vocab is None or (isinstance(self.draft_vocab, str) and self.draft_vocab),
+                 f"speculative_config.draft_vocab must be a file's path, got {self.draft_vocab!r}")
         n = self.draft_vocab_size
         _require(n is None or (isinstance(n, int) and not isinstance(n, bool) and n >= 1),
                  f"speculative_config.draft_vocab_size must be a positive integer (or absent: the whole "
@@ -218,6 +222,10 @@ class SpeculativeConfig:
                      and all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= k for x in seq),
                      f"speculative_config.k_sequence must be a non-empty list of integers in 0..{k}, got {seq!r}")
             object.__setattr__(self, "k_sequence", tuple(seq))
+
+    @property
+    def drafts_over_a_vocabulary(self) -> bool:
+        return self.draft_vocab is not None or self.draft_vocab_size is not None
 
     @classmethod
     def parse(cls, value) -> "SpeculativeConfig | None":
@@ -248,10 +256,10 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
 
     def __post_init__(self):
-        if self.speculative is not None and self.speculative.draft_vocab_size:
+        if self.speculative is not None and self.speculative.drafts_over_a_vocabulary:
             _require(self.parallel.tensor_parallel_size == 1,
-                     "speculative_config.draft_vocab_size needs tensor_parallel_size 1 (with TP the LM head's "
-                     "vocabulary is split across the ranks)")
+                     "speculative_config.draft_vocab / draft_vocab_size need tensor_parallel_size 1 (with TP the "
+                     "LM head's vocabulary is split across the ranks)")
         if self.scheduler.async_scheduling:
             _require(self.parallel.world_size == 1,
                      "async_scheduling needs one stage (pipeline_parallel_size = tensor_parallel_size = 1): "

@@ -6,9 +6,10 @@ N / V of it. Drafts stay ids of the full vocabulary and verification does not ch
 distribution is one-hot on the drafted id either way), so output is unchanged: only acceptance
 can fall, where the head's choice lies outside the N tokens (RESULTS.md measures how little).
 
-A head file carries the list as the tensor `draft_vocab` (token ids, most frequent first; `train-mtp
---draft-vocab N` counts them in the target's own answers); `speculative_config["draft_vocab_size"]
-= n` drafts over its first n.
+The list is the tensor `draft_vocab` (token ids, most frequent first, counted in the target's own
+answers) of a head file (`train-mtp --draft-vocab N`) or of a file of its own (`pipespec draft-vocab`,
+for any MTP layers, a checkpoint's own too): `speculative_config["draft_vocab"]` names the file (default:
+the head file), `["draft_vocab_size"] = n` takes its first n.
 """
 from __future__ import annotations
 
@@ -19,20 +20,34 @@ import torch
 DRAFT_VOCAB_TENSOR = "draft_vocab"
 
 
-def read_draft_vocab(path: str | Path, size: int) -> torch.Tensor:
-    """The first `size` ids of a head file's draft vocabulary, ascending (a clear error where the file
-    has none or fewer)."""
+def read_draft_vocab(path: str | Path, size: int | None, vocab_size: int) -> torch.Tensor:
+    """The first `size` ids (None: all) of a file's draft vocabulary, ascending; clear errors where the
+    file has none, fewer, or ids outside the model's vocabulary."""
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:
         if DRAFT_VOCAB_TENSOR not in f.keys():
-            raise ValueError(f"speculative_config.draft_vocab_size needs a head file with a draft vocabulary, and "
-                             f"{path} has none; write one with `pipespec train-mtp --draft-vocab N`")
-        ids = f.get_tensor(DRAFT_VOCAB_TENSOR)
-    if size > ids.numel():
+            raise ValueError(f"drafting over a draft vocabulary needs a file that holds one, and {path} has none; "
+                             f"write one with `pipespec train-mtp --draft-vocab N` (in a head file) or "
+                             f"`pipespec draft-vocab` (a list alone, for any MTP layers), and name it in "
+                             f"speculative_config.draft_vocab")
+        ids = f.get_tensor(DRAFT_VOCAB_TENSOR).to(torch.int64)
+    if size is not None and size > ids.numel():
         raise ValueError(f"speculative_config.draft_vocab_size is {size}, but {path}'s draft vocabulary holds "
                          f"{ids.numel()} tokens")
-    return ids[:size].to(torch.int64).sort().values
+    ids = ids[:size]
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise ValueError(f"{path}'s draft vocabulary holds ids up to {int(ids.max())}, outside the model's "
+                         f"vocabulary of {vocab_size}: it was counted for another tokenizer")
+    return ids.sort().values
+
+
+def write_draft_vocab(path: str | Path, ids: torch.Tensor, metadata: dict[str, str]) -> None:
+    """A file holding a draft vocabulary alone (ids most frequent first)."""
+    from safetensors.torch import save_file
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    save_file({DRAFT_VOCAB_TENSOR: ids.to(torch.int64).contiguous()}, str(path), metadata={"format": "pt", **metadata})
 
 
 class DraftVocab:

@@ -75,14 +75,16 @@ def build_proposer(target: nn.Module, source, config, dtype: torch.dtype, device
         layer.eval()
     k = config.num_spec_tokens
     logger.info("MTP drafting: %d layer(s) from %s, K=%d", len(layers), origin, k)
-    draft_vocab = None
-    size = config.speculative.draft_vocab_size
-    if size:
-        if head_file is None:
-            raise ValueError(f"speculative_config.draft_vocab_size needs a head file with a draft vocabulary "
-                             f"(speculative_config.model), and the drafts come from {origin}")
-        draft_vocab = DraftVocab(read_draft_vocab(head_file, size).to(device))
-        logger.info("MTP drafting over a draft vocabulary of %d of %d tokens", size, arch.vocab_size)
+    draft_vocab, spec = None, config.speculative
+    if spec.drafts_over_a_vocabulary:
+        path = spec.draft_vocab or head_file
+        if path is None:
+            raise ValueError(f"speculative_config.draft_vocab_size: the drafts come from {origin}, which carry no "
+                             f"draft vocabulary; name a file that holds one in speculative_config.draft_vocab "
+                             f"(`pipespec draft-vocab` writes one)")
+        ids = read_draft_vocab(path, spec.draft_vocab_size, arch.vocab_size)
+        draft_vocab = DraftVocab(ids.to(device))
+        logger.info("MTP drafting over a draft vocabulary of %d of %d tokens (%s)", ids.numel(), arch.vocab_size, path)
 
     copy = None
     if target.model.is_first:

@@ -86,6 +86,17 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--gen-batch", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--draft-vocab", default=None, metavar="FILE",
+                   help="draft over this file's draft vocabulary (`pipespec draft-vocab`), as the engine does with "
+                        "speculative_config.draft_vocab")
     p.add_argument("--draft-vocab-size", type=int, default=None,
-                   help="draft over the first N tokens of the head file's draft vocabulary, as the engine does "
-                        "with speculative_config.draft_vocab_size")
+                   help="draft over the first N tokens of the draft vocabulary (--draft-vocab's, else the head "
+                        "file's), as the engine does with speculative_config.draft_vocab_size")
+
+
+def add_draft_vocab_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data", required=True, help="a train-mtp data cache (`train-mtp --gen-only`): its answers are counted")
+    p.add_argument("--size", type=int, required=True, help="how many tokens (most frequent first)")
+    p.add_argument("--out", required=True, help="the file to write (.safetensors)")
+    p.add_argument("--model", default=None, help="the model the answers came from (its vocabulary size; default: "
+                                                  "SmolLM2-135M-Instruct)")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import random
 import sys
@@ -16,7 +17,7 @@ from pipespec.model.mtp import DeepSeekMTP, load_mtp_file, read_mtp_metadata, sa
 from pipespec.model.placement import resolve_device, resolve_dtype
 from pipespec.model.source import resolve_model
 from pipespec.model.weights import load_weights
-from pipespec.speculative.draft_vocab import DRAFT_VOCAB_TENSOR, DraftVocab, read_draft_vocab
+from pipespec.speculative.draft_vocab import DRAFT_VOCAB_TENSOR, DraftVocab, read_draft_vocab, write_draft_vocab
 from pipespec.train.budget import GenBudget, plan_text
 from pipespec.train.data import (Batcher, Sample, load_data, load_samples, most_frequent_tokens, plain_text_samples,
                                  save_data, save_samples, self_generate)
@@ -285,6 +286,27 @@ def warn_if_slower(heldout, target, head, args, summary) -> None:
     print(f"\nWARNING: {message}")
 
 
+def draft_vocab_command(args) -> int:
+    """`pipespec draft-vocab`: the tokens most frequent in a data cache's training answers, as a file
+    speculative_config.draft_vocab names."""
+    source = resolve_model(args.model)
+    if not 0 < args.size <= source.arch.vocab_size:
+        raise ValueError(f"--size must be in 1..{source.arch.vocab_size} (the model's vocabulary), got {args.size}")
+    answers = load_samples(args.data, "chat")
+    if not answers:
+        raise ValueError(f"{args.data} holds no training answers to count; make one with `pipespec train-mtp "
+                         f"--gen-only --data-cache {args.data}`")
+    ids = most_frequent_tokens(answers, source.arch.vocab_size, args.size)
+    tokens = sum(len(s.ids) - s.start for s in answers)
+    covered = sum(int(torch.isin(torch.tensor(s.ids[s.start:]), ids).sum()) for s in answers)
+    write_draft_vocab(args.out, ids, {"pipespec.base_model": source.name, "pipespec.draft_vocab": json.dumps(
+        {"size": args.size, "answers": len(answers), "answer_tokens": tokens, "covered": round(covered / tokens, 4)})})
+    print(f"wrote {args.out}: the {args.size} tokens most frequent in {len(answers)} answers ({tokens} tokens, "
+          f"{100 * covered / tokens:.1f}% of them among these); use it with speculative_config "
+          f"{{\"draft_vocab\": \"{args.out}\"}}")
+    return 0
+
+
 def eval_command(args) -> int:
     device = resolve_device(args.device)
     dtype = _DTYPES[args.dtype]
@@ -301,10 +323,11 @@ def eval_command(args) -> int:
     target = load_target(source, device, dtype)
     head, _ = load_mtp_file(head_path, source.arch, dtype, device)
     vocab = None
-    if args.draft_vocab_size:
-        vocab = DraftVocab(read_draft_vocab(head_path, args.draft_vocab_size).to(device))
+    if args.draft_vocab or args.draft_vocab_size:
+        ids = read_draft_vocab(args.draft_vocab or head_path, args.draft_vocab_size, source.arch.vocab_size)
+        vocab = DraftVocab(ids.to(device))
     results = agreement(head, target, samples, steps, device, args.batch_size, vocab=vocab)
-    over = f", drafting over {args.draft_vocab_size} tokens" if vocab is not None else ""
+    over = f", drafting over {vocab.ids.numel()} tokens" if vocab is not None else ""
     print(report(f"head {head_path} on {source.name}: {len(samples)} samples, teacher-forced, {args.dtype}{over}",
                  results, "no sample has an answer long enough to score; give --data with longer answers "
                  "or raise --max-tokens"))

@@ -24,7 +24,7 @@ def test_version():
 def test_top_level_help_lists_every_command():
     proc = cli("--help")
     assert proc.returncode == 0
-    for command in ("generate", "serve", "bench", "train-mtp", "eval-mtp"):
+    for command in ("generate", "serve", "bench", "train-mtp", "eval-mtp", "draft-vocab"):
         assert command in proc.stdout
     assert "join as they land" not in proc.stdout
 

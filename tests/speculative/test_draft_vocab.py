@@ -38,11 +38,35 @@ def vocab_head(tmp_path_factory, tokenizer) -> Path:
     return _bundled_head_with(tmp_path_factory.mktemp("head"), vocab)
 
 
+@pytest.fixture(scope="module")
+def vocab_file(tmp_path_factory) -> Path:
+    """`pipespec draft-vocab` over a data cache whose training answers are the check set's."""
+    import gzip
+    import json
+    import os
+    import subprocess
+    import sys
+
+    folder = tmp_path_factory.mktemp("vocab")
+    answers = json.loads(CHECK_SET.read_text())
+    (folder / "data.json.gz").write_bytes(gzip.compress(json.dumps({"chat": answers, "text": [], "heldout": []}).encode()))
+    out = folder / "vocab.safetensors"
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[2]))
+    proc = subprocess.run([sys.executable, "-m", "pipespec", "draft-vocab", "--data", str(folder / "data.json.gz"),
+                           "--size", "2048", "--out", str(out)], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert f"wrote {out}: the 2048 tokens most frequent in 8 answers" in proc.stdout, proc.stdout
+    with safe_open(str(out), framework="pt") as f:
+        listed = f.get_tensor(DRAFT_VOCAB_TENSOR)
+    assert torch.equal(listed, most_frequent_tokens(load_samples(CHECK_SET), 49152, 2048))
+    return out
+
+
 def test_the_bundled_head_carries_a_draft_vocabulary(tokenizer):
-    ids = read_draft_vocab(bundled_head_path(), 16384)
+    ids = read_draft_vocab(bundled_head_path(), 16384, 49152)
     assert ids.numel() == 16384 and ids.unique().numel() == 16384 and 0 <= ids.min() <= ids.max() < 49152
     # the most frequent answer tokens: the chat template's own tokens and plain words are among them
-    words = {tokenizer.decode([i]) for i in read_draft_vocab(bundled_head_path(), 200).tolist()}
+    words = {tokenizer.decode([i]) for i in read_draft_vocab(bundled_head_path(), 200, 49152).tolist()}
     assert {" the", ".", ","} <= words, sorted(words)[:40]
 
 
@@ -51,11 +75,13 @@ def _spec(head: Path, size: int | None, k: int = 2) -> dict:
 
 
 @pytest.mark.parametrize("pp", [1, 2])
-def test_greedy_output_is_unchanged_and_drafts_are_still_accepted(pp, vocab_head, chat_prompts, mixed_params,
+def test_greedy_output_is_unchanged_and_drafts_are_still_accepted(pp, vocab_file, chat_prompts, mixed_params,
                                                                    reference):
     # PP = 1: the bundled head (no "model" given) and its own list; PP = 2: the check set's 2,048 tokens
-    spec = ({"method": "mtp", "num_speculative_tokens": 2, "draft_vocab_size": 8192} if pp == 1
-            else _spec(vocab_head, 2048))
+    # in a file of their own beside the bundled head
+    spec = {"method": "mtp", "num_speculative_tokens": 2, "draft_vocab_size": 8192}
+    if pp == 2:
+        spec = {"method": "mtp", "num_speculative_tokens": 2, "draft_vocab": str(vocab_file)}
     with LLM(**DEFAULT_LLM_KWARGS, pipeline_parallel_size=pp, speculative_config=spec) as llm:
         got = run_staggered(llm, chat_prompts, mixed_params)
         stats = llm.stats()["spec_decode"]
@@ -72,7 +98,7 @@ def test_a_smaller_draft_vocabulary_drafts_only_its_tokens(vocab_head, chat_prom
             rates[size] = llm.stats()["spec_decode"]["draft_acceptance_rate"]
             if size:
                 drafter = llm.engine.executor.stage.drafter
-                assert drafter.draft_vocab.ids.tolist() == read_draft_vocab(vocab_head, 4).tolist()
+                assert drafter.draft_vocab.ids.tolist() == read_draft_vocab(vocab_head, 4, 49152).tolist()
     assert rates[4] < 0.5 * rates[None], rates         # 4 tokens: a draft is right only on those
 
 
@@ -91,16 +117,18 @@ def test_head_rows_come_from_the_owner_at_call_time():
 def test_draft_vocabulary_errors_are_clear(vocab_head, tmp_path):
     with safe_open(str(vocab_head), framework="pt") as f:
         listed = f.get_tensor(DRAFT_VOCAB_TENSOR)
-    assert read_draft_vocab(vocab_head, 3).tolist() == sorted(listed[:3].tolist())     # the most frequent 3
+    assert read_draft_vocab(vocab_head, 3, 49152).tolist() == sorted(listed[:3].tolist())     # the most frequent 3
     bare = _bundled_head_with(tmp_path, None)
     with pytest.raises(ValueError, match="has none; write one with `pipespec train-mtp --draft-vocab N`"):
-        read_draft_vocab(bare, 8)
+        read_draft_vocab(bare, 8, 49152)
     with pytest.raises(ValueError, match="draft_vocab_size is 4096, but .* holds 2048 tokens"):
-        read_draft_vocab(vocab_head, 4096)
+        read_draft_vocab(vocab_head, 4096, 49152)
     for bad in (0, -3, True, "8", 2.5):
         with pytest.raises(ValueError, match="draft_vocab_size must be a positive integer"):
             LLM(speculative_config=_spec(vocab_head, bad))
-    with pytest.raises(ValueError, match="draft_vocab_size needs tensor_parallel_size 1"):
+    with pytest.raises(ValueError, match="draft_vocab must be a file's path"):
+        LLM(speculative_config={"method": "mtp", "draft_vocab": 7})
+    with pytest.raises(ValueError, match="draft_vocab / draft_vocab_size need tensor_parallel_size 1"):
         LLM(tensor_parallel_size=2, speculative_config=_spec(vocab_head, 8))
     with pytest.raises(ValueError, match="no_vocab.safetensors has none; write one"):   # at engine start
         LLM(**DEFAULT_LLM_KWARGS, speculative_config=_spec(bare, 8))

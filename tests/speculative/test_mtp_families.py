@@ -139,3 +139,25 @@ def test_untied_last_stage_proposer_owns_its_embedding_copy(echo_models):
     whole = Stage(source, config, (0, tf.LAYERS), 64)
     assert whole.drafter.embedding is None
     assert whole.drafter._embed_weight() is whole.model.model.embed_tokens.weight
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "deepseek"])
+def test_a_checkpoints_own_mtp_layers_draft_over_a_draft_vocabulary_file(family, echo_models, prompts, references,
+                                                                          tmp_path):
+    from pipespec.speculative.draft_vocab import write_draft_vocab
+
+    # the echo models draft well over the whole vocabulary; half of it, at random, keeps the output
+    half = torch.randperm(tf.VOCAB, generator=torch.Generator().manual_seed(0))[:tf.VOCAB // 2]
+    write_draft_vocab(tmp_path / "vocab.safetensors", half, {})
+    spec = dict(_spec(2), draft_vocab=str(tmp_path / "vocab.safetensors"))
+    with LLM(model=echo_models[family], speculative_config=spec, **KWARGS) as llm:
+        assert llm.engine.executor.stage.drafter.draft_vocab.ids.tolist() == sorted(half.tolist())
+        got = _generate(llm, prompts)
+        rate = llm.stats()["spec_decode"]["draft_acceptance_rate"]
+        assert_engine_clean(llm)
+    assert got == references[family]
+    assert 0 < rate < 0.75, rate                 # drafts outside the half are never right
+    write_draft_vocab(tmp_path / "wide.safetensors", torch.arange(tf.VOCAB + 8), {})
+    with pytest.raises(ValueError, match="outside the model's vocabulary of 512: it was counted for another"):
+        LLM(model=echo_models[family], speculative_config=dict(_spec(1), draft_vocab=str(tmp_path / "wide.safetensors")),
+            **KWARGS)
