@@ -147,9 +147,17 @@ def run(args) -> dict:
     fulls: dict[tuple, list[float]] = {}      # seconds of a generate of new_tokens tokens
     steps: dict[tuple, list[float]] = {}
     firsts: dict[tuple, list[float]] = {}     # seconds of a one-token generate: prefill and the first token
+    spec_extra = None
+    if args.draft_vocab_size:       # dummy weights draft at random: any ids measure a draft step's cost
+        from pipespec.speculative.draft_vocab import write_draft_vocab
+        vocab_file = Path(tempfile.mkdtemp()) / "vocab.safetensors"
+        write_draft_vocab(vocab_file, torch.arange(args.draft_vocab_size), {})
+        spec_extra = {"draft_vocab": str(vocab_file)}
+        report["draft_vocab_size"] = args.draft_vocab_size
     for k in args.k:
         t0 = time.perf_counter()
-        eng = PipespecRunner(f"pipespec K={k}" if k else "pipespec", k, pipeline_parallel_size=args.pp, **common)
+        eng = PipespecRunner(f"pipespec K={k}" if k else "pipespec", k, spec_extra=spec_extra,
+                             pipeline_parallel_size=args.pp, **common)
         report.setdefault("startup_s", {})[k] = round(time.perf_counter() - t0, 1)
         stage = getattr(eng.llm.engine.executor, "stage", None)
         if k == 0 and stage is not None and args.pp == 1:   # the roofline of the whole model on one GPU
@@ -235,6 +243,8 @@ def main():
     ap.add_argument("--profile", action="store_true", help="also profile batch-1 decode steps kernel by kernel (the prefill left out)")
     ap.add_argument("--profile-prefill", action="store_true",
                     help="also profile a one-token request (the prefill step) on the host and the device")
+    ap.add_argument("--draft-vocab-size", type=int, default=None,
+                    help="speculative steps draft over a draft vocabulary of this many tokens (the step's cost)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     report = run(args)

@@ -75,8 +75,9 @@ def gemv_bandwidth(model) -> dict[str, float]:
 
 
 class PipespecRunner:
-    def __init__(self, name: str, k: int, **kw):
-        spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
+    def __init__(self, name: str, k: int, spec_extra: dict | None = None, **kw):
+        """`spec_extra`: more speculative_config keys (a draft vocabulary) when k > 0."""
+        spec = {"method": "mtp", "num_speculative_tokens": k, **(spec_extra or {})} if k else None
         self.name, self.k = name, k
         self.llm = LLM(device="cuda", speculative_config=spec, **kw)
         self.graphs = self.llm.engine.executor.stage.graphs
