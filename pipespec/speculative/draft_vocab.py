@@ -25,6 +25,8 @@ def read_draft_vocab(path: str | Path, size: int | None, vocab_size: int) -> tor
     file has none, fewer, or ids outside the model's vocabulary."""
     from safetensors import safe_open
 
+    if not Path(path).is_file():
+        raise ValueError(f"draft vocabulary file {path}: no such file")
     with safe_open(str(path), framework="pt") as f:
         if DRAFT_VOCAB_TENSOR not in f.keys():
             raise ValueError(f"drafting over a draft vocabulary needs a file that holds one, and {path} has none; "

@@ -95,7 +95,8 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_draft_vocab_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--data", required=True, help="a train-mtp data cache (`train-mtp --gen-only`): its answers are counted")
+    p.add_argument("--data", required=True,
+                   help="a train-mtp data cache (`train-mtp --gen-only`): its answers are counted")
     p.add_argument("--size", type=int, required=True, help="how many tokens (most frequent first)")
     p.add_argument("--out", required=True, help="the file to write (.safetensors)")
     p.add_argument("--model", default=None, help="the model the answers came from (its vocabulary size; default: "

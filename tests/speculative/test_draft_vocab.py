@@ -49,7 +49,8 @@ def vocab_file(tmp_path_factory) -> Path:
 
     folder = tmp_path_factory.mktemp("vocab")
     answers = json.loads(CHECK_SET.read_text())
-    (folder / "data.json.gz").write_bytes(gzip.compress(json.dumps({"chat": answers, "text": [], "heldout": []}).encode()))
+    cache = {"chat": answers, "text": [], "heldout": []}
+    (folder / "data.json.gz").write_bytes(gzip.compress(json.dumps(cache).encode()))
     out = folder / "vocab.safetensors"
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[2]))
     proc = subprocess.run([sys.executable, "-m", "pipespec", "draft-vocab", "--data", str(folder / "data.json.gz"),
@@ -126,6 +127,9 @@ def test_draft_vocabulary_errors_are_clear(vocab_head, tmp_path):
     for bad in (0, -3, True, "8", 2.5):
         with pytest.raises(ValueError, match="draft_vocab_size must be a positive integer"):
             LLM(speculative_config=_spec(vocab_head, bad))
+    with pytest.raises(ValueError, match="draft vocabulary file .*nowhere.safetensors: no such file"):
+        LLM(**DEFAULT_LLM_KWARGS,
+            speculative_config={"method": "mtp", "draft_vocab": str(tmp_path / "nowhere.safetensors")})
     with pytest.raises(ValueError, match="draft_vocab must be a file's path"):
         LLM(speculative_config={"method": "mtp", "draft_vocab": 7})
     with pytest.raises(ValueError, match="draft_vocab / draft_vocab_size need tensor_parallel_size 1"):

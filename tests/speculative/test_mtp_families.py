@@ -159,5 +159,5 @@ def test_a_checkpoints_own_mtp_layers_draft_over_a_draft_vocabulary_file(family,
     assert 0 < rate < 0.75, rate                 # drafts outside the half are never right
     write_draft_vocab(tmp_path / "wide.safetensors", torch.arange(tf.VOCAB + 8), {})
     with pytest.raises(ValueError, match="outside the model's vocabulary of 512: it was counted for another"):
-        LLM(model=echo_models[family], speculative_config=dict(_spec(1), draft_vocab=str(tmp_path / "wide.safetensors")),
-            **KWARGS)
+        LLM(model=echo_models[family], **KWARGS,
+            speculative_config=dict(_spec(1), draft_vocab=str(tmp_path / "wide.safetensors")))
