@@ -21,8 +21,8 @@ DRAFT_VOCAB_TENSOR = "draft_vocab"
 
 
 def read_draft_vocab(path: str | Path, size: int | None, vocab_size: int) -> torch.Tensor:
-    """The first `size` ids (None: all) of a file's draft vocabulary, ascending; clear errors where the
-    file has none, fewer, or ids outside the model's vocabulary."""
+    """The first `size` ids (None: all) of a file's draft vocabulary, most frequent first; clear errors
+    where the file has none, fewer, or ids outside the model's vocabulary."""
     from safetensors import safe_open
 
     if not Path(path).is_file():
@@ -41,7 +41,7 @@ def read_draft_vocab(path: str | Path, size: int | None, vocab_size: int) -> tor
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
         raise ValueError(f"{path}'s draft vocabulary holds ids up to {int(ids.max())}, outside the model's "
                          f"vocabulary of {vocab_size}: it was counted for another tokenizer")
-    return ids.sort().values
+    return ids
 
 
 def write_draft_vocab(path: str | Path, ids: torch.Tensor, metadata: dict[str, str]) -> None:
@@ -58,15 +58,22 @@ class DraftVocab:
     is another or was written since (I5: nothing of the target's is held from construction)."""
 
     def __init__(self, ids: torch.Tensor):
-        self.ids = ids
+        # ascending: the first maximum of the draft logits is then the lowest token id holding it, the
+        # one the whole vocabulary's argmax picks
+        self.ids = ids.to(torch.int64).sort().values
         self._key = None
         self._rows: torch.Tensor | None = None
+
+    @classmethod
+    def from_file(cls, path: str | Path, size: int | None, vocab_size: int, device) -> "DraftVocab":
+        """`read_draft_vocab`'s ids, on `device`."""
+        return cls(read_draft_vocab(path, size, vocab_size).to(device))
 
     def head_rows(self, weight: torch.Tensor) -> torch.Tensor:
         key = (weight.data_ptr(), weight._version, weight.shape, weight.dtype, weight.device)
         if key != self._key:
-            self._rows = weight.index_select(0, self.ids.to(weight.device)).contiguous()
             self.ids = self.ids.to(weight.device)
+            self._rows = weight.index_select(0, self.ids).contiguous()
             self._key = key
         return self._rows
 

@@ -11,7 +11,7 @@ from pipespec.model.mtp import declared_mtp_layers, detect_mtp, dummy_mtp_layers
 from pipespec.model.tp_layers import SINGLE, VocabParallelEmbedding
 from pipespec.model.weights import init_dummy_weights, load_weights
 from pipespec.parallel import TensorParallel
-from pipespec.speculative.draft_vocab import DraftVocab, read_draft_vocab
+from pipespec.speculative.draft_vocab import DraftVocab
 from pipespec.speculative.proposer import MTPProposer
 
 logger = logging.getLogger(__name__)
@@ -82,9 +82,9 @@ def build_proposer(target: nn.Module, source, config, dtype: torch.dtype, device
             raise ValueError(f"speculative_config.draft_vocab_size: the drafts come from {origin}, which carry no "
                              f"draft vocabulary; name a file that holds one in speculative_config.draft_vocab "
                              f"(`pipespec draft-vocab` writes one)")
-        ids = read_draft_vocab(path, spec.draft_vocab_size, arch.vocab_size)
-        draft_vocab = DraftVocab(ids.to(device))
-        logger.info("MTP drafting over a draft vocabulary of %d of %d tokens (%s)", ids.numel(), arch.vocab_size, path)
+        draft_vocab = DraftVocab.from_file(path, spec.draft_vocab_size, arch.vocab_size, device)
+        logger.info("MTP drafting over a draft vocabulary of %d of %d tokens (%s)", draft_vocab.ids.numel(),
+                    arch.vocab_size, path)
 
     copy = None
     if target.model.is_first:

@@ -17,7 +17,7 @@ from pipespec.model.mtp import DeepSeekMTP, load_mtp_file, read_mtp_metadata, sa
 from pipespec.model.placement import resolve_device, resolve_dtype
 from pipespec.model.source import resolve_model
 from pipespec.model.weights import load_weights
-from pipespec.speculative.draft_vocab import DRAFT_VOCAB_TENSOR, DraftVocab, read_draft_vocab, write_draft_vocab
+from pipespec.speculative.draft_vocab import DRAFT_VOCAB_TENSOR, DraftVocab, write_draft_vocab
 from pipespec.train.budget import GenBudget, plan_text
 from pipespec.train.data import (Batcher, Sample, load_data, load_samples, most_frequent_tokens, plain_text_samples,
                                  save_data, save_samples, self_generate)
@@ -236,7 +236,7 @@ def train_command(args) -> int:
     if args.draft_vocab:
         ids = most_frequent_tokens(data["chat"], source.arch.vocab_size, args.draft_vocab)
         tensors = {DRAFT_VOCAB_TENSOR: ids}
-        vocab = DraftVocab(ids.sort().values.to(device))
+        vocab = DraftVocab(ids.to(device))
         with_vocab = agreement(head, target, data["heldout"], cfg.num_steps, device, vocab=vocab)
         extra["pipespec.eval_heldout_draft_vocab"] = as_dict(with_vocab)
     save_mtp(out, head, source.name, out_dtype, extra, base_arch=source.arch, tensors=tensors)
@@ -324,8 +324,8 @@ def eval_command(args) -> int:
     head, _ = load_mtp_file(head_path, source.arch, dtype, device)
     vocab = None
     if args.draft_vocab or args.draft_vocab_size:
-        ids = read_draft_vocab(args.draft_vocab or head_path, args.draft_vocab_size, source.arch.vocab_size)
-        vocab = DraftVocab(ids.to(device))
+        vocab = DraftVocab.from_file(args.draft_vocab or head_path, args.draft_vocab_size, source.arch.vocab_size,
+                                     device)
     results = agreement(head, target, samples, steps, device, args.batch_size, vocab=vocab)
     over = f", drafting over {vocab.ids.numel()} tokens" if vocab is not None else ""
     print(report(f"head {head_path} on {source.name}: {len(samples)} samples, teacher-forced, {args.dtype}{over}",
