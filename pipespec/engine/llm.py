@@ -77,7 +77,7 @@ class LLM:
                    leave=False)
         try:
             while any(d is None for d in done):
-                for out in engine.step():
+                for out in engine.step(final_only=True):
                     if out.finished and out.request_id in order:
                         done[order[out.request_id]] = out
                         bar.update(1)

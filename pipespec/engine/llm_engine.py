@@ -187,8 +187,10 @@ class LLMEngine:
 
     # -- stepping ---------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """Keep the pipeline full, then apply the oldest result; returns outputs that changed."""
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
+        """Keep the pipeline full, then apply the oldest result; returns outputs that changed.
+        `final_only`: only those of requests that finished (a caller waiting for whole answers),
+        which spares copying every running request's tokens into an output at every step."""
         if self._dead is not None:
             raise EngineDeadError(f"the engine has stopped: {self._dead}")
         with self._failures():
@@ -207,7 +209,7 @@ class LLMEngine:
             if not self._in_flight:
                 return []
         batch, result = self._receive()
-        outputs = self._apply(batch, result)
+        outputs = self._apply(batch, result, final_only)
         while self._in_flight and not self.requests:
             self._receive()        # async scheduling: a step ahead of requests that have all ended
         return outputs
@@ -235,8 +237,8 @@ class LLMEngine:
         self.scheduler.complete(batch, result)
         return batch, result
 
-    def _apply(self, batch: ScheduledBatch, result: StepResult) -> list[RequestOutput]:
-        """Append each request's new tokens; the outputs that changed."""
+    def _apply(self, batch: ScheduledBatch, result: StepResult, final_only: bool = False) -> list[RequestOutput]:
+        """Append each request's new tokens; the outputs that changed (`final_only`: that finished)."""
         outputs = []
         for row, (req, d) in enumerate(zip(batch.requests, batch.num_drafts)):
             if req.finished:        # ended while in flight (aborted; with async scheduling, stopped)
@@ -248,7 +250,8 @@ class LLMEngine:
                     self.k_policy.record_acceptance(d, len(tokens) - 1)
             if tokens:
                 self._append(req, tokens)
-                outputs.append(self._output(req))
+                if req.finished or not final_only:
+                    outputs.append(self._output(req))
                 if req.finished:
                     self.requests.pop(req.request_id, None)
                 else:
@@ -290,7 +293,7 @@ class LLMEngine:
     def _output(req: Request, error: str | None = None) -> RequestOutput:
         completion = CompletionOutput(0, req.detokenizer.text, req.output_token_ids, req.finish_reason,
                                       req.stop_reason)
-        return RequestOutput(req.request_id, req.prompt, req.token_ids[:req.num_prompt_tokens],
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids,
                              [completion], req.finished, error)
 
     def _die(self, reason: str, level: int = logging.ERROR) -> EngineDeadError:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+from array import array
 
 from pipespec.sampling import SamplingParams
 
@@ -13,7 +14,7 @@ class RequestStatus(enum.Enum):
 
 
 class Request:
-    __slots__ = ("request_id", "prompt", "token_ids", "num_prompt_tokens", "params", "seed",
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "token_ids", "num_prompt_tokens", "params", "seed",
                  "max_tokens", "stop_ids", "eos_ids", "status", "num_computed_tokens", "block_ids",
                  "in_flight", "num_pending_tokens", "num_pending_samples", "carry_row", "draft_ids",
                  "state_slot", "state_commit", "finish_reason", "stop_reason", "detokenizer")
@@ -22,6 +23,7 @@ class Request:
                  params: SamplingParams, seed: int, max_tokens: int, eos_ids: frozenset[int]):
         self.request_id = request_id
         self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)    # every output shares it: never changed
         self.token_ids = list(prompt_token_ids)     # prompt, then every generated token
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
@@ -31,7 +33,7 @@ class Request:
         self.eos_ids = frozenset() if params.ignore_eos else eos_ids
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0                # tokens whose KV is in the cache
-        self.block_ids: list[int] = []
+        self.block_ids = array("q")                # KV block ids (an array: the plan's block table copies it in C)
         self.in_flight = 0                          # micro-batches holding it that have not returned
         # async scheduling: rows the steps in flight compute (no drafts among them) and tokens they
         # sample, and its row in the last step scheduled (whose sampled token a next step carries)

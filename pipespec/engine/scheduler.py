@@ -25,6 +25,7 @@ token ids travel late.
 from __future__ import annotations
 
 import logging
+from array import array
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
@@ -33,6 +34,7 @@ import torch
 
 from pipespec.config import SchedulerConfig
 from pipespec.engine.block_allocator import BlockAllocator
+from pipespec.engine.host_tensors import float32_tensor, int64_tensor
 from pipespec.engine.request import Request, RequestStatus
 from pipespec.plan import StepPlan, StepResult, draft_chain_overrun
 from pipespec.sampling import SamplingTensors
@@ -116,7 +118,7 @@ class Scheduler:
 
     def _release(self, req: Request) -> None:
         self.allocator.free(req.block_ids)
-        req.block_ids = []
+        del req.block_ids[:]
         if req.state_slot is not None:
             self.state_slots.free([req.state_slot])
             req.state_slot = None
@@ -178,7 +180,8 @@ class Scheduler:
                     break
             if req.status is not RequestStatus.RUNNING:
                 continue                   # it preempted itself
-            req.block_ids += self.allocator.allocate(need)
+            if need:
+                req.block_ids.extend(self.allocator.allocate(need))
             take(req, n, d)
 
         while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
@@ -192,7 +195,7 @@ class Scheduler:
             if not self.allocator.can_allocate(need) or not self.state_slots.can_allocate(1):
                 break                      # (a finished request still in flight holds its slot)
             self.waiting.popleft()
-            req.block_ids += self.allocator.allocate(need)
+            req.block_ids.extend(self.allocator.allocate(need))
             req.state_slot = self.state_slots.allocate(1)[0]
             req.state_commit = -1
             req.status = RequestStatus.RUNNING
@@ -283,48 +286,60 @@ class Scheduler:
 
     def _build_plan(self, lines: list[_Line], k: int) -> StepPlan:
         bs = self.block_size
-        input_ids, positions, slots, qsl, seq_lens, tables, sample_rows, samplers = [], [], [], [0], [], [], [], []
-        carried = []
+        input_ids, positions, slots, qsl, seq_lens, sample_rows, samplers = [], [], [], [0], [], [], []
+        carried, next_ids = [], []
+        width = max(len(line.req.block_ids) for line in lines)
+        tables = array("q")                    # [B, width], each request's blocks padded with 0
         for b, (req, n, d, rows, samples) in enumerate(lines):
             start = req.num_scheduled_tokens
-            pos = range(start, start + n)
-            known = req.token_ids[start:start + n - rows]
+            end = start + n - rows             # (past the last row that is not a draft row)
+            known = req.token_ids[start:end]
             # async scheduling: the one token still unknown here is the one its step in flight
             # samples, and its drafts the ones that step proposes (both filled in on the device)
             carries = len(known) < n - rows
             carried.append(req.carry_row if carries else -1)
             # (dummy draft rows hold token 0: verification never reads them)
-            input_ids += known + [0] * (n - rows - len(known)) + ([0] * d if carries else req.draft_ids[:d])
-            input_ids += [0] * (rows - d)
-            positions += pos
-            slots += [req.block_ids[p // bs] * bs + p % bs for p in pos]
+            input_ids += known
+            if carries:
+                input_ids += [0] * (n - rows - len(known) + d)
+            else:
+                input_ids += req.draft_ids[:d]
+            if rows > d:
+                input_ids += [0] * (rows - d)
+            blocks = req.block_ids
+            if n == 1:                         # a decode row: most lines of most steps
+                positions.append(start)
+                slots.append(blocks[start // bs] * bs + start % bs)
+            else:
+                pos = range(start, start + n)
+                positions += pos
+                slots += [blocks[p // bs] * bs + p % bs for p in pos]
             qsl.append(qsl[-1] + n)
             seq_lens.append(start + n)
-            tables.append(req.block_ids)
+            tables += blocks
+            tables.frombytes(bytes(8 * (width - len(blocks))))
+            next_ids.append(req.token_ids[end] if end < len(req.token_ids) else -1)
             if samples:
                 sample_rows.append(b)
                 samplers.append(req)
-        self.num_carried_rows += sum(c >= 0 for c in carried)
-        width = max(len(t) for t in tables)
-        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
+        num_carried = sum(c >= 0 for c in carried)
+        self.num_carried_rows += num_carried
         return StepPlan(
             step_id=self._step_id,
-            input_ids=torch.tensor(input_ids, dtype=torch.int64),
-            positions=torch.tensor(positions, dtype=torch.int64),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int64),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
-            block_tables=block_tables,
-            sample_rows=torch.tensor(sample_rows, dtype=torch.int64),
+            input_ids=int64_tensor(input_ids),
+            positions=int64_tensor(positions),
+            slot_mapping=int64_tensor(slots),
+            query_start_loc=int64_tensor(qsl),
+            seq_lens=int64_tensor(seq_lens),
+            block_tables=torch.frombuffer(tables, dtype=torch.int64).view(len(lines), width),
+            sample_rows=int64_tensor(sample_rows),
             sampling=sampling_tensors(samplers),
-            num_drafts=torch.tensor([line.draft_rows for line in lines], dtype=torch.int64),
-            real_drafts=torch.tensor([line.drafts for line in lines], dtype=torch.int64),
-            next_token_ids=torch.tensor([r.token_ids[r.num_scheduled_tokens + n - rows]
-                                         if r.num_scheduled_tokens + n - rows < r.num_tokens else -1
-                                         for r, n, _, rows, _ in lines], dtype=torch.int64),
-            state_slots=torch.tensor([line.req.state_slot for line in lines], dtype=torch.int64),
-            state_commit=torch.tensor([line.req.state_commit for line in lines], dtype=torch.int64),
-            carried=torch.tensor(carried, dtype=torch.int64) if any(c >= 0 for c in carried) else None,
+            num_drafts=int64_tensor([line.draft_rows for line in lines]),
+            real_drafts=int64_tensor([line.drafts for line in lines]),
+            next_token_ids=int64_tensor(next_ids),
+            state_slots=int64_tensor([line.req.state_slot for line in lines]),
+            state_commit=int64_tensor([line.req.state_commit for line in lines]),
+            carried=int64_tensor(carried) if num_carried else None,
             num_spec_tokens=k,
         )
 
@@ -352,13 +367,12 @@ class Scheduler:
 
 def sampling_tensors(reqs: list[Request]) -> SamplingTensors:
     ps = [r.params for r in reqs]
-    top_k = torch.tensor([p.top_k for p in ps], dtype=torch.int64)
-    top_p = torch.tensor([p.top_p for p in ps], dtype=torch.float32)
     return SamplingTensors(
-        temperature=torch.tensor([p.temperature for p in ps], dtype=torch.float32),
-        top_k=top_k, top_p=top_p,
-        min_p=torch.tensor([p.min_p for p in ps], dtype=torch.float32),
-        seed=torch.tensor([r.seed for r in reqs], dtype=torch.int64),
+        temperature=float32_tensor([p.temperature for p in ps]),
+        top_k=int64_tensor([p.top_k for p in ps]),
+        top_p=float32_tensor([p.top_p for p in ps]),
+        min_p=float32_tensor([p.min_p for p in ps]),
+        seed=int64_tensor([r.seed for r in reqs]),
         needs_sort=any(p.top_k > 0 or p.top_p < 1.0 for p in ps if not p.greedy),
         all_greedy=all(p.greedy for p in ps),
     )

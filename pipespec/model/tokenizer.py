@@ -20,6 +20,18 @@ _CONTROL, _USER_DEFINED = 3, 4
 _LONG_TEXT = 16384      # characters from which encoding releases the GIL
 
 
+class DecodeStream:
+    """tokenizers' DecodeStream bound to its tokenizer."""
+
+    __slots__ = ("_tok", "_stream")
+
+    def __init__(self, tok: HFTokenizer, skip_special_tokens: bool):
+        self._tok, self._stream = tok, decoders.DecodeStream(skip_special_tokens=skip_special_tokens)
+
+    def step(self, token_id: int) -> str | None:
+        return self._stream.step(self._tok, token_id)
+
+
 def _raise(message):
     raise TemplateError(message)
 
@@ -49,6 +61,10 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def decode_stream(self, skip_special_tokens: bool = True) -> "DecodeStream":
+        """Incremental decoding: `step(id)` returns the text that id completes, or None."""
+        return DecodeStream(self._tok, skip_special_tokens)
 
     def save_json(self, path: Path) -> None:
         self._tok.save(str(path))

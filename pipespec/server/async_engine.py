@@ -81,7 +81,7 @@ class AsyncEngine:
             self._streams[request_id] = stream
             self._posted += 1
         self._commands.put(("add", req))
-        return request_id, stream.outputs, req.token_ids[:req.num_prompt_tokens]
+        return request_id, stream.outputs, req.prompt_token_ids
 
     def _check_room(self) -> None:
         if not self.healthy:

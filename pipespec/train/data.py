@@ -116,7 +116,7 @@ def self_generate(llm, prompts: list[str], max_tokens: int, temperature: float =
         while live:
             if deadline is not None and time.monotonic() >= deadline:
                 break
-            for out in engine.step():
+            for out in engine.step(final_only=True):
                 if out.finished and out.request_id in live:
                     outputs[live.pop(out.request_id)] = out
             fill()

@@ -45,6 +45,9 @@ def check_plan(batch, sched: Scheduler) -> None:
             assert slot == req.block_ids[p // BS] * BS + p % BS
             assert int(plan.block_tables[b, p // BS]) == req.block_ids[p // BS]
         assert len(req.block_ids) * BS >= start + n
+        table = plan.block_tables[b].tolist()
+        assert table == list(req.block_ids) + [0] * (len(table) - len(req.block_ids)), "padded with 0"
+    assert plan.block_tables.shape[1] == max(len(r.block_ids) for r in batch.requests)
     samplers = [b for b, (req, n) in enumerate(zip(batch.requests, batch.num_new_tokens))
                 if req.num_computed_tokens + n == req.num_tokens]
     assert plan.sample_rows.tolist() == samplers
@@ -156,7 +159,7 @@ def test_preemption_takes_newest_and_requeues_it_first():
     assert sched.num_preemptions >= 1
     newest = reqs[2]
     assert newest.status is RequestStatus.WAITING and sched.waiting[0] is newest
-    assert newest.num_computed_tokens == 0 and newest.block_ids == []
+    assert newest.num_computed_tokens == 0 and not newest.block_ids
     assert newest.token_ids == tokens_before, "a preempted request keeps its tokens"
     assert newest not in b.requests
     assert reqs[0] in b.requests and reqs[0].status is RequestStatus.RUNNING
@@ -192,7 +195,7 @@ def test_finish_while_in_flight_frees_blocks_on_complete():
     sched.finish(req, "abort")
     assert req.finished and len(req.block_ids) == 3, "blocks of a request in flight stay until it returns"
     sched.complete(batch)
-    assert req.block_ids == [] and sched.allocator.num_free == sched.allocator.num_blocks
+    assert not req.block_ids and sched.allocator.num_free == sched.allocator.num_blocks
     assert sched.schedule() is None
 
 
