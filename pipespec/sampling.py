@@ -7,6 +7,7 @@ generator object, host loop or host sync is needed on the device.
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 import torch
@@ -21,6 +22,18 @@ def _is_int(x) -> bool:
 
 def _is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What a request's outputs hold, as vLLM names it. CUMULATIVE: at every step, all its text and
+    tokens so far. DELTA: only what is new since its last output (text that may still turn out to
+    start a stop string is held back until it does not). FINAL_ONLY: one output, when it finishes.
+    Cumulative outputs copy a request's tokens at every step, which for long answers costs the driver
+    more than the rest of a step's host work; the server streams deltas, `generate` waits for finals."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass(frozen=True)
@@ -39,6 +52,7 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -69,7 +83,14 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "must be a bool")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            bad("output_kind", f"must be one of {', '.join(f'RequestOutputKind.{k.name}' for k in RequestOutputKind)}")
         object.__setattr__(self, "stop_strings", tuple(stops))
+
+    @property
+    def stop_hold(self) -> int:
+        """Characters a DELTA output holds back: the longest stop string less one."""
+        return max(map(len, self.stop_strings), default=1) - 1
 
     @property
     def greedy(self) -> bool:

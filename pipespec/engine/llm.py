@@ -1,6 +1,7 @@
 """The offline API, named as vLLM names it: LLM(...).generate(prompts, SamplingParams(...))."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Sequence
 
@@ -9,7 +10,7 @@ from tqdm.auto import tqdm
 from pipespec.config import EngineConfig
 from pipespec.engine.llm_engine import LLMEngine
 from pipespec.engine.outputs import RequestOutput
-from pipespec.sampling import SamplingParams
+from pipespec.sampling import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -58,13 +59,16 @@ class LLM:
             prompts.append({"prompt_token_ids": self.engine.tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _params_list(self, sampling_params, n: int) -> list[SamplingParams]:
+    @staticmethod
+    def _params_list(sampling_params, n: int) -> list[SamplingParams]:
+        """One SamplingParams a prompt, each asking for its final output only (what generate returns)."""
         if sampling_params is None:
-            return [SamplingParams()] * n
+            sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
-            return [sampling_params] * n
+            return [_final_only(sampling_params)] * n
         if isinstance(sampling_params, (list, tuple)) and len(sampling_params) == n:
-            return list(sampling_params)
+            # (anything else is refused by make_request, naming the prompt)
+            return [_final_only(p) if isinstance(p, SamplingParams) else p for p in sampling_params]
         raise ValueError("sampling_params must be a SamplingParams or a list with one per prompt")
 
     def _run(self, requests, use_tqdm: bool) -> list[RequestOutput]:
@@ -77,7 +81,7 @@ class LLM:
                    leave=False)
         try:
             while any(d is None for d in done):
-                for out in engine.step(final_only=True):
+                for out in engine.step():
                     if out.finished and out.request_id in order:
                         done[order[out.request_id]] = out
                         bar.update(1)
@@ -100,6 +104,12 @@ class LLM:
 
     def __exit__(self, *exc):
         self.shutdown()
+
+
+def _final_only(params: SamplingParams) -> SamplingParams:
+    if params.output_kind is RequestOutputKind.FINAL_ONLY:
+        return params
+    return dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
 
 
 def _check_messages(conv, index: int) -> None:

@@ -41,7 +41,7 @@ from pipespec.model.source import resolve_model
 from pipespec.plan import StepResult, position_margin
 from pipespec.runtime.pipeline_executor import PipelineExecutor
 from pipespec.runtime.transport import StageError
-from pipespec.sampling import SamplingParams
+from pipespec.sampling import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -187,10 +187,9 @@ class LLMEngine:
 
     # -- stepping ---------------------------------------------------------------------------
 
-    def step(self, final_only: bool = False) -> list[RequestOutput]:
-        """Keep the pipeline full, then apply the oldest result; returns outputs that changed.
-        `final_only`: only those of requests that finished (a caller waiting for whole answers),
-        which spares copying every running request's tokens into an output at every step."""
+    def step(self) -> list[RequestOutput]:
+        """Keep the pipeline full, then apply the oldest result; returns the outputs of the requests
+        it changed, as their `output_kind` asks (FINAL_ONLY: only of those that finished)."""
         if self._dead is not None:
             raise EngineDeadError(f"the engine has stopped: {self._dead}")
         with self._failures():
@@ -209,7 +208,7 @@ class LLMEngine:
             if not self._in_flight:
                 return []
         batch, result = self._receive()
-        outputs = self._apply(batch, result, final_only)
+        outputs = self._apply(batch, result)
         while self._in_flight and not self.requests:
             self._receive()        # async scheduling: a step ahead of requests that have all ended
         return outputs
@@ -237,8 +236,8 @@ class LLMEngine:
         self.scheduler.complete(batch, result)
         return batch, result
 
-    def _apply(self, batch: ScheduledBatch, result: StepResult, final_only: bool = False) -> list[RequestOutput]:
-        """Append each request's new tokens; the outputs that changed (`final_only`: that finished)."""
+    def _apply(self, batch: ScheduledBatch, result: StepResult) -> list[RequestOutput]:
+        """Append each request's new tokens; the outputs that changed."""
         outputs = []
         for row, (req, d) in enumerate(zip(batch.requests, batch.num_drafts)):
             if req.finished:        # ended while in flight (aborted; with async scheduling, stopped)
@@ -250,7 +249,7 @@ class LLMEngine:
                     self.k_policy.record_acceptance(d, len(tokens) - 1)
             if tokens:
                 self._append(req, tokens)
-                if req.finished or not final_only:
+                if req.finished or req.params.output_kind is not RequestOutputKind.FINAL_ONLY:
                     outputs.append(self._output(req))
                 if req.finished:
                     self.requests.pop(req.request_id, None)
@@ -291,10 +290,16 @@ class LLMEngine:
 
     @staticmethod
     def _output(req: Request, error: str | None = None) -> RequestOutput:
-        completion = CompletionOutput(0, req.detokenizer.text, req.output_token_ids, req.finish_reason,
-                                      req.stop_reason)
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids,
-                             [completion], req.finished, error)
+        """The request's output now, as its output_kind asks; a DELTA output moves its marks on."""
+        text, first = req.detokenizer.text, req.num_prompt_tokens
+        if req.params.output_kind is RequestOutputKind.DELTA:
+            # (a stop string found later never cuts into what was sent: see SamplingParams.stop_hold)
+            end = len(text) if req.finished else max(len(text) - req.params.stop_hold, req.sent_chars)
+            text, req.sent_chars = text[req.sent_chars:end], end
+            first += req.sent_tokens
+            req.sent_tokens = req.num_output_tokens
+        completion = CompletionOutput(0, text, req.token_ids[first:], req.finish_reason, req.stop_reason)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], req.finished, error)
 
     def _die(self, reason: str, level: int = logging.ERROR) -> EngineDeadError:
         """A stage failed: abort every pending request with the error, stop all stages."""

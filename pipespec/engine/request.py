@@ -17,7 +17,8 @@ class Request:
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "token_ids", "num_prompt_tokens", "params", "seed",
                  "max_tokens", "stop_ids", "eos_ids", "status", "num_computed_tokens", "block_ids",
                  "in_flight", "num_pending_tokens", "num_pending_samples", "carry_row", "draft_ids",
-                 "state_slot", "state_commit", "finish_reason", "stop_reason", "detokenizer")
+                 "state_slot", "state_commit", "finish_reason", "stop_reason", "detokenizer", "sent_tokens",
+                 "sent_chars")
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  params: SamplingParams, seed: int, max_tokens: int, eos_ids: frozenset[int]):
@@ -46,6 +47,7 @@ class Request:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.detokenizer = None
+        self.sent_tokens = self.sent_chars = 0      # output tokens and text characters DELTA outputs gave
 
     @property
     def num_tokens(self) -> int:

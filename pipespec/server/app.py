@@ -148,7 +148,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         except EngineDeadError as e:
             raise ApiError(503, str(e), kind="engine_error") from None
         metrics.prompt_tokens.inc(len(prompt_ids))
-        gen = _Generation(engine, metrics, request_id, outputs, len(prompt_ids), params.stop_strings)
+        gen = _Generation(engine, metrics, request_id, outputs, len(prompt_ids))
         object_name = "chat.completion" if chat else "text_completion"
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -183,19 +183,17 @@ def _param_of(message: str) -> str | None:
 
 
 class _Generation:
-    """Turns one request's engine outputs into text deltas, and keeps its metrics."""
+    """Turns one request's engine outputs (DELTA: what is new, stop-string text already held back by
+    the engine) into text deltas, and keeps its metrics."""
 
     def __init__(self, engine: AsyncEngine, metrics: Metrics, request_id: str, outputs: asyncio.Queue,
-                 num_prompt_tokens: int, stops: tuple[str, ...]):
+                 num_prompt_tokens: int):
         self.engine, self.metrics, self.request_id, self.outputs = engine, metrics, request_id, outputs
         self.num_prompt_tokens = num_prompt_tokens
         self.num_tokens = 0
-        self.sent = 0
-        self.text = ""
+        self.parts: list[str] = []          # the deltas, joined once for a whole response
         self.finish_reason = None
         self.done = False
-        # text that may still turn out to be the start of a stop string is held back until it is not
-        self.hold = max((len(s) for s in stops), default=1) - 1
         self.arrival = time.perf_counter()
         self.last_token_time = None
 
@@ -206,19 +204,15 @@ class _Generation:
             if isinstance(out, Exception):
                 raise ApiError(500, f"the engine failed: {out}", kind="engine_error")
             completion = out.outputs[0]
-            self._count(len(completion.token_ids) - self.num_tokens)
-            self.num_tokens = len(completion.token_ids)
-            self.text = completion.text
+            self._count(len(completion.token_ids))
+            self.num_tokens += len(completion.token_ids)
+            self.parts.append(completion.text)
             if out.finished:
                 self.done = True
                 self.finish_reason = completion.finish_reason
                 self.metrics.finished(self.finish_reason)
                 self.metrics.e2e.observe(time.perf_counter() - self.arrival)
-                end = len(self.text)
-            else:
-                end = max(len(self.text) - self.hold, self.sent)
-            delta, self.sent = self.text[self.sent:end], end
-            yield delta, self.finish_reason
+            yield completion.text, self.finish_reason
 
     def _count(self, new_tokens: int) -> None:
         if new_tokens <= 0:
@@ -234,7 +228,7 @@ class _Generation:
     async def collect(self) -> tuple[str, str]:
         async for _ in self.deltas():
             pass
-        return self.text, self.finish_reason
+        return "".join(self.parts), self.finish_reason
 
     def usage(self) -> dict:
         return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": self.num_tokens,

@@ -5,7 +5,7 @@ from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pipespec.sampling import SamplingParams
+from pipespec.sampling import RequestOutputKind, SamplingParams
 
 
 class ApiError(Exception):
@@ -69,7 +69,8 @@ class _SamplingFields(BaseModel):
                       top_p=1.0 if self.top_p is None else self.top_p,
                       top_k=-1 if self.top_k is None else self.top_k,
                       min_p=0.0 if self.min_p is None else self.min_p,
-                      seed=self.seed, stop=self.stop, ignore_eos=self.ignore_eos)
+                      seed=self.seed, stop=self.stop, ignore_eos=self.ignore_eos,
+                      output_kind=RequestOutputKind.DELTA)      # what is new each step: no copies
         try:
             return SamplingParams(**kwargs)
         except ValueError as e:

@@ -82,10 +82,11 @@ def self_generate(llm, prompts: list[str], max_tokens: int, temperature: float =
     trains and evaluates) and the prompts not started are dropped. Requests use the engine's default
     seeds (fixed by its config seed and arrival order). Uses the engine's public request API.
     """
-    from pipespec.sampling import SamplingParams
+    from pipespec.sampling import RequestOutputKind, SamplingParams
 
     engine, tok = llm.engine, llm.get_tokenizer()
-    params = SamplingParams(temperature=temperature, max_tokens=max_tokens)
+    # whole answers only: no output of a running request is built at every step
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, output_kind=RequestOutputKind.FINAL_ONLY)
     outputs: dict[int, object] = {}
     live: dict[str, int] = {}
     todo = iter(enumerate(prompts))
@@ -116,7 +117,7 @@ def self_generate(llm, prompts: list[str], max_tokens: int, temperature: float =
         while live:
             if deadline is not None and time.monotonic() >= deadline:
                 break
-            for out in engine.step(final_only=True):
+            for out in engine.step():
                 if out.finished and out.request_id in live:
                     outputs[live.pop(out.request_id)] = out
             fill()
