@@ -12,12 +12,14 @@ median over runs of a phase's time summed over a run's steps, divided by the ste
 each run in a fresh process, the two trees alternating, so a ratio compares like with like.
 
     python benchmarks/driver_host.py                                   # batch 1 64 256, prompts 32 / 1024, K 0 / 2
+    python benchmarks/driver_host.py --batch 64 --prompt-len 32 --k 0 --new-tokens 2048 --stream   # as the server
     git worktree add /tmp/base HEAD~3 && python benchmarks/driver_host.py --base /tmp/base
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import json
 import os
 import statistics
@@ -46,7 +48,7 @@ def small_model(folder: Path) -> tuple[Path, Path]:
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152,
               "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,
               "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-              "max_position_embeddings": 8192, "tie_word_embeddings": True, "torch_dtype": "float32",
+              "max_position_embeddings": 32768, "tie_word_embeddings": True, "torch_dtype": "float32",
               "hidden_act": "silu"}
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config))
@@ -97,12 +99,27 @@ def child(args) -> None:
     words = llm.get_tokenizer().encode(" ".join(TEXT.split() * (1 + args.prompt_len // 64)))
     prompts = [{"prompt_token_ids": words[i % 50:i % 50 + args.prompt_len]} for i in range(args.batch)]
     params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
-    llm.generate(prompts, params, use_tqdm=False)          # warm-up
+    if args.stream:       # as the server: deltas where the tree has them (a tree before them: cumulative)
+        if hasattr(pipespec, "RequestOutputKind"):
+            params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True,
+                                    output_kind=pipespec.RequestOutputKind.DELTA)
+
+        def run():
+            for prompt in prompts:
+                eng.add_request(f"stream-{next(ids)}", prompt, params)
+            while eng.has_unfinished_requests():
+                for out in eng.step():
+                    assert out.outputs[0].token_ids      # (every output is read, as a server reads it)
+    else:
+        def run():
+            llm.generate(prompts, params, use_tqdm=False)
+    ids = itertools.count()
+    run()                                                  # warm-up
     runs = collections.defaultdict(list)
     for _ in range(args.runs):
         spent.clear()
         steps0 = eng.scheduler._step_id
-        llm.generate(prompts, params, use_tqdm=False)
+        run()
         steps = eng.scheduler._step_id - steps0
         for phase in (*PHASES, "stage"):
             runs[phase].append(1e6 * spent[phase] / steps)
@@ -119,6 +136,8 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--runs", type=int, default=3, help="timed runs a process (after one warm-up)")
     ap.add_argument("--repeats", type=int, default=1, help="processes a tree and configuration (median)")
+    ap.add_argument("--stream", action="store_true",
+                    help="drive engine.step() and read every output, as the server does (default: generate)")
     ap.add_argument("--base", type=Path, help="another source tree to measure in the same call")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
@@ -141,7 +160,7 @@ def main():
                             env = dict(os.environ, PYTHONPATH=str(root))
                             cmd = [sys.executable, str(HERE / "driver_host.py"), "--child", "--model", str(model), "--head", str(head),
                                    "--batch", str(batch), "--prompt-len", str(prompt_len), "--k", str(k),
-                                   "--new-tokens", str(args.new_tokens), "--runs", str(args.runs)]
+                                   "--new-tokens", str(args.new_tokens), "--runs", str(args.runs)] + ["--stream"] * args.stream
                             out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True,
                                                  cwd=root, timeout=3600)
                             figures[name].append(json.loads(out.stdout.strip().splitlines()[-1]))

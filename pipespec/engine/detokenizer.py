@@ -23,7 +23,11 @@ class IncrementalDetokenizer:
         delta = self._stream.step(token_id)
         if not delta:
             return ""
-        self.text += delta
+        # grown through a local name: CPython then extends the string in place when nothing else
+        # holds it (`self.text += delta` copies the whole text at every token: quadratic)
+        text, self.text = self.text, ""
+        text += delta
+        self.text = text
         return delta
 
     def find_stop(self, stops: tuple[str, ...], delta_len: int, include: bool) -> str | None:
