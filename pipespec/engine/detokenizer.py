@@ -4,6 +4,9 @@ from __future__ import annotations
 from pipespec.model.tokenizer import Tokenizer
 
 _CONTEXT = 5   # prompt tokens decoded with the output so the first word gets its leading space right
+# tokens that may wait for the rest of a character: a UTF-8 character is at most 4 bytes and a token
+# holds at least one, so more never make one (a model repeating a lone byte token, say)
+_MAX_PENDING = 8
 
 
 class IncrementalDetokenizer:
@@ -13,14 +16,29 @@ class IncrementalDetokenizer:
     decodes of Python-sliced windows cost ~4x more host time at every step of every request)."""
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool):
-        self._stream = tokenizer.decode_stream(skip_special_tokens)
-        for token_id in prompt_ids[-_CONTEXT:]:        # context only: their text is not the output's
-            self._stream.step(token_id)
+        self._tokenizer, self._skip_special = tokenizer, skip_special_tokens
+        self._stream = self._restart(prompt_ids[-_CONTEXT:])
+        self._pending: list[int] = []                 # tokens since the last text, still partial
         self.text = ""
+
+    def _restart(self, context: list[int]):
+        stream = self._tokenizer.decode_stream(self._skip_special)
+        for token_id in context:                       # context only: their text is not the output's
+            stream.step(token_id)
+        return stream
 
     def add(self, token_id: int) -> str:
         """Append one token; return the text it completes ('' while a character is still partial)."""
         delta = self._stream.step(token_id)
+        if delta is None:
+            self._pending.append(token_id)
+            if len(self._pending) < _MAX_PENDING:
+                return ""
+            # bytes that never make a character: give them out as replacement characters and decode
+            # on past them, rather than re-decode a window that grows at every token
+            delta = self._tokenizer.decode(self._pending, self._skip_special)
+            self._stream = self._restart(self._pending[-_CONTEXT:])
+        self._pending.clear()
         if not delta:
             return ""
         # grown through a local name: CPython then extends the string in place when nothing else

@@ -142,3 +142,15 @@ def test_find_stop_across_deltas(tokenizer):
             if found:
                 break
     assert found == "ta ga" and detok.text == "alpha be"
+
+
+def test_bytes_that_never_make_a_character_are_given_out_and_decoding_goes_on(tokenizer):
+    """A model repeating a lone byte token (a dummy model does) makes no character: its text comes
+    out as replacement characters every few tokens instead of being held (and re-decoded) forever."""
+    byte = next(t for t in range(256, 1024) if tokenizer.decode([t]) == "\ufffd")
+    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("Say:"), skip_special_tokens=True)
+    deltas = [detok.add(byte) for _ in range(100)]
+    assert sum(map(len, deltas)) >= 90 and set(detok.text) == {"\ufffd"}, "bytes held back without end"
+    assert max(len(d) for d in deltas) <= 8 and deltas.count("") >= 80
+    words = tokenizer.encode(" and then plain words")
+    assert "".join(detok.add(t) for t in words).endswith("and then plain words")
