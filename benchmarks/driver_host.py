@@ -151,24 +151,20 @@ def main():
         model, head = small_model(Path(tmp) / "model")
         print(f"{'tree':5s} {'batch':>5s} {'prompt':>6s} {'K':>2s} | " + " ".join(f"{p:>9s}" for p in PHASES)
               + f" {'driver':>9s} {'stage':>9s}   us a step", flush=True)
-        for batch in args.batch:
-            for prompt_len in args.prompt_len:
-                for k in args.k:
-                    figures = collections.defaultdict(list)
-                    for _ in range(args.repeats):
-                        for name, root in trees.items():       # alternating: drift hits both
-                            env = dict(os.environ, PYTHONPATH=str(root))
-                            cmd = [sys.executable, str(HERE / "driver_host.py"), "--child", "--model", str(model), "--head", str(head),
-                                   "--batch", str(batch), "--prompt-len", str(prompt_len), "--k", str(k),
-                                   "--new-tokens", str(args.new_tokens), "--runs", str(args.runs)] + ["--stream"] * args.stream
-                            out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True,
-                                                 cwd=root, timeout=3600)
-                            figures[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
-                    for name, runs in figures.items():
-                        med = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
-                        print(f"{name:5s} {batch:5d} {prompt_len:6d} {k:2d} | "
-                              + " ".join(f"{med[p]:9.1f}" for p in PHASES)
-                              + f" {med['driver']:9.1f} {med['stage']:9.1f}", flush=True)
+        for batch, prompt_len, k in itertools.product(args.batch, args.prompt_len, args.k):
+            figures = collections.defaultdict(list)
+            for _ in range(args.repeats):
+                for name, root in trees.items():       # alternating: drift hits both
+                    cmd = [sys.executable, str(HERE / "driver_host.py"), "--child", "--model", str(model),
+                           "--head", str(head), "--batch", str(batch), "--prompt-len", str(prompt_len),
+                           "--k", str(k), "--new-tokens", str(args.new_tokens), "--runs", str(args.runs)]
+                    out = subprocess.run(cmd + ["--stream"] * args.stream, env=dict(os.environ, PYTHONPATH=str(root)),
+                                         check=True, capture_output=True, text=True, cwd=root, timeout=3600)
+                    figures[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
+            for name, runs in figures.items():
+                med = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+                print(f"{name:5s} {batch:5d} {prompt_len:6d} {k:2d} | " + " ".join(f"{med[p]:9.1f}" for p in PHASES)
+                      + f" {med['driver']:9.1f} {med['stage']:9.1f}", flush=True)
 
 
 if __name__ == "__main__":
