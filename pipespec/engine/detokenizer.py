@@ -17,19 +17,19 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool):
         self._tokenizer, self._skip_special = tokenizer, skip_special_tokens
-        self._stream = self._restart(prompt_ids[-_CONTEXT:])
+        self._step = self._restart(prompt_ids[-_CONTEXT:])
         self._pending: list[int] = []                 # tokens since the last text, still partial
         self.text = ""
 
     def _restart(self, context: list[int]):
-        stream = self._tokenizer.decode_stream(self._skip_special)
+        step = self._tokenizer.decode_stream(self._skip_special)
         for token_id in context:                       # context only: their text is not the output's
-            stream.step(token_id)
-        return stream
+            step(token_id)
+        return step
 
     def add(self, token_id: int) -> str:
         """Append one token; return the text it completes ('' while a character is still partial)."""
-        delta = self._stream.step(token_id)
+        delta = self._step(token_id)
         if delta is None:
             self._pending.append(token_id)
             if len(self._pending) < _MAX_PENDING:
@@ -37,7 +37,7 @@ class IncrementalDetokenizer:
             # bytes that never make a character: give them out as replacement characters and decode
             # on past them, rather than re-decode a window that grows at every token
             delta = self._tokenizer.decode(self._pending, self._skip_special)
-            self._stream = self._restart(self._pending[-_CONTEXT:])
+            self._step = self._restart(self._pending[-_CONTEXT:])
         self._pending.clear()
         if not delta:
             return ""

@@ -1,9 +1,11 @@
 """Tokenizer and chat template, from a Hugging Face folder or rebuilt from GGUF metadata."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
+from typing import Callable
 
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -18,18 +20,6 @@ _GGUF_SPLITS = {"gpt-2": None, "smollm": None, "default": None,
                 "llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}
 _CONTROL, _USER_DEFINED = 3, 4
 _LONG_TEXT = 16384      # characters from which encoding releases the GIL
-
-
-class DecodeStream:
-    """tokenizers' DecodeStream bound to its tokenizer."""
-
-    __slots__ = ("_tok", "_stream")
-
-    def __init__(self, tok: HFTokenizer, skip_special_tokens: bool):
-        self._tok, self._stream = tok, decoders.DecodeStream(skip_special_tokens=skip_special_tokens)
-
-    def step(self, token_id: int) -> str | None:
-        return self._stream.step(self._tok, token_id)
 
 
 def _raise(message):
@@ -62,9 +52,11 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def decode_stream(self, skip_special_tokens: bool = True) -> "DecodeStream":
-        """Incremental decoding: `step(id)` returns the text that id completes, or None."""
-        return DecodeStream(self._tok, skip_special_tokens)
+    def decode_stream(self, skip_special_tokens: bool = True) -> Callable[[int], str | None]:
+        """Incremental decoding: a function of the next token id that returns the text it completes,
+        or None while a character is still partial (tokenizers' DecodeStream, called without a
+        Python frame of ours: the driver calls it for every token of every request)."""
+        return functools.partial(decoders.DecodeStream(skip_special_tokens=skip_special_tokens).step, self._tok)
 
     def save_json(self, path: Path) -> None:
         self._tok.save(str(path))
