@@ -54,6 +54,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
+    stop_hold: int = field(init=False, repr=False)      # characters a DELTA output holds back
 
     def __post_init__(self):
         def bad(name: str, why: str):
@@ -86,11 +87,8 @@ class SamplingParams:
         if not isinstance(self.output_kind, RequestOutputKind):
             bad("output_kind", f"must be one of {', '.join(f'RequestOutputKind.{k.name}' for k in RequestOutputKind)}")
         object.__setattr__(self, "stop_strings", tuple(stops))
-
-    @property
-    def stop_hold(self) -> int:
-        """Characters a DELTA output holds back: the longest stop string less one."""
-        return max(map(len, self.stop_strings), default=1) - 1
+        # the longest stop string less one: text that may still turn out to begin one
+        object.__setattr__(self, "stop_hold", max(map(len, stops), default=1) - 1)
 
     @property
     def greedy(self) -> bool:
