@@ -299,13 +299,8 @@ class Scheduler:
             carries = len(known) < n - rows
             carried.append(req.carry_row if carries else -1)
             # (dummy draft rows hold token 0: verification never reads them)
-            input_ids += known
-            if carries:
-                input_ids += [0] * (n - rows - len(known) + d)
-            else:
-                input_ids += req.draft_ids[:d]
-            if rows > d:
-                input_ids += [0] * (rows - d)
+            input_ids += known + [0] * (n - rows - len(known)) + ([0] * d if carries else req.draft_ids[:d])
+            input_ids += [0] * (rows - d)
             blocks = req.block_ids
             if n == 1:                         # a decode row: most lines of most steps
                 positions.append(start)
