@@ -36,7 +36,23 @@ def add_serve_parser(sub, add_engine_args) -> None:
     s.add_argument("--seed", type=int, default=None,
                    help="engine seed: requests without a seed then draw the same text on every run "
                         "(default: fresh randomness per run)")
+    _add_chat_args(p)
     p.set_defaults(func=run)
+
+
+def _add_chat_args(p) -> None:
+    from pipespec.server.parsers.reasoning import REASONING_PARSERS
+    from pipespec.server.parsers.tool_calls import TOOL_CALL_PARSERS
+
+    t = p.add_argument_group("tools and reasoning (vLLM's flags; README: Tools and reasoning)")
+    t.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="parse tool calls out of chat answers (tool_choice \"auto\"); needs --tool-call-parser")
+    t.add_argument("--tool-call-parser", choices=list(TOOL_CALL_PARSERS), default=None,
+                   help="the model's tool-call format")
+    t.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=None,
+                   help="put the model's <think> block in reasoning_content instead of content")
+    t.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template (a file, or the template itself) used instead of the model's")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -47,10 +63,13 @@ def run(args: argparse.Namespace) -> int:
     from pipespec.engine.llm_engine import LLMEngine
     from pipespec.server.app import build_app
     from pipespec.server.async_engine import AsyncEngine
+    from pipespec.server.chat_request import ChatOptions
     from pipespec.server.graceful import GracefulServer
 
     if args.max_request_body_bytes < 1:
         raise ValueError(f"--max-request-body-bytes must be >= 1, got {args.max_request_body_bytes}")
+    chat_options = ChatOptions.from_args(args.enable_auto_tool_choice, args.tool_call_parser,
+                                         args.reasoning_parser, args.chat_template)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     kwargs = engine_kwargs(args)
     if args.model_path is not None:
@@ -67,7 +86,8 @@ def run(args: argparse.Namespace) -> int:
 
     async_engine = AsyncEngine(engine, max_queued_requests=args.max_queued_requests, on_dead=on_dead)
     name = args.served_model_name or engine.model_name
-    app = build_app(async_engine, name, api_key=args.api_key, max_body_bytes=args.max_request_body_bytes)
+    app = build_app(async_engine, name, api_key=args.api_key, max_body_bytes=args.max_request_body_bytes,
+                    chat_options=chat_options)
     server = GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                            timeout_graceful_shutdown=5))
     logger.info("serving %s on http://%s:%d", name, args.host, args.port)

@@ -28,7 +28,7 @@ class ChatOutputParser:
         self.has_reasoning = reasoning is not None
         self.parallel_tool_calls = parallel_tool_calls
         self.num_calls = 0
-        self._ws = ""                    # whitespace-only content held until text follows it
+        self._ws = ""                    # content's trailing whitespace, held until text follows it
 
     def feed(self, text: str) -> list[dict]:
         if self._reasoning is not None:
@@ -67,10 +67,13 @@ class ChatOutputParser:
                                             "function": {"name": e.name, "arguments": ""}}]})
                 out.append({"tool_calls": [{"index": index, "function": {"arguments": e.arguments}}]})
             elif e:
-                if not e.strip():             # blank text around calls is never content on its own
-                    self._ws += e
+                # trailing blank text is held: blank text around calls is never content
+                text = self._ws + e
+                body = text.rstrip()
+                self._ws = text[len(body):]
+                if not body:
                     continue
-                text, self._ws = self._ws + e, ""
+                text = body
                 if out and "content" in out[-1]:
                     out[-1]["content"] += text
                 else:
