@@ -50,18 +50,20 @@ class LLM:
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
              add_generation_prompt: bool = True, tools: list[dict] | None = None,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None, chat_template: str | None = None) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (a list of messages) or a list of them.
 
         `tools`: OpenAI tool definitions the template lists for the model; `chat_template_kwargs`:
-        more template variables (e.g. {"enable_thinking": False}). Assistant messages may carry
-        `tool_calls` (arguments as objects) and `role: "tool"` messages the results. The output is the
-        raw text: the server's parsers (pipespec.server.parsers) split out reasoning and calls."""
+        more template variables (e.g. {"enable_thinking": False}); `chat_template`: a Jinja template
+        used instead of the model's. Assistant messages may carry `tool_calls` (arguments as objects)
+        and `role: "tool"` messages the results. The output is the raw text: the server's parsers
+        (pipespec.server.parsers) split out reasoning and calls."""
         conversations = messages if messages and isinstance(messages[0], (list, tuple)) else [messages]
         prompts = []
         for i, conv in enumerate(conversations):
             _check_messages(conv, i)
             text = self.engine.tokenizer.apply_chat_template(list(conv), add_generation_prompt, tools=tools,
+                                                             chat_template=chat_template,
                                                              **(chat_template_kwargs or {}))
             prompts.append({"prompt_token_ids": self.engine.tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)
