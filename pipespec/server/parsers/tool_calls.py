@@ -48,7 +48,8 @@ def param_schemas(tools: list[dict] | None) -> dict[str, dict]:
     out = {}
     for tool in tools or ():
         fn = tool.get("function") or {}
-        props = (fn.get("parameters") or {}).get("properties") or {}
+        params = fn.get("parameters")
+        props = params.get("properties") if isinstance(params, dict) else None
         out[fn.get("name")] = props if isinstance(props, dict) else {}
     return out
 
@@ -56,10 +57,11 @@ def param_schemas(tools: list[dict] | None) -> dict[str, dict]:
 def typed_value(raw: str, schema: dict | None, default_json: bool):
     """A raw parameter text as the value its schema's type asks for. Without a type, JSON when
     `default_json` and the text parses, else the text."""
-    types = (schema or {}).get("type")
+    schema = schema if isinstance(schema, dict) else {}        # (true/false are schemas too)
+    types = schema.get("type")
     types = [types] if isinstance(types, str) else list(types or ())
     if not types:
-        if (schema or {}).get("enum") and all(isinstance(v, str) for v in schema["enum"]):
+        if isinstance(schema.get("enum"), list) and schema["enum"] and all(isinstance(v, str) for v in schema["enum"]):
             return raw
         if not default_json:
             return raw

@@ -111,6 +111,17 @@ def test_typed_value_falls_back_to_the_text():
     assert typed_value("null", {"type": ["integer", "null"]}, default_json=False) is None
     assert typed_value("3", None, default_json=False) == "3"
     assert typed_value("3", None, default_json=True) == 3
+    assert typed_value("3", True, default_json=True) == 3          # a boolean schema has no type
+    assert typed_value("3", {"enum": ["3", "4"]}, default_json=True) == "3"
+
+
+def test_boolean_parameter_schemas_do_not_break_parsing():
+    tools = [{"type": "function", "function": {"name": "f", "parameters": True}},
+             {"type": "function", "function": {"name": "g", "parameters": {"properties": {"a": False}}}}]
+    text = "<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n</function>\n</tool_call>"
+    assert tool_call_format("qwen3_coder").extract(text, tools)[1] == [ParsedCall("f", '{"a": "1"}')]
+    text = "<tool_call>g<arg_key>a</arg_key><arg_value>1</arg_value></tool_call>"
+    assert tool_call_format("glm47").extract(text, tools)[1] == [ParsedCall("g", '{"a": 1}')]
 
 
 def test_unknown_parser_is_refused_naming_the_known_ones():
