@@ -5,21 +5,26 @@ The template shows the model three earlier turns in which the assistant thought 
 first of the request's tools (its name and the tools' JSON come from the request: the tools reach
 the template), then the request's own messages and a generation prompt that opens `<think>` itself
 (as Qwen3.5's does). Greedy decoding copies the pattern: a short reasoning, `</think>`, a hermes
-`<tool_call>` naming that tool, and `<|im_end|>` (its end-of-sequence token)."""
+`<tool_call>` naming that tool, and `<|im_end|>` (its end-of-sequence token). With the template
+variable enable_thinking=False (from chat_template_kwargs) the earlier turns have empty reasoning
+blocks and the prompt closes the block itself (`<think></think>`, as GLM-4.5's does with thinking off): the model
+answers with the call alone."""
 
 REASONING = "The user wants the weather, so I call the tool."
 CITY = "Paris"
 
 TOOL_TEMPLATE = (
     "{%- set fn = tools[0].function.name if tools else 'none' -%}"
+    "{%- set thinking = enable_thinking is not defined or enable_thinking -%}"
     "<|im_start|>system\nYou may call these tools: {{ tools | tojson }}<|im_end|>\n"
     "{%- for i in range(3) %}"
-    "<|im_start|>user\nWhat is the weather in " + CITY + "?<|im_end|>\n<|im_start|>assistant\n<think>\n"
-    + REASONING + "\n</think>\n\n<tool_call>\n"
+    "<|im_start|>user\nWhat is the weather in " + CITY + "?<|im_end|>\n<|im_start|>assistant\n"
+    "<think>{% if thinking %}\n" + REASONING + "\n{% endif %}</think>\n\n<tool_call>\n"
     '{"name": "{{ fn }}", "arguments": {"city": "' + CITY + '"}}\n</tool_call><|im_end|>\n'
     "{%- endfor %}"
     "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endfor %}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant\n<think>\n{%- endif %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n<think>{% if not thinking %}</think>{% endif %}"
+    "{%- endif %}"
 )
 
 TOOLS = [{"type": "function", "function": {

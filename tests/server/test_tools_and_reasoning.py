@@ -111,6 +111,26 @@ def test_tool_choice_none_keeps_the_reasoning_apart_and_the_markup_in_content(mt
     assert msg.content.startswith("<tool_call>") and '"get_weather"' in msg.content
 
 
+def test_thinking_off_through_chat_template_kwargs(mtp):
+    r = mtp.chat.completions.create(model=model(mtp), extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+                                    **ASK)
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert msg.reasoning_content is None and msg.content is None        # the prompt closed the block
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls] == \
+        [("get_weather", {"city": CITY})]
+
+
+def test_history_with_a_tool_call_and_its_result_is_accepted(plain):
+    history = QUESTION + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "22 C and sunny"}]
+    r = plain.chat.completions.create(model=model(plain), **{**ASK, "messages": history, "max_tokens": 1})
+    assert r.choices[0].finish_reason in ("length", "stop", "tool_calls")
+    assert r.usage.prompt_tokens > 100
+
+
 @pytest.mark.parametrize("extra,match", [
     ({"tool_choice": "required"}, 'tool_choice "required" needs constrained decoding'),
     ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "names function 'nope', which is not"),
