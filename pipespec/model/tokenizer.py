@@ -22,6 +22,20 @@ _CONTROL, _USER_DEFINED = 3, 4
 _LONG_TEXT = 16384      # characters from which encoding releases the GIL
 
 
+def read_chat_template(value: str) -> str:
+    """vLLM's --chat-template: a file's path, or the template itself."""
+    path = Path(value).expanduser()
+    try:
+        if path.is_file():
+            return path.read_text()
+    except OSError:           # a long inline template is no valid path
+        pass
+    if "{{" in value or "{%" in value:
+        return value
+    raise FileNotFoundError(f"chat template {value!r}: no such file, and not a template either "
+                            "(an inline template contains {{ or {%)")
+
+
 def _raise(message):
     raise TemplateError(message)
 
@@ -57,6 +71,14 @@ class Tokenizer:
         or None while a character is still partial (tokenizers' DecodeStream, called without a
         Python frame of ours: the driver calls it for every token of every request)."""
         return functools.partial(decoders.DecodeStream(skip_special_tokens=skip_special_tokens).step, self._tok)
+
+    def with_chat_template(self, template: str) -> "Tokenizer":
+        """The same tokenizer with another chat template (ValueError if it does not compile)."""
+        from jinja2.exceptions import TemplateSyntaxError
+        try:
+            return Tokenizer(self._tok, self.eos_token_ids, self.bos_token, self.eos_token, template)
+        except TemplateSyntaxError as e:
+            raise ValueError(f"the chat template does not compile: {e.message} (line {e.lineno})") from None
 
     def save_json(self, path: Path) -> None:
         self._tok.save(str(path))
