@@ -17,11 +17,17 @@ from pipespec.server.async_engine import AsyncEngine, QueueFullError
 from pipespec.server.body_limit import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from pipespec.server.chat_request import ChatOptions, prepare_chat
 from pipespec.server.metrics import Metrics
+from pipespec.server.request_log import log_request
 from pipespec.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest
 
 
 def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, chat_options: ChatOptions = ChatOptions()) -> FastAPI:
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, log_requests: bool = False,
+              model_aliases: tuple[str, ...] = (),
+              chat_options: ChatOptions = ChatOptions()) -> FastAPI:
+    """`log_requests`: one INFO line per finished request; `model_aliases`: more names the API
+    accepts for the model (vLLM's several --served-model-name); `chat_options`: tool-call and
+    reasoning parsing of chat answers."""
     app = FastAPI(title="pipespec", version=pipespec.__version__)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)    # inside the API-key check below
     metrics = Metrics(model_name)
@@ -67,7 +73,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         return await call_next(request)
 
     def check_model(name: str | None) -> None:
-        if name is not None and name != model_name:
+        if name is not None and name != model_name and name not in model_aliases:
             raise ApiError(404, f"The model `{name}` does not exist; this server serves `{model_name}`",
                            "model", kind="not_found_error")
 
@@ -97,21 +103,17 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         if body.echo or body.suffix or (body.best_of not in (None, 1)):
             param = "echo" if body.echo else "suffix" if body.suffix else "best_of"
             raise ApiError(400, f"{param} is not supported by pipespec", param)
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise ApiError(400, "a list of several prompts is not supported; send one request per prompt",
-                               "prompt")
-            prompt = prompt[0]
-        prompt = {"prompt_token_ids": prompt} if isinstance(prompt, list) else prompt
+        prompts = completion_prompts(body.prompt)
         params = body.sampling_params(body.max_tokens, 16)
-        return await _respond(request, body, prompt, params, chat=False)
+        if len(prompts) > 1:
+            return await _respond_many(body, prompts, params)
+        return await _respond(request, body, prompts[0], params, chat=False)
 
     def render_chat(plan, add_generation_prompt: bool) -> tuple[dict, str]:
         """Tokens and text of a conversation (run off the event loop: it can take seconds)."""
         try:
             text = tokenizer.apply_chat_template(plan.messages, add_generation_prompt, tools=plan.tools,
-                                                 chat_template=chat_options.chat_template, **plan.template_kwargs)
+                                                 **plan.template_kwargs)
         except Exception as e:     # a template that raises on this conversation is the client's problem
             raise ApiError(400, f"messages: the chat template refused them: {e}", "messages") from None
         return {"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}, text
@@ -139,7 +141,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         except EngineDeadError as e:
             raise ApiError(503, str(e), kind="engine_error") from None
         metrics.prompt_tokens.inc(len(prompt_ids))
-        gen = _Generation(engine, metrics, request_id, outputs, len(prompt_ids))
+        gen = _Generation(engine, metrics, request_id, outputs, len(prompt_ids), log_requests)
         object_name = "chat.completion" if chat else "text_completion"
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -158,8 +160,57 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         return {"id": request_id, "object": object_name, "created": int(time.time()), "model": model_name,
                 "choices": [choice], "usage": gen.usage()}
 
+    async def _respond_many(body: CompletionRequest, prompts: list, params):
+        """One choice per prompt (index = the prompt's place in the list), run side by side."""
+        gens: list[_Generation] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                try:
+                    request_id, outputs, prompt_ids = await engine.add_request(prompt, params, "cmpl")
+                except ValueError as e:
+                    raise ApiError(400, f"prompt[{i}]: {e}", "prompt") from None
+                except QueueFullError as e:
+                    raise ApiError(503, str(e), kind="server_overloaded") from None
+                except EngineDeadError as e:
+                    raise ApiError(503, str(e), kind="engine_error") from None
+                metrics.prompt_tokens.inc(len(prompt_ids))
+                gens.append(_Generation(engine, metrics, request_id, outputs, len(prompt_ids), log_requests))
+        except BaseException:
+            for gen in gens:
+                gen.close()
+            raise
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(_sse_many(gens, model_name, include_usage), media_type="text/event-stream")
+        try:
+            results = await asyncio.gather(*(gen.collect() for gen in gens))
+        finally:
+            for gen in gens:
+                gen.close()
+        choices = [{"index": i, "text": text, "finish_reason": finish, "logprobs": None}
+                   for i, (text, finish) in enumerate(results)]
+        return {"id": gens[0].request_id, "object": "text_completion", "created": int(time.time()),
+                "model": model_name, "choices": choices, "usage": _total_usage(gens)}
+
     app.state.metrics = metrics
     return app
+
+
+def completion_prompts(prompt) -> list:
+    """/v1/completions' prompt as a list of engine prompts: a string, a list of token ids, or a list
+    of either (one choice each)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise ApiError(400, "prompt is empty", "prompt")
+    if isinstance(prompt[0], int):
+        return [{"prompt_token_ids": prompt}]
+    return [p if isinstance(p, str) else {"prompt_token_ids": p} for p in prompt]
+
+
+def _total_usage(gens) -> dict:
+    usages = [gen.usage() for gen in gens]
+    return {key: sum(u[key] for u in usages) for key in ("prompt_tokens", "completion_tokens", "total_tokens")}
 
 
 # required fields of each route's body, named when the body is missing altogether
@@ -181,12 +232,14 @@ class _Generation:
     the engine) into text deltas, and keeps its metrics."""
 
     def __init__(self, engine: AsyncEngine, metrics: Metrics, request_id: str, outputs: asyncio.Queue,
-                 num_prompt_tokens: int):
+                 num_prompt_tokens: int, log_requests: bool = False):
         self.engine, self.metrics, self.request_id, self.outputs = engine, metrics, request_id, outputs
         self.num_prompt_tokens = num_prompt_tokens
+        self.log_requests = log_requests
         self.num_tokens = 0
         self.parts: list[str] = []          # the deltas, joined once for a whole response
         self.finish_reason = None
+        self.error: str | None = None
         self.done = False
         self.arrival = time.perf_counter()
         self.last_token_time = None
@@ -196,6 +249,7 @@ class _Generation:
         while not self.done:
             out = await self.outputs.get()
             if isinstance(out, Exception):
+                self.error = str(out)
                 raise ApiError(500, f"the engine failed: {out}", kind="engine_error")
             completion = out.outputs[0]
             self._count(len(completion.token_ids))
@@ -233,6 +287,11 @@ class _Generation:
         if not self.done:
             self.engine.abort(self.request_id)
             self.metrics.finished("abort")
+        if self.log_requests:
+            self.log_requests = False      # once
+            log_request(self.request_id, self.num_prompt_tokens, self.num_tokens,
+                        self.finish_reason if self.done else "abort (client gone)",
+                        time.perf_counter() - self.arrival, self.error)
 
 
 async def _sse(gen: _Generation, chat: bool, model: str, object_name: str, include_usage: bool, parser=None):
@@ -271,3 +330,48 @@ async def _sse(gen: _Generation, chat: bool, model: str, object_name: str, inclu
         yield "data: [DONE]\n\n"
     finally:           # also when the client went away and the response was cancelled
         gen.close()
+
+
+async def _sse_many(gens: list[_Generation], model: str, include_usage: bool):
+    """Several prompts' streams in one: each chunk carries one choice, its index the prompt's."""
+    created = int(time.time())
+    merged: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, gen: _Generation):
+        try:
+            async for delta, finish in gen.deltas():
+                if delta or finish is not None:
+                    await merged.put((index, delta, finish, None))
+        except ApiError as e:
+            await merged.put((index, "", None, e))
+        finally:
+            await merged.put((index, None, None, None))      # this prompt is over
+
+    def chunk(choices: list, usage: dict | None = None) -> str:
+        payload = {"id": gens[0].request_id, "object": "text_completion", "created": created, "model": model,
+                   "choices": choices}
+        if include_usage:
+            payload["usage"] = usage
+        return f"data: {json.dumps(payload)}\n\n"
+
+    tasks = [asyncio.ensure_future(pump(i, gen)) for i, gen in enumerate(gens)]
+    try:
+        open_streams, error = len(gens), None
+        while open_streams:
+            index, delta, finish, err = await merged.get()
+            if delta is None:
+                open_streams -= 1
+            elif err is not None:
+                error = error or err
+            else:
+                yield chunk([{"index": index, "text": delta, "finish_reason": finish, "logprobs": None}])
+        if error is not None:
+            yield f"data: {json.dumps(error.body())}\n\n"
+        elif include_usage:
+            yield chunk([], _total_usage(gens))
+        yield "data: [DONE]\n\n"
+    finally:           # also when the client went away and the response was cancelled
+        for task in tasks:
+            task.cancel()
+        for gen in gens:
+            gen.close()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from pathlib import Path
 
 from pipespec.server.parsers.chat_output import ChatOutputParser
 from pipespec.server.parsers.reasoning import REASONING_PARSERS, reasoning_format
@@ -26,7 +25,6 @@ class ChatOptions:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
-    chat_template: str | None = None          # a Jinja template replacing the model's
 
     def __post_init__(self):
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
@@ -42,17 +40,6 @@ class ChatOptions:
             raise ValueError(f"--tool-call-parser {self.tool_call_parser} is used with --enable-auto-tool-choice "
                              "(tool_choice \"required\" and named functions need constrained decoding, which "
                              "pipespec does not have yet)")
-
-    @classmethod
-    def from_args(cls, enable_auto_tool_choice: bool, tool_call_parser: str | None, reasoning_parser: str | None,
-                  chat_template: str | None) -> "ChatOptions":
-        """`chat_template`: a file's path, or the template itself (as vLLM's --chat-template)."""
-        if chat_template is not None and "{" not in chat_template:
-            path = Path(chat_template).expanduser()
-            if not path.is_file():
-                raise ValueError(f"--chat-template {chat_template!r} is neither a file nor a Jinja template")
-            chat_template = path.read_text()
-        return cls(enable_auto_tool_choice, tool_call_parser, reasoning_parser, chat_template)
 
 
 @dataclasses.dataclass
