@@ -56,9 +56,9 @@ class LLM:
 
         `tools`: OpenAI tool definitions the template lists for the model; `chat_template_kwargs`:
         more template variables (e.g. {"enable_thinking": False}); `chat_template`: a Jinja template
-        (or a file holding one) used instead of the model's. Assistant messages may carry `tool_calls` (arguments as objects)
-        and `role: "tool"` messages the results. The output is the raw text: the server's parsers
-        (pipespec.server.parsers) split out reasoning and calls."""
+        (or a file holding one) used instead of the model's. Assistant messages may carry
+        `tool_calls` (arguments as objects) and `role: "tool"` messages the results. The output is
+        the raw text: the server's parsers (pipespec.server.parsers) split out reasoning and calls."""
         conversations = messages if messages and isinstance(messages[0], (list, tuple)) else [messages]
         tokenizer = self.engine.tokenizer
         if chat_template is not None:

@@ -14,6 +14,8 @@ from openai import OpenAI
 from tests.live_server import REPO, LiveServer, pipespec_env
 from tests.tool_template import ARGUMENTS, CITY, QUESTION, REASONING, TOOLS, tool_template
 
+pytestmark = pytest.mark.slow       # three servers, a few answers of ~60 tokens each
+
 FLAGS = ("--max-model-len", "1024", "--max-num-seqs", "4", "--enable-auto-tool-choice", "--reasoning-parser", "qwen3")
 MTP = ("--speculative-config", '{"method": "mtp", "num_speculative_tokens": 3}')
 ASK = dict(messages=QUESTION, tools=TOOLS, max_tokens=96, temperature=0)
