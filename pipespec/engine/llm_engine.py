@@ -276,9 +276,9 @@ class LLMEngine:
         params = req.params
         for token in tokens:
             req.token_ids.append(token)
-            delta = req.detokenizer.add(token)
-            if token in req.eos_ids:
+            if token in req.eos_ids:       # before its text: an end token's text is never output
                 return self.scheduler.finish(req, "stop")
+            delta = req.detokenizer.add(token)
             if token in req.stop_ids:
                 return self.scheduler.finish(req, "stop", token)
             if params.stop_strings and delta:
