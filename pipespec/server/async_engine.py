@@ -9,6 +9,7 @@ request with the error, marks itself unhealthy and calls `on_dead`, so that the 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import queue
@@ -97,6 +98,18 @@ class AsyncEngine:
         if known:
             self._commands.put(("abort", request_id))
 
+    async def reset_prefix_cache(self, timeout: float = 10.0) -> bool:
+        """Forget the engine's cached KV blocks, in the engine thread; False while requests run."""
+        if not self.healthy:
+            raise EngineDeadError(f"the engine has stopped: {self.error or 'engine thread exited'}")
+        with self._lock:
+            busy = bool(self._streams)
+        if busy or self.num_waiting:
+            return False
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("reset", done))
+        return await asyncio.wait_for(asyncio.wrap_future(done), timeout)
+
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop.set()
         self._commands.put(("stop", None))
@@ -126,6 +139,11 @@ class AsyncEngine:
                     self._posted -= 1
             elif cmd == "abort":
                 self.engine.abort_request(arg)
+            elif cmd == "reset":
+                try:
+                    arg.set_result(self.engine.reset_prefix_cache())
+                except Exception as e:  # noqa: BLE001 - the caller reports it
+                    arg.set_exception(e)
             try:
                 cmd, arg = self._commands.get_nowait()
             except queue.Empty:
