@@ -9,8 +9,8 @@ the mean, median and `--metric-percentiles` of each.
 Prefix caching workloads: `--random-prefix-len N` puts the same N random tokens before every prompt
 (a shared system prompt); `--multi-turn N` makes each of the `--num-prompts` requests a conversation
 of N turns sent one after another, each turn's prompt the previous one plus its answer plus a new
-user line (text of random words then, since the answer comes back as text: `--random-input-len` and
-`--random-prefix-len` count words, about one token each). The summary then also gives the TTFT of
+user line (text of random common words then, since the answer comes back as text: `--random-input-len`
+and `--random-prefix-len` count words, about a token each). The summary then also gives the TTFT of
 first turns and of later ones.
 """
 from __future__ import annotations
@@ -154,10 +154,22 @@ async def run_conversations(url: str, first: list[str], lines: list[list[str]], 
         return [r for conv in done for r in conv], time.perf_counter() - t0
 
 
+# common English words, each one token in the usual tokenizers: conversation text of a known length
+_WORDS = ("the of and to in is you that it he was for on are as with his they at be this have from or one "
+          "had by word but not what all were we when your can said there use an each which she do how their "
+          "if will up other about out many then them these so some her would make like him into time has look "
+          "two more write go see number no way could people my than first water been call who oil its now find "
+          "long down day did get come made may part over new sound take only little work know place year live "
+          "me back give most very after thing our just name good sentence man think say great where help "
+          "through much before line right too mean old any same tell boy follow came want show also around "
+          "form three small set put end does another well large must big even such because turn here why ask "
+          "went men read need land different home us move try kind hand picture again change off play spell "
+          "air away animal house point page letter mother answer found study still learn should world").split()
+
+
 def random_word_lines(num: int, words: int, rng: random.Random) -> list[str]:
-    """`num` lines of `words` random words (lowercase letters: about a token each)."""
-    return [" ".join("".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 7)))
-                     for _ in range(words)) for _ in range(num)]
+    """`num` lines of `words` random common words (a token each, give or take)."""
+    return [" ".join(rng.choice(_WORDS) for _ in range(words)) for _ in range(num)]
 
 
 def summarize(results: list[RequestResult], duration: float, percentiles: tuple[float, ...]) -> dict:
