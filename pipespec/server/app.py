@@ -90,6 +90,14 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         metrics.update_engine(engine.stats)
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        """Forget the prefix cache (for benchmarks: the next requests start cold); 409 while requests run."""
+        if not await engine.reset_prefix_cache():
+            raise ApiError(409, "requests are running; reset the prefix cache when the server is idle",
+                           kind="conflict_error")
+        return {"status": "ok"}
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
