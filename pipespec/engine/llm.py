@@ -19,7 +19,7 @@ class LLM:
 
     `LLM(model=None)` loads the default model; every other keyword is an engine setting
     (dtype, device, max_model_len, block_size, num_kv_blocks, kv_cache_memory, max_num_seqs,
-    max_num_batched_tokens, ...), see `pipespec.config`.
+    max_num_batched_tokens, enable_prefix_caching, ...), see `pipespec.config`.
     """
 
     def __init__(self, model: str | None = None, **kwargs):
@@ -107,6 +107,10 @@ class LLM:
 
     def stats(self) -> dict:
         return self.engine.stats()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached KV block of the prefix cache; False (nothing done) while requests run."""
+        return self.engine.reset_prefix_cache()
 
     def shutdown(self) -> None:
         self.engine.shutdown()

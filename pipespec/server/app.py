@@ -23,11 +23,9 @@ from pipespec.server.protocol import ApiError, ChatCompletionRequest, Completion
 
 def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, log_requests: bool = False,
-              model_aliases: tuple[str, ...] = (),
-              chat_options: ChatOptions = ChatOptions()) -> FastAPI:
+              model_aliases: tuple[str, ...] = (), chat_options: ChatOptions = ChatOptions()) -> FastAPI:
     """`log_requests`: one INFO line per finished request; `model_aliases`: more names the API
-    accepts for the model (vLLM's several --served-model-name); `chat_options`: tool-call and
-    reasoning parsing of chat answers."""
+    accepts for the model (vLLM's several --served-model-name); `chat_options`: tools and reasoning."""
     app = FastAPI(title="pipespec", version=pipespec.__version__)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)    # inside the API-key check below
     metrics = Metrics(model_name)
@@ -91,6 +89,14 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     async def prometheus():
         metrics.update_engine(engine.stats)
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        """Forget the prefix cache (for benchmarks: the next requests start cold); 409 while requests run."""
+        if not await engine.reset_prefix_cache():
+            raise ApiError(409, "requests are running; reset the prefix cache when the server is idle",
+                           kind="conflict_error")
+        return {"status": "ok"}
 
     @app.get("/v1/models")
     async def models():

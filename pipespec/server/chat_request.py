@@ -41,6 +41,12 @@ class ChatOptions:
                              "(tool_choice \"required\" and named functions need constrained decoding, which "
                              "pipespec does not have yet)")
 
+    @classmethod
+    def from_args(cls, enable_auto_tool_choice: bool, tool_call_parser: str | None,
+                  reasoning_parser: str | None) -> "ChatOptions":
+        """(--chat-template is an engine flag: the tokenizer renders with it everywhere.)"""
+        return cls(enable_auto_tool_choice, tool_call_parser, reasoning_parser)
+
 
 @dataclasses.dataclass(frozen=True)
 class ChatPlan:

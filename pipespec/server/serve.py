@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--log-stats-interval must be > 0 seconds, got {args.log_stats_interval:g}")
     if args.max_request_body_bytes < 1:
         raise ValueError(f"--max-request-body-bytes must be >= 1, got {args.max_request_body_bytes}")
-    chat_options = ChatOptions(args.enable_auto_tool_choice, args.tool_call_parser, args.reasoning_parser)
+    chat_options = ChatOptions.from_args(args.enable_auto_tool_choice, args.tool_call_parser, args.reasoning_parser)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     kwargs = engine_kwargs(args)
     if args.model_path is not None:
@@ -110,8 +110,7 @@ def run(args: argparse.Namespace) -> int:
     names = args.served_model_name or [engine.model_name]
     name = names[0]
     app = build_app(async_engine, name, api_key=args.api_key, max_body_bytes=args.max_request_body_bytes,
-                    log_requests=not args.disable_log_requests, model_aliases=tuple(names[1:]),
-                    chat_options=chat_options)
+                    log_requests=not args.disable_log_requests, model_aliases=tuple(names[1:]), chat_options=chat_options)
 
     def on_deadline() -> None:
         if async_engine.engine.has_unfinished_requests() or async_engine.num_waiting:
