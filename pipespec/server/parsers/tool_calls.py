@@ -4,9 +4,10 @@ A parser finds call blocks between a start and an end tag; the text outside them
 about the formats (each checked against the model's published chat template and the reference
 parsers of vLLM/SGLang, nothing copied):
 
-- hermes (Qwen2.5, Qwen3): `<tool_call>\\n{"name": N, "arguments": {...}}\\n</tool_call>`, one per call.
-- qwen3_coder (Qwen3-Coder, Qwen3.5/3.6, Qwen3-Next): `<tool_call>\\n<function=N>\\n<parameter=K>\\nV\\n
+- hermes (Qwen2.5, Qwen3, Qwen3-Next): `<tool_call>\\n{"name": N, "arguments": {...}}\\n</tool_call>`, one per call.
+- qwen3_coder (Qwen3-Coder, Qwen3.5/3.6): `<tool_call>\\n<function=N>\\n<parameter=K>\\nV\\n
   </parameter>\\n</function>\\n</tool_call>`; V is raw text, typed by the tool's JSON schema.
+- qwen3 (recent vLLM's name for the Qwen family): either of the two forms above, call by call.
 - glm45 (GLM-4.5/4.6) and glm47 (GLM-4.7/5): `<tool_call>N\\n<arg_key>K</arg_key>\\n<arg_value>V
   </arg_value>\\n</tool_call>` (glm47 writes no newlines); V is raw text for string parameters, JSON
   otherwise.
@@ -165,6 +166,11 @@ def _parse_qwen3_coder(block: str, schemas: dict) -> list[ParsedCall]:
     return calls
 
 
+def _parse_qwen3(block: str, schemas: dict) -> list[ParsedCall]:
+    """Either Qwen form: JSON (Qwen3, Qwen3-Next) or <function=...> (Qwen3.5/3.6, Qwen3-Coder)."""
+    return (_parse_hermes if block.lstrip().startswith("{") else _parse_qwen3_coder)(block, schemas)
+
+
 _ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
 
 
@@ -247,6 +253,7 @@ class ToolCallFormat:
 TOOL_CALL_PARSERS = {f.name: f for f in (
     ToolCallFormat("hermes", "<tool_call>", "</tool_call>", _parse_hermes),
     ToolCallFormat("qwen3_coder", "<tool_call>", "</tool_call>", _parse_qwen3_coder),
+    ToolCallFormat("qwen3", "<tool_call>", "</tool_call>", _parse_qwen3),
     ToolCallFormat("glm45", "<tool_call>", "</tool_call>", _parse_glm),
     ToolCallFormat("glm47", "<tool_call>", "</tool_call>", _parse_glm),
     ToolCallFormat("deepseek_v3", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", _parse_deepseek_v3),
