@@ -277,7 +277,7 @@ class ToolCallStream:
         self.fmt = fmt
         self._schemas = param_schemas(tools)
         self._split = TagSplitter((fmt.start, fmt.end))
-        self._block: str | None = None          # the text of the open call block
+        self._block: list[str] | None = None    # the text of the open call block, in pieces
 
     def feed(self, piece: str) -> list:
         return self._run(self._split.feed(piece))
@@ -285,7 +285,7 @@ class ToolCallStream:
     def finish(self) -> list:
         events = self._run(self._split.finish())
         if self._block is not None:
-            block, self._block = self._block, None
+            block, self._block = "".join(self._block), None
             events += self._close(block, complete=False)
         return events
 
@@ -294,14 +294,14 @@ class ToolCallStream:
         for item in items:
             if self._block is None:
                 if isinstance(item, Tag) and item == self.fmt.start:
-                    self._block = ""
+                    self._block = []
                 else:
                     events.append(str(item))
             elif isinstance(item, Tag) and item == self.fmt.end:
-                block, self._block = self._block, None
+                block, self._block = "".join(self._block), None
                 events += self._close(block, complete=True)
             else:
-                self._block += str(item)
+                self._block.append(str(item))
         return events
 
     def _close(self, block: str, complete: bool) -> list:
