@@ -38,6 +38,18 @@ class ParsedCall:
     arguments: str        # a JSON object, as the OpenAI API carries it
 
 
+@dataclasses.dataclass(frozen=True)
+class CallStart:
+    """A call streamed as it is written: its name is known (its arguments follow as `CallArgs`)."""
+    name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class CallArgs:
+    """The next fragment of the arguments (a JSON object) of the latest `CallStart`."""
+    text: str
+
+
 class BadCall(ValueError):
     """A call block that is not a call in the expected format."""
 
@@ -151,24 +163,55 @@ def _strip_one_newline(value: str) -> str:
     return value
 
 
-def _parse_qwen3_coder(block: str, schemas: dict) -> list[ParsedCall]:
+def _member(key: str, value) -> str:
+    """One `"key": value` of an arguments object, as json.dumps writes it inside the braces."""
+    return f"{json.dumps(key, ensure_ascii=False)}: {json.dumps(value, ensure_ascii=False)}"
+
+
+def _scan_qwen3_coder(block: str, schemas: dict, final: bool) -> list[tuple[str, list[str], bool]]:
+    """The calls of a block so far, each (name, its complete parameters as JSON members, closed).
+    On a growing block (final=False) the result only grows: a call appears once its name is
+    whole, a parameter once its end is seen, and nothing seen changes later."""
     calls = []
     for m in _FUNCTION.finditer(block):
-        name = _name(m.group(1))
-        props = schemas.get(name, {})
-        args = {}
-        for p in _PARAMETER.finditer(m.group(2)):
+        try:
+            name = _name(m.group(1))
+        except BadCall:
+            if final:
+                raise
+            break
+        closed = final or m.group(0).endswith("</function>")
+        body, props, members, seen = m.group(2), schemas.get(name, {}), [], set()
+        for p in _PARAMETER.finditer(body):
+            if not (closed or p.group(0).endswith("</parameter>") or p.end() < len(body)):
+                break                                  # the value may still grow
             key = p.group(1).strip()
-            args[key] = typed_value(_strip_one_newline(p.group(2)), props.get(key), default_json=False)
-        calls.append(ParsedCall(name, _arguments(args)))
-    if not calls or _FUNCTION.sub("", block).strip():
+            if key not in seen:                        # a repeated parameter: the first one counts
+                seen.add(key)
+                members.append(_member(key, typed_value(_strip_one_newline(p.group(2)), props.get(key),
+                                                        default_json=False)))
+        calls.append((name, members, closed))
+    if final and (not calls or _FUNCTION.sub("", block).strip()):
         raise BadCall("not <function=NAME>...</function>")
     return calls
 
 
-def _parse_qwen3(block: str, schemas: dict) -> list[ParsedCall]:
-    """Either Qwen form: JSON (Qwen3, Qwen3-Next) or <function=...> (Qwen3.5/3.6, Qwen3-Coder)."""
-    return (_parse_hermes if block.lstrip().startswith("{") else _parse_qwen3_coder)(block, schemas)
+def _scan_qwen3(block: str, schemas: dict, final: bool) -> list[tuple[str, list[str], bool]]:
+    """Either Qwen form: JSON (Qwen3, Qwen3-Next; whole at the block's end) or <function=...>
+    (Qwen3.5/3.6, Qwen3-Coder; streamed)."""
+    if block.lstrip().startswith("{"):
+        if not final:
+            return []
+        return [(c.name, [_member(k, v) for k, v in json.loads(c.arguments).items()], True)
+                for c in _parse_hermes(block.strip(), schemas)]
+    return _scan_qwen3_coder(block, schemas, final)
+
+
+def _whole(scan):
+    """A block parser from a scanner: the calls of the closed block."""
+    def parse(block: str, schemas: dict) -> list[ParsedCall]:
+        return [ParsedCall(name, "{" + ", ".join(members) + "}") for name, members, _ in scan(block, schemas, True)]
+    return parse
 
 
 _ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
@@ -239,6 +282,9 @@ class ToolCallFormat:
     start: str
     end: str
     parse: Callable[[str, dict], list[ParsedCall]]
+    # formats whose calls stream as they are written: (block so far, schemas, final) -> the calls
+    # so far (see _scan_qwen3_coder); the others are parsed when their block closes
+    scan: Callable[[str, dict, bool], list[tuple[str, list[str], bool]]] | None = None
 
     def stream(self, tools: list[dict] | None = None) -> "ToolCallStream":
         return ToolCallStream(self, tools)
@@ -246,14 +292,23 @@ class ToolCallFormat:
     def extract(self, text: str, tools: list[dict] | None = None) -> tuple[str, list[ParsedCall]]:
         """(content, calls) of a whole output."""
         s = self.stream(tools)
-        events = s.feed(text) + s.finish()
-        return ("".join(e for e in events if isinstance(e, str)), [e for e in events if isinstance(e, ParsedCall)])
+        content, calls = [], []
+        for e in s.feed(text) + s.finish():
+            if isinstance(e, str):
+                content.append(e)
+            elif isinstance(e, ParsedCall):
+                calls.append(e)
+            elif isinstance(e, CallStart):
+                calls.append(ParsedCall(e.name, ""))
+            else:
+                calls[-1] = ParsedCall(calls[-1].name, calls[-1].arguments + e.text)
+        return "".join(content), calls
 
 
 TOOL_CALL_PARSERS = {f.name: f for f in (
     ToolCallFormat("hermes", "<tool_call>", "</tool_call>", _parse_hermes),
-    ToolCallFormat("qwen3_coder", "<tool_call>", "</tool_call>", _parse_qwen3_coder),
-    ToolCallFormat("qwen3", "<tool_call>", "</tool_call>", _parse_qwen3),
+    ToolCallFormat("qwen3_coder", "<tool_call>", "</tool_call>", _whole(_scan_qwen3_coder), _scan_qwen3_coder),
+    ToolCallFormat("qwen3", "<tool_call>", "</tool_call>", _whole(_scan_qwen3), _scan_qwen3),
     ToolCallFormat("glm45", "<tool_call>", "</tool_call>", _parse_glm),
     ToolCallFormat("glm47", "<tool_call>", "</tool_call>", _parse_glm),
     ToolCallFormat("deepseek_v3", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", _parse_deepseek_v3),
@@ -270,14 +325,18 @@ def tool_call_format(name: str) -> ToolCallFormat:
 
 class ToolCallStream:
     """One output's tool calls, fed in pieces. `feed(piece)` and `finish()` return events in output
-    order: strings (content) and `ParsedCall`s. A call block is held until its end tag arrives (or
-    the output ends: a block cut short is still tried as a call, then given back as content)."""
+    order: strings (content), and calls: `ParsedCall`s, or for formats that stream calls, a
+    `CallStart` and `CallArgs` fragments (joined: the arguments). A call block that is not a valid
+    call is given back as content (a block cut short by the end of the output is still tried as a
+    call); a streamed call found invalid after it started is closed with what it has."""
 
     def __init__(self, fmt: ToolCallFormat, tools: list[dict] | None):
         self.fmt = fmt
         self._schemas = param_schemas(tools)
         self._split = TagSplitter((fmt.start, fmt.end))
         self._block: list[str] | None = None    # the text of the open call block, in pieces
+        self._sent: list[str] = []              # arguments sent so far of each streamed call of the block
+        self._closed = False                    # whether the latest streamed call's arguments are whole
 
     def feed(self, piece: str) -> list:
         return self._run(self._split.feed(piece))
@@ -285,8 +344,7 @@ class ToolCallStream:
     def finish(self) -> list:
         events = self._run(self._split.finish())
         if self._block is not None:
-            block, self._block = "".join(self._block), None
-            events += self._close(block, complete=False)
+            events += self._close(complete=False)
         return events
 
     def _run(self, items: list) -> list:
@@ -294,20 +352,50 @@ class ToolCallStream:
         for item in items:
             if self._block is None:
                 if isinstance(item, Tag) and item == self.fmt.start:
-                    self._block = []
+                    self._block, self._sent = [], []
                 else:
                     events.append(str(item))
             elif isinstance(item, Tag) and item == self.fmt.end:
-                block, self._block = "".join(self._block), None
-                events += self._close(block, complete=True)
+                events += self._close(complete=True)
             else:
                 self._block.append(str(item))
+                if self.fmt.scan is not None and ">" in item:     # (a call or parameter ends at a '>')
+                    events += self._grow(self.fmt.scan("".join(self._block), self._schemas, False))
         return events
 
-    def _close(self, block: str, complete: bool) -> list:
+    def _grow(self, calls: list) -> list:
+        """Events that bring the streamed calls up to `calls` (which extend what was sent)."""
+        events = []
+        for i, (name, members, closed) in enumerate(calls):
+            if i == len(self._sent):
+                events.append(CallStart(name))
+                self._sent.append("")
+            args = "{" + ", ".join(members) + ("}" if closed else "")
+            if len(args) > len(self._sent[i]):
+                events.append(CallArgs(args[len(self._sent[i]):]))
+                self._sent[i] = args
+            self._closed = closed
+        return events
+
+    def _close(self, complete: bool) -> list:
+        block, self._block = "".join(self._block), None
+        if self.fmt.scan is not None:
+            # what the whole block streams, then its end: the same however the text was split
+            events = self._grow(self.fmt.scan(block, self._schemas, False))
+            try:
+                return events + self._grow(self.fmt.scan(block, self._schemas, True))
+            except BadCall as e:
+                if self._sent:
+                    logger.warning("%s tool-call parser: a call went wrong after it started; it ends with "
+                                   "the arguments it had (%s)", self.fmt.name, e)
+                    return events + ([] if self._closed else [CallArgs("}")])
+                return self._as_content(block, complete, e)
         try:
             return list(self.fmt.parse(block.strip(), self._schemas))
         except BadCall as e:
-            logger.warning("%s tool-call parser: a call block that is not a valid call is returned as "
-                           "content (%s)", self.fmt.name, e)
-            return [self.fmt.start + block + (self.fmt.end if complete else "")]
+            return self._as_content(block, complete, e)
+
+    def _as_content(self, block: str, complete: bool, error: BadCall) -> list:
+        logger.warning("%s tool-call parser: a call block that is not a valid call is returned as "
+                       "content (%s)", self.fmt.name, error)
+        return [self.fmt.start + block + (self.fmt.end if complete else "")]
