@@ -18,7 +18,9 @@ parsers of vLLM/SGLang, nothing copied):
   `<｜DSML｜parameter name="K" string="true|false">V</｜DSML｜parameter>` (string="true": V is raw
   text, else JSON), closed by `</｜DSML｜invoke>` and `</｜DSML｜function_calls>`.
 
-A block that does not parse as a call is returned as content, with a warning log line."""
+A block that does not parse as a call is returned as content, with a warning log line. The
+parameter formats (qwen3_coder, glm45/47, deepseek_v32) stream each call as it is written: its name
+once whole, then its arguments a parameter at a time; the JSON formats give a call when it closes."""
 from __future__ import annotations
 
 import dataclasses
@@ -217,16 +219,28 @@ def _whole(scan):
 _ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
 
 
-def _parse_glm(block: str, schemas: dict) -> list[ParsedCall]:
-    head, _, _ = block.partition("<arg_key>")
-    name = _name(head)
-    props = schemas.get(name, {})
+def _scan_glm(block: str, schemas: dict, final: bool) -> list[tuple[str, list[str], bool]]:
+    """One call per block; its name is whole at the first <arg_key> (or the block's end), each
+    argument at its </arg_value> (as _scan_qwen3_coder: the result only grows with the block)."""
+    head, key_tag, _ = block.partition("<arg_key>")
+    if not key_tag and not final:
+        return []
+    try:
+        name = _name(head)
+    except BadCall:
+        if final:
+            raise
+        return []
+    props, members, seen = schemas.get(name, {}), [], set()
     rest = block[len(head):]
-    args = {m.group(1).strip(): typed_value(m.group(2), props.get(m.group(1).strip()), default_json=True)
-            for m in _ARG.finditer(rest)}
-    if _ARG.sub("", rest).strip():
+    for m in _ARG.finditer(rest):
+        key = m.group(1).strip()
+        if key not in seen:
+            seen.add(key)
+            members.append(_member(key, typed_value(m.group(2), props.get(key), default_json=True)))
+    if final and _ARG.sub("", rest).strip():
         raise BadCall("not NAME<arg_key>K</arg_key><arg_value>V</arg_value>...")
-    return [ParsedCall(name, _arguments(args))]
+    return [(name, members, final)]
 
 
 _V3_CALL = re.compile(r"<｜tool▁call▁begin｜>\s*(\w+)\s*<｜tool▁sep｜>([^\n`]*?)\s*```(?:json)?\s*(.*?)\s*```\s*"
@@ -251,28 +265,43 @@ def _parse_deepseek_v31(block: str, schemas: dict) -> list[ParsedCall]:
             for m in _all_matched(_V31_CALL, block, "<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...} calls")]
 
 
-_INVOKE = re.compile(r'<｜DSML｜invoke\s+name="([^"]*)"\s*>(.*?)</｜DSML｜invoke>', re.S)
+_INVOKE = re.compile(r'<｜DSML｜invoke\s+name="([^"]*)"\s*>(.*?)(?:</｜DSML｜invoke>|\Z)', re.S)
 _DSML_PARAM = re.compile(r'<｜DSML｜parameter\s+name="([^"]*)"\s+string="(true|false)"\s*>(.*?)</｜DSML｜parameter>',
                          re.S)
 
 
-def _parse_deepseek_v32(block: str, schemas: dict) -> list[ParsedCall]:
+def _scan_deepseek_v32(block: str, schemas: dict, final: bool) -> list[tuple[str, list[str], bool]]:
+    """The invokes so far (as _scan_qwen3_coder: a call once its name is whole, a parameter at its
+    closing tag, closed at </｜DSML｜invoke>)."""
     calls = []
-    for m in _all_matched(_INVOKE, block, '<｜DSML｜invoke name="NAME"> calls'):
-        name = _name(m.group(1))
-        body = m.group(2)
-        if _DSML_PARAM.sub("", body).strip():
-            raise BadCall('not a sequence of <｜DSML｜parameter name="K" string="..."> parameters')
-        args = {}
-        for p in _DSML_PARAM.finditer(body):
+    for m in _INVOKE.finditer(block):
+        try:
+            name = _name(m.group(1))
+        except BadCall:
+            if final:
+                raise
+            break
+        closed = final or m.group(0).endswith("</｜DSML｜invoke>")
+        members, seen = [], set()
+        for p in _DSML_PARAM.finditer(m.group(2)):
+            key, raw = p.group(1), p.group(3)
             if p.group(2) == "true":
-                args[p.group(1)] = p.group(3)
+                value = raw
             else:
                 try:
-                    args[p.group(1)] = json.loads(p.group(3))
+                    value = json.loads(raw)
                 except ValueError:
-                    raise BadCall(f"parameter {p.group(1)!r} (string=\"false\") is not JSON") from None
-        calls.append(ParsedCall(name, _arguments(args)))
+                    if final:
+                        raise BadCall(f"parameter {key!r} (string=\"false\") is not JSON") from None
+                    break
+            if key not in seen:
+                seen.add(key)
+                members.append(_member(key, value))
+        if final and _DSML_PARAM.sub("", m.group(2)).strip():
+            raise BadCall('not a sequence of <｜DSML｜parameter name="K" string="..."> parameters')
+        calls.append((name, members, closed))
+    if final and (not calls or _INVOKE.sub("", block).strip()):
+        raise BadCall('not a sequence of <｜DSML｜invoke name="NAME"> calls')
     return calls
 
 
@@ -309,11 +338,12 @@ TOOL_CALL_PARSERS = {f.name: f for f in (
     ToolCallFormat("hermes", "<tool_call>", "</tool_call>", _parse_hermes),
     ToolCallFormat("qwen3_coder", "<tool_call>", "</tool_call>", _whole(_scan_qwen3_coder), _scan_qwen3_coder),
     ToolCallFormat("qwen3", "<tool_call>", "</tool_call>", _whole(_scan_qwen3), _scan_qwen3),
-    ToolCallFormat("glm45", "<tool_call>", "</tool_call>", _parse_glm),
-    ToolCallFormat("glm47", "<tool_call>", "</tool_call>", _parse_glm),
+    ToolCallFormat("glm45", "<tool_call>", "</tool_call>", _whole(_scan_glm), _scan_glm),
+    ToolCallFormat("glm47", "<tool_call>", "</tool_call>", _whole(_scan_glm), _scan_glm),
     ToolCallFormat("deepseek_v3", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", _parse_deepseek_v3),
     ToolCallFormat("deepseek_v31", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", _parse_deepseek_v31),
-    ToolCallFormat("deepseek_v32", "<｜DSML｜function_calls>", "</｜DSML｜function_calls>", _parse_deepseek_v32),
+    ToolCallFormat("deepseek_v32", "<｜DSML｜function_calls>", "</｜DSML｜function_calls>", _whole(_scan_deepseek_v32),
+                   _scan_deepseek_v32),
 )}
 
 

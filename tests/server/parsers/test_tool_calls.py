@@ -163,3 +163,24 @@ def test_a_bad_function_name_is_content_however_split():
         s = tool_call_format("qwen3_coder").stream(TOOLS)
         events = [e for p in pieces for e in s.feed(p)] + s.finish()
         assert all(isinstance(e, str) for e in events) and "".join(events) == text, pieces
+
+
+@pytest.mark.parametrize("name", ["qwen3_coder", "glm45", "glm47", "deepseek_v32"])
+def test_xml_formats_stream_arguments_a_parameter_at_a_time(name):
+    s = tool_call_format(name).stream(TOOLS)
+    events = [e for ch in SAMPLES[name] for e in s.feed(ch)] + s.finish()
+    calls = [e for e in events if isinstance(e, (CallStart, CallArgs, ParsedCall))]
+    assert not any(isinstance(e, ParsedCall) for e in calls)
+    first = calls[:calls.index(CallStart("search"))]
+    # the name first, then the arguments as they are written: '{', "city", "days", then '}'
+    assert first[0] == CallStart("get_weather")
+    assert [e.text for e in first[1:]] == ["{", '"city": "Zürich 天气"', ', "days": 3', "}"]
+
+
+def test_dsml_invoke_with_bad_json_after_it_started_keeps_what_it_had():
+    text = ('<｜DSML｜function_calls>\n<｜DSML｜invoke name="get_weather">\n<｜DSML｜parameter name="city" '
+            'string="true">Paris</｜DSML｜parameter>\n<｜DSML｜parameter name="days" string="false">three'
+            '</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜function_calls>')
+    for pieces in splits(text, random_splits=20):
+        assert streamed(tool_call_format("deepseek_v32"), pieces) == (
+            "", [ParsedCall("get_weather", '{"city": "Paris"}')]), pieces
