@@ -8,6 +8,10 @@ the same on every device, so it is measured here on the CPU: the stage runs a sm
 the default model's tokenizer (its time is printed as `stage`, not the point), and each figure is the
 median over runs of a phase's time summed over a run's steps, divided by the steps.
 
+`--prefix-caching on off` measures the engine with the prefix cache on and off (the default: the
+engine's default); the cache is reset before each run and every prompt starts with its own token, so
+the figures are the cache's bookkeeping with no hits (registering blocks, looking prompts up).
+
 `--base PATH` measures another source tree (a `git worktree` of an older commit) in the same call,
 each run in a fresh process, the two trees alternating, so a ratio compares like with like.
 
@@ -73,9 +77,10 @@ def child(args) -> None:
     torch.set_num_threads(1)
     spec = None if not args.k else {"method": "mtp", "num_speculative_tokens": args.k,
                                     "model": args.head}
+    caching = {} if args.prefix_caching == "default" else {"enable_prefix_caching": args.prefix_caching == "on"}
     llm = LLM(model=args.model, load_format="dummy", max_num_seqs=args.batch, speculative_config=spec,
               max_model_len=args.prompt_len + args.new_tokens + 64,
-              num_kv_blocks=args.batch * ((args.prompt_len + args.new_tokens) // 16 + 8))
+              num_kv_blocks=args.batch * ((args.prompt_len + args.new_tokens) // 16 + 8), **caching)
     eng = llm.engine
     spent = collections.Counter()
 
@@ -97,7 +102,8 @@ def child(args) -> None:
     # prompts of English words: the dummy model repeats a prompt's last token, so each request then
     # generates a word again and again, which detokenizes like text (a byte token would not)
     words = llm.get_tokenizer().encode(" ".join(TEXT.split() * (1 + args.prompt_len // 64)))
-    prompts = [{"prompt_token_ids": words[i % 50:i % 50 + args.prompt_len]} for i in range(args.batch)]
+    # (each starting with a token of its own: no two share a prefix cache block)
+    prompts = [{"prompt_token_ids": [1000 + i] + words[i % 50 + 1:i % 50 + args.prompt_len]} for i in range(args.batch)]
     params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
     if args.stream:       # as the server: deltas where the tree has them (a tree before them: cumulative)
         if hasattr(pipespec, "RequestOutputKind"):
@@ -117,6 +123,8 @@ def child(args) -> None:
     run()                                                  # warm-up
     runs = collections.defaultdict(list)
     for _ in range(args.runs):
+        if hasattr(llm, "reset_prefix_cache"):
+            assert llm.reset_prefix_cache()                  # no hits from an earlier run
         spent.clear()
         steps0 = eng.scheduler._step_id
         run()
@@ -124,6 +132,8 @@ def child(args) -> None:
         for phase in (*PHASES, "stage"):
             runs[phase].append(1e6 * spent[phase] / steps)
         runs["driver"].append(1e6 * sum(spent[p] for p in PHASES) / steps)
+    hits = llm.stats().get("prefix_cache", {}).get("hits", 0)
+    assert hits == 0, f"{hits} prefix cache hits: the prompts share blocks"
     llm.shutdown()
     print(json.dumps({k: statistics.median(v) for k, v in runs.items()}))
 
@@ -138,6 +148,8 @@ def main():
     ap.add_argument("--repeats", type=int, default=1, help="processes a tree and configuration (median)")
     ap.add_argument("--stream", action="store_true",
                     help="drive engine.step() and read every output, as the server does (default: generate)")
+    ap.add_argument("--prefix-caching", nargs="+", default=["default"], choices=["default", "on", "off"],
+                    help="the engine's prefix cache in each configuration (default: the engine's default)")
     ap.add_argument("--base", type=Path, help="another source tree to measure in the same call")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
@@ -145,25 +157,27 @@ def main():
     args = ap.parse_args()
     if args.child:
         args.batch, args.prompt_len, args.k = args.batch[0], args.prompt_len[0], args.k[0]
+        args.prefix_caching = args.prefix_caching[0]
         return child(args)
     trees = {"tree": HERE.parent} | ({"base": args.base.resolve()} if args.base else {})
     with tempfile.TemporaryDirectory() as tmp:
         model, head = small_model(Path(tmp) / "model")
-        print(f"{'tree':5s} {'batch':>5s} {'prompt':>6s} {'K':>2s} | " + " ".join(f"{p:>9s}" for p in PHASES)
-              + f" {'driver':>9s} {'stage':>9s}   us a step", flush=True)
-        for batch, prompt_len, k in itertools.product(args.batch, args.prompt_len, args.k):
+        print(f"{'tree':5s} {'cache':>7s} {'batch':>5s} {'prompt':>6s} {'K':>2s} | "
+              + " ".join(f"{p:>9s}" for p in PHASES) + f" {'driver':>9s} {'stage':>9s}   us a step", flush=True)
+        for batch, prompt_len, k, cache in itertools.product(args.batch, args.prompt_len, args.k, args.prefix_caching):
             figures = collections.defaultdict(list)
             for _ in range(args.repeats):
                 for name, root in trees.items():       # alternating: drift hits both
                     cmd = [sys.executable, str(HERE / "driver_host.py"), "--child", "--model", str(model),
                            "--head", str(head), "--batch", str(batch), "--prompt-len", str(prompt_len),
-                           "--k", str(k), "--new-tokens", str(args.new_tokens), "--runs", str(args.runs)]
+                           "--k", str(k), "--new-tokens", str(args.new_tokens), "--runs", str(args.runs),
+                           "--prefix-caching", cache]
                     out = subprocess.run(cmd + ["--stream"] * args.stream, env=dict(os.environ, PYTHONPATH=str(root)),
                                          check=True, capture_output=True, text=True, cwd=root, timeout=3600)
                     figures[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
             for name, runs in figures.items():
                 med = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
-                print(f"{name:5s} {batch:5d} {prompt_len:6d} {k:2d} | " + " ".join(f"{med[p]:9.1f}" for p in PHASES)
+                print(f"{name:5s} {cache:>7s} {batch:5d} {prompt_len:6d} {k:2d} | " + " ".join(f"{med[p]:9.1f}" for p in PHASES)
                       + f" {med['driver']:9.1f} {med['stage']:9.1f}", flush=True)
 
 

@@ -72,6 +72,8 @@ class CacheConfig:
     num_kv_blocks: int | None = None       # explicit block count (wins over the two below)
     kv_cache_memory: int | None = None     # bytes for the KV cache (CPU default: 1 GiB)
     gpu_memory_utilization: float = 0.90   # fraction of GPU memory the engine may fill
+    # vLLM's name: reuse the KV of full blocks of a prompt's prefix already computed (engine/scheduler.py)
+    enable_prefix_caching: bool = True
 
     def __post_init__(self):
         _require(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
@@ -80,6 +82,8 @@ class CacheConfig:
                  f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         _require(self.kv_cache_memory is None or self.kv_cache_memory > 0,
                  f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+        _require(isinstance(self.enable_prefix_caching, bool),
+                 f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
         _require(0.0 < self.gpu_memory_utilization <= 1.0,
                  f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 

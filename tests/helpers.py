@@ -23,11 +23,13 @@ def engine_logits(llm, token_ids: list[int], chunk: int | None = None) -> torch.
     """float32 logits at every position of `token_ids`, through the engine's own stage.
 
     The prompt is scheduled by a private Scheduler (its own block allocator over the engine's KV
-    cache, which must hold no live request) with a step budget of `chunk` tokens, so a chunk smaller
+    cache, which must hold no live request; the engine's prefix cache is reset) with a step budget of `chunk` tokens, so a chunk smaller
     than the prompt feeds it in several plans, each attending to the KV cache the earlier ones wrote.
     """
     eng = llm.engine
     assert not eng.has_unfinished_requests()
+    # the private scheduler writes blocks the engine's prefix cache may name: forget them
+    assert eng.reset_prefix_cache()
     cfg = dataclasses.replace(eng.config.scheduler, max_num_batched_tokens=chunk or len(token_ids),
                               enable_chunked_prefill=True)
     sched = Scheduler(cfg, eng.config.cache.block_size, eng.scheduler.allocator.num_blocks, eng.max_model_len)

@@ -55,6 +55,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="split long prompts over several steps (default: on; --no-enable-chunked-prefill: "
                         "prefill each prompt in one step, which must fit --max-num-batched-tokens)")
     g.add_argument("--no-chunked-prefill", action="store_true", help="the same as --no-enable-chunked-prefill")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV cache of prompt prefixes already computed (full blocks; off by itself "
+                        "for models with linear-attention layers); --no-enable-prefix-caching turns it off")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="plan step n + 1 while the device runs step n, speculative steps included (default: "
                         "on with one stage on a GPU; --no-async-scheduling turns it off)")
@@ -87,6 +90,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
                 load_format=args.load_format, quantization=args.quantization,
                 block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+                enable_prefix_caching=args.enable_prefix_caching,
                 kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_chunked_prefill=not args.no_chunked_prefill and args.enable_chunked_prefill is not False,

@@ -94,20 +94,27 @@ class LLMEngine:
         micro_batches = 1 if overlaps else self.executor.max_in_flight
         # adaptive K (speculative_config.adaptive): the policy picks each step's K; None: K is fixed
         self.k_policy = make_policy(config.speculative, micro_batches)
+        caching = config.cache.enable_prefix_caching
+        if caching and source.arch.hybrid is not None:
+            # a prefix's KV is not enough here: its linear-attention layers need their recurrent and
+            # conv states at the prefix's end, which live per request, not per block
+            logger.info("prefix caching off: %s has linear-attention (Gated DeltaNet) layers, whose "
+                        "recurrent state is not block-addressable", self.model_name)
+            caching = False
         self.scheduler = Scheduler(config.scheduler, block_size, num_blocks, self.max_model_len,
                                    num_micro_batches=micro_batches,
                                    num_spec_tokens=config.num_spec_tokens,
                                    choose_k=self.k_policy.choose if self.k_policy else None,
-                                   async_scheduling=overlaps)
+                                   async_scheduling=overlaps, enable_prefix_caching=caching)
         self.spec_stats = SpecDecodeStats(config.num_spec_tokens, self.k_policy)
         self._last_result_at = 0.0
         self.requests: dict[str, Request] = {}
         self._in_flight: deque[ScheduledBatch] = deque()
         self._arrivals = itertools.count()
         self._seed_base = engine_seed_base(config.model.seed)
-        logger.info("engine ready: %s, %d layers, max_model_len=%d, %d KV blocks, async scheduling %s, in %.1fs",
-                    self.model_name, source.arch.num_layers, self.max_model_len, num_blocks,
-                    "on" if overlaps else "off", time.perf_counter() - t0)
+        logger.info("engine ready: %s, %d layers, max_model_len=%d, %d KV blocks, async scheduling %s, "
+                    "prefix caching %s, in %.1fs", self.model_name, source.arch.num_layers, self.max_model_len,
+                    num_blocks, "on" if overlaps else "off", "on" if caching else "off", time.perf_counter() - t0)
 
     # -- admission --------------------------------------------------------------------------
 
@@ -276,9 +283,9 @@ class LLMEngine:
         params = req.params
         for token in tokens:
             req.token_ids.append(token)
-            delta = req.detokenizer.add(token)
-            if token in req.eos_ids:
+            if token in req.eos_ids:       # before its text: an end token's text is never output
                 return self.scheduler.finish(req, "stop")
+            delta = req.detokenizer.add(token)
             if token in req.stop_ids:
                 return self.scheduler.finish(req, "stop", token)
             if params.stop_strings and delta:
@@ -330,11 +337,22 @@ class LLMEngine:
         s = self.scheduler
         stats = {"num_running": len(s.running), "num_waiting": len(s.waiting),
                  "kv_cache_usage": s.allocator.usage, "num_preemptions": s.num_preemptions}
+        if s.enable_prefix_caching:        # in tokens: looked up on admission, and of them reused
+            stats["prefix_cache"] = s.prefix_cache_stats()
         if s.async_scheduling:     # rows scheduled before the step giving their input token returned
             stats["num_carried_rows"] = s.num_carried_rows
         if self.spec_stats.num_spec_tokens:
             stats["spec_decode"] = self.spec_stats.as_dict()
         return stats
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached KV block (for benchmarks: the next requests start cold). False, and
+        nothing done, while requests are unfinished (they may hold cached blocks)."""
+        if self.requests or self.scheduler.has_work():
+            return False
+        n = self.scheduler.reset_prefix_cache()
+        logger.info("prefix cache reset: %d cached blocks forgotten", n)
+        return True
 
     def shutdown(self) -> None:
         if self.executor is not None:

@@ -17,8 +17,8 @@ class Request:
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "token_ids", "num_prompt_tokens", "params", "seed",
                  "max_tokens", "stop_ids", "eos_ids", "status", "num_computed_tokens", "block_ids",
                  "in_flight", "num_pending_tokens", "num_pending_samples", "carry_row", "draft_ids",
-                 "state_slot", "state_commit", "finish_reason", "stop_reason", "detokenizer", "sent_tokens",
-                 "sent_chars")
+                 "state_slot", "state_commit", "num_cached_blocks", "cache_parent", "finish_reason", "stop_reason",
+                 "detokenizer", "sent_tokens", "sent_chars")
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  params: SamplingParams, seed: int, max_tokens: int, eos_ids: frozenset[int]):
@@ -42,6 +42,8 @@ class Request:
         self.num_pending_samples = 0
         self.carry_row = -1
         self.draft_ids: list[int] = []              # MTP drafts to verify in the next step
+        self.num_cached_blocks = 0                  # its first blocks registered in the prefix cache
+        self.cache_parent = 0                       # the last one's cache id (0: none)
         self.state_slot: int | None = None          # linear-attention state slot while running
         self.state_commit = -1                      # candidate state the next plan commits (-1: none)
         self.finish_reason: str | None = None

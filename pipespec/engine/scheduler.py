@@ -6,6 +6,17 @@ ones while budget, sequence slots and KV blocks last. When blocks run out, the n
 not yet picked is preempted: its blocks are freed and it goes back to the front of the queue to be
 recomputed later (its seeded samples do not change).
 
+Prefix caching (`enable_prefix_caching`): once a full block's KV is computed and final, the block is
+registered in the allocator's cache under an exact key (its tokens chained to its parent block's);
+when its requests let it go it stays cached, evictable least recently used first. A request admitted
+from the queue (new or preempted) first takes the longest cached chain of its tokens' full blocks and
+is scheduled from the first token after it, so the plan simply starts later: stages keep reading
+the cache through the block ids the plan names (I1, I2). Only full blocks that no step will write
+again are shared, so no shared block is ever written: the tokens after a hit are computed in the
+request's own blocks, and the last token of the prompt always is (its logits are needed), never
+from a cached block. Preemption, abort and finish drop references; a block stays while any
+request holds it.
+
 No head-of-line blocking: while the engine holds other requests, one request's prefill chunk takes at
 most `long_prefill_token_threshold` tokens of a step (a quarter of the budget unless set), so a long
 prompt shares every step with the decodes and the short prompts that arrive after it instead of
@@ -33,7 +44,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from pipespec.config import SchedulerConfig
-from pipespec.engine.block_allocator import BlockAllocator
+from pipespec.engine.block_allocator import ROOT, BlockAllocator
 from pipespec.engine.host_tensors import float32_tensor, int64_tensor
 from pipespec.engine.request import Request, RequestStatus
 from pipespec.plan import StepPlan, StepResult, draft_chain_overrun
@@ -76,10 +87,12 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_size: int, num_blocks: int, max_model_len: int,
                  num_micro_batches: int = 1, num_spec_tokens: int = 0,
-                 choose_k: Callable[[int], int] | None = None, async_scheduling: bool = False):
+                 choose_k: Callable[[int], int] | None = None, async_scheduling: bool = False,
+                 enable_prefix_caching: bool = False):
         """`choose_k(num_reqs)`: the K of a step of that many requests (adaptive K); None: always
         `num_spec_tokens`, the config's K (which also sizes the KV room drafts need).
-        `async_scheduling`: a request of the step in flight may be scheduled again (`_continues`)."""
+        `async_scheduling`: a request of the step in flight may be scheduled again (`_continues`).
+        `enable_prefix_caching`: reuse cached full KV blocks of a prompt's prefix (module docstring)."""
         if async_scheduling and num_micro_batches > 1:
             raise ValueError("async scheduling needs one micro-batch in flight")
         self.async_scheduling = async_scheduling
@@ -91,7 +104,11 @@ class Scheduler:
         self.num_micro_batches = num_micro_batches
         self.block_size = block_size
         self.max_model_len = max_model_len
-        self.allocator = BlockAllocator(num_blocks)
+        self.allocator = BlockAllocator(num_blocks, enable_caching=enable_prefix_caching)
+        self.enable_prefix_caching = enable_prefix_caching
+        self._extra = self._key_extra(num_spec_tokens)
+        self.prefix_cache_queries = 0      # tokens of the requests admitted with a cache lookup
+        self.prefix_cache_hits = 0         # of them, tokens whose KV came from the cache
         # one linear-attention state slot per running request (models with Gated DeltaNet layers;
         # cheap bookkeeping otherwise), allocated and freed beside its KV blocks
         self.state_slots = BlockAllocator(config.max_num_seqs)
@@ -117,8 +134,11 @@ class Scheduler:
             self._release(req)
 
     def _release(self, req: Request) -> None:
-        self.allocator.free(req.block_ids)
+        if self.enable_prefix_caching:
+            self._cache_blocks(req)
+        self.allocator.free(reversed(req.block_ids))      # (its tail is evicted before its head)
         del req.block_ids[:]
+        req.num_cached_blocks, req.cache_parent = 0, ROOT
         if req.state_slot is not None:
             self.state_slots.free([req.state_slot])
             req.state_slot = None
@@ -187,14 +207,29 @@ class Scheduler:
         while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
                and len(picked) < cap):
             req = self.waiting[0]
-            n = req.num_tokens - req.num_computed_tokens       # (a waiting request is not in flight)
-            if n > budget and not self.config.enable_chunked_prefill:
-                break
-            n = self._chunk(req, budget, chunk_limit)
-            need = self._blocks_needed(req, self._tokens_with_draft_room(req, n))
-            if not self.allocator.can_allocate(need) or not self.state_slots.can_allocate(1):
+            # (a waiting request is not in flight, and holds no blocks: none computed)
+            hits, parent = self._cached_prefix(req) if self.enable_prefix_caching else ((), ROOT)
+            if hits:
+                req.block_ids.extend(hits)
+                req.num_computed_tokens = len(hits) * self.block_size
+            n = req.num_tokens - req.num_computed_tokens
+            n = n if n <= budget or self.config.enable_chunked_prefill else 0
+            if n:
+                n = self._chunk(req, budget, chunk_limit)
+                need = self._blocks_needed(req, self._tokens_with_draft_room(req, n))
+                # (taking a cached block nobody holds uses up room too)
+                room = need + (self.allocator.num_evictable(hits) if hits else 0)
+            if not n or not self.allocator.can_allocate(room) or not self.state_slots.can_allocate(1):
+                if hits:
+                    del req.block_ids[:]
+                    req.num_computed_tokens = 0
                 break                      # (a finished request still in flight holds its slot)
             self.waiting.popleft()
+            if self.enable_prefix_caching:
+                self.allocator.take(hits)
+                req.num_cached_blocks, req.cache_parent = len(hits), parent
+                self.prefix_cache_queries += req.num_tokens
+                self.prefix_cache_hits += req.num_computed_tokens
             req.block_ids.extend(self.allocator.allocate(need))
             req.state_slot = self.state_slots.allocate(1)[0]
             req.state_commit = -1
@@ -353,11 +388,66 @@ class Scheduler:
                 continue
             accepted = len(result.tokens(row)) - 1 if rows else 0
             req.num_computed_tokens += n - rows + accepted
+            if self.enable_prefix_caching:
+                self._cache_blocks(req)
             # a verify line leaves a candidate linear-attention state per row: the next plan names
             # the one to commit (committed at once otherwise); with a later step of it in flight, that
             # step's result names it (until then the plans continuing it carry it in on the device)
             if not req.in_flight:
                 req.state_commit = accepted if rows else -1
+
+
+    # -- prefix caching -----------------------------------------------------------------------
+
+    @staticmethod
+    def _key_extra(num_spec_tokens: int) -> int:
+        """Tokens after a block that its contents depend on, and that its key therefore includes.
+
+        The target's KV at position t depends on tokens 0..t only. The MTP layer's does not: at
+        position t it takes the target's hidden state h_t and the embedding of token t + 1 (its
+        inputs are shifted left by one, DESIGN "MTP alignment"), so the MTP entry in a block's last
+        slot was computed with the first token of the next block. Two prompts that agree on a block
+        but not on the token after it hold different MTP entries there; a block reused with another
+        next token would feed the drafter a stale entry (no effect on greedy output, which the target
+        verifies, but on acceptance, and a silent difference between cache on and off). So with MTP
+        a block's key also holds the token after it, and a block is cached only once that token is
+        known and its MTP entry was written with it: after the step that computed the block's last
+        position, the MTP entry there was made with the token that followed (the prompt's next token,
+        or the token sampled there: `StepLayout.mtp_input_ids`), and no later step writes it again
+        (they start at `num_computed_tokens`, past it). Entries at rejected or drafted positions lie
+        at or after `num_computed_tokens`, never in a cached block."""
+        return 1 if num_spec_tokens else 0
+
+    def _cached_prefix(self, req: Request) -> tuple[list[int], int]:
+        """The cached blocks of the longest cached chain of `req`'s full blocks, and the last one's
+        cache id. The block holding its last token is never taken: that token is always computed (its
+        logits are needed, a whole prompt cached or not), in a block of its own (no shared block is
+        written). With MTP that also makes the token after each block taken known (`_key_extra`)."""
+        bs, extra, ids = self.block_size, self._extra, req.token_ids
+        n = (req.num_tokens - 1) // bs
+        return self.allocator.lookup(tuple(ids[i * bs:(i + 1) * bs + extra]) for i in range(n))
+
+    def _cache_blocks(self, req: Request) -> None:
+        """Register `req`'s blocks that became full and final since last time: their KV computed
+        (`num_computed_tokens`) and, with MTP, the token after them known (`_key_extra`)."""
+        bs, extra = self.block_size, self._extra
+        full = min(req.num_computed_tokens, req.num_tokens - extra) // bs
+        i = req.num_cached_blocks
+        if i >= full:
+            return
+        ids, blocks, parent = req.token_ids, req.block_ids, req.cache_parent
+        for i in range(i, full):
+            parent = self.allocator.cache(blocks[i], parent, tuple(ids[i * bs:(i + 1) * bs + extra]))
+        req.num_cached_blocks, req.cache_parent = full, parent
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block; the number forgotten. Requests holding blocks keep them (what
+        they register later hangs from cache ids that are gone: unreachable, it ages out)."""
+        return self.allocator.reset_cache()
+
+    def prefix_cache_stats(self) -> dict:
+        q, h = self.prefix_cache_queries, self.prefix_cache_hits
+        return {"queries": q, "hits": h, "hit_rate": h / q if q else 0.0, "cached_blocks": self.allocator.num_cached}
 
 
 def sampling_tensors(reqs: list[Request]) -> SamplingTensors:

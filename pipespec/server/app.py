@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 
@@ -14,6 +15,7 @@ import pipespec
 from pipespec.engine.llm_engine import EngineDeadError
 from pipespec.server.async_engine import AsyncEngine, QueueFullError
 from pipespec.server.body_limit import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
+from pipespec.server.chat_request import ChatOptions, prepare_chat
 from pipespec.server.metrics import Metrics
 from pipespec.server.request_log import log_request
 from pipespec.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest
@@ -21,9 +23,9 @@ from pipespec.server.protocol import ApiError, ChatCompletionRequest, Completion
 
 def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, log_requests: bool = False,
-              model_aliases: tuple[str, ...] = ()) -> FastAPI:
+              model_aliases: tuple[str, ...] = (), chat_options: ChatOptions = ChatOptions()) -> FastAPI:
     """`log_requests`: one INFO line per finished request; `model_aliases`: more names the API
-    accepts for the model (vLLM's several --served-model-name)."""
+    accepts for the model (vLLM's several --served-model-name); `chat_options`: tools and reasoning."""
     app = FastAPI(title="pipespec", version=pipespec.__version__)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)    # inside the API-key check below
     metrics = Metrics(model_name)
@@ -88,6 +90,14 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         metrics.update_engine(engine.stats)
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        """Forget the prefix cache (for benchmarks: the next requests start cold); 409 while requests run."""
+        if not await engine.reset_prefix_cache():
+            raise ApiError(409, "requests are running; reset the prefix cache when the server is idle",
+                           kind="conflict_error")
+        return {"status": "ok"}
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
@@ -105,39 +115,28 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             return await _respond_many(body, prompts, params)
         return await _respond(request, body, prompts[0], params, chat=False)
 
-    def render_chat(messages: list[dict], add_generation_prompt: bool) -> dict:
-        """Template and tokens of a conversation (run off the event loop: it can take seconds)."""
+    def render_chat(plan, add_generation_prompt: bool) -> tuple[dict, str]:
+        """Tokens and text of a conversation (run off the event loop: it can take seconds)."""
         try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt)
+            text = tokenizer.apply_chat_template(plan.messages, add_generation_prompt, tools=plan.tools,
+                                                 **plan.template_kwargs)
         except Exception as e:     # a template that raises on this conversation is the client's problem
             raise ApiError(400, f"messages: the chat template refused them: {e}", "messages") from None
-        return {"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+        return {"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}, text
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
-        messages = []
-        for i, m in enumerate(body.messages):
-            content = m.content
-            if isinstance(content, list):
-                media = next((p.get("type") for p in content if isinstance(p, dict)
-                              and any(m in str(p.get("type", "")) for m in _MEDIA)), None)
-                if media is not None:       # e.g. Qwen3.5's vision tower is not loaded: text only
-                    raise ApiError(400, f"messages[{i}].content: {media} content is not supported: pipespec "
-                                   "serves text only (a multimodal model's vision tower is not loaded)",
-                                   f"messages[{i}].content")
-                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                           for p in content):
-                    raise ApiError(400, f"messages[{i}].content: only text parts are supported",
-                                   f"messages[{i}].content")
-                content = "".join(p["text"] for p in content)
-            messages.append({"role": m.role, "content": content})
-        prompt = await engine.run_blocking(render_chat, messages, body.add_generation_prompt)
+        plan = prepare_chat(body, chat_options)
+        prompt, text = await engine.run_blocking(render_chat, plan, body.add_generation_prompt)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = body.sampling_params(max_tokens, None)
-        return await _respond(request, body, prompt, params, chat=True)
+        parser = plan.output_parser(chat_options, text)
+        if parser is not None:          # the markup may be special tokens: keep them in the text to parse
+            params = dataclasses.replace(params, skip_special_tokens=False)
+        return await _respond(request, body, prompt, params, chat=True, parser=parser)
 
-    async def _respond(request: Request, body, prompt, params, chat: bool):
+    async def _respond(request: Request, body, prompt, params, chat: bool, parser=None):
         try:
             request_id, outputs, prompt_ids = await engine.add_request(prompt, params,
                                                                        "chatcmpl" if chat else "cmpl")
@@ -153,13 +152,17 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(_sse(gen, chat, model_name, object_name + ".chunk" if chat else object_name,
-                                          include_usage), media_type="text/event-stream")
+                                          include_usage, parser), media_type="text/event-stream")
         try:
             text, finish = await gen.collect()
         finally:
             gen.close()
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
-                  if chat else {"index": 0, "text": text, "finish_reason": finish, "logprobs": None})
+        if parser is not None:          # reasoning and tool calls parsed out of the text
+            message, finish = parser.message(text, finish)
+            choice = {"index": 0, "message": message, "finish_reason": finish}
+        else:
+            choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+                      if chat else {"index": 0, "text": text, "finish_reason": finish, "logprobs": None})
         return {"id": request_id, "object": object_name, "created": int(time.time()), "model": model_name,
                 "choices": [choice], "usage": gen.usage()}
 
@@ -220,7 +223,6 @@ def _total_usage(gens) -> dict:
 _REQUIRED = {route: tuple(name for name, f in model.model_fields.items() if f.is_required())
              for route, model in (("/v1/completions", CompletionRequest),
                                   ("/v1/chat/completions", ChatCompletionRequest))}
-_MEDIA = ("image", "video", "audio")     # image_url, input_image, video_url, input_audio, ...
 _FIELDS = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields) | {"role", "content"}
 
 
@@ -298,7 +300,7 @@ class _Generation:
                         time.perf_counter() - self.arrival, self.error)
 
 
-async def _sse(gen: _Generation, chat: bool, model: str, object_name: str, include_usage: bool):
+async def _sse(gen: _Generation, chat: bool, model: str, object_name: str, include_usage: bool, parser=None):
     created = int(time.time())
 
     def chunk(choice: dict | None, usage: dict | None = None) -> str:
@@ -312,6 +314,15 @@ async def _sse(gen: _Generation, chat: bool, model: str, object_name: str, inclu
         if chat:
             yield chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
         async for delta, finish in gen.deltas():
+            if parser is not None:      # reasoning and tool calls: parsed deltas, then the finish reason
+                for d in parser.feed(delta) if delta else ():
+                    yield chunk({"index": 0, "delta": d, "finish_reason": None})
+                if finish is not None:
+                    more, finish = parser.finish(finish)
+                    for d in more:
+                        yield chunk({"index": 0, "delta": d, "finish_reason": None})
+                    yield chunk({"index": 0, "delta": {}, "finish_reason": finish})
+                continue
             if not delta and finish is None:
                 continue
             choice = ({"index": 0, "delta": {"content": delta} if delta else {}, "finish_reason": finish}

@@ -9,6 +9,7 @@ request with the error, marks itself unhealthy and calls `on_dead`, so that the 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import queue
@@ -111,6 +112,18 @@ class AsyncEngine:
         self.draining = True
         self._commands.put(("abort_all", None))
 
+    async def reset_prefix_cache(self, timeout: float = 10.0) -> bool:
+        """Forget the engine's cached KV blocks, in the engine thread; False while requests run."""
+        if not self.healthy:
+            raise EngineDeadError(f"the engine has stopped: {self.error or 'engine thread exited'}")
+        with self._lock:
+            busy = bool(self._streams)
+        if busy or self.num_waiting:
+            return False
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("reset", done))
+        return await asyncio.wait_for(asyncio.wrap_future(done), timeout)
+
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop.set()
         self._commands.put(("stop", None))
@@ -145,6 +158,11 @@ class AsyncEngine:
                     out = self.engine.abort_request(request_id)
                     if out is not None:
                         self._deliver(request_id, out)
+            elif cmd == "reset":
+                try:
+                    arg.set_result(self.engine.reset_prefix_cache())
+                except Exception as e:  # noqa: BLE001 - the caller reports it
+                    arg.set_exception(e)
             try:
                 cmd, arg = self._commands.get_nowait()
             except queue.Empty:

@@ -40,6 +40,9 @@ class Metrics:
         self._spec_per_pos = Counter("pipespec:spec_decode_num_accepted_tokens_per_pos",
                                      "Accepted draft tokens by draft position.", labels + ["position"], registry=r)
         self._spec_seen: dict = {}
+        self.prefix_cache_queries = counter("prefix_cache_queries",
+                                            "Prompt tokens looked up in the prefix cache (on admission).")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens whose KV the prefix cache held.")
         self._spec_k_steps = Counter("pipespec:spec_decode_steps_per_k",
                                      "Steps by the K adaptive K chose for them.", labels + ["k"], registry=r)
 
@@ -58,6 +61,9 @@ class Metrics:
             self._advance(key, spec.get(key, 0), counter)
         for pos, value in enumerate(spec.get("accepted_per_position", [])):
             self._advance(("pos", pos), value, self._spec_per_pos.labels(self._model, str(pos)))
+        cache = stats.get("prefix_cache") or {}
+        self._advance("pc_queries", cache.get("queries", 0), self.prefix_cache_queries)
+        self._advance("pc_hits", cache.get("hits", 0), self.prefix_cache_hits)
         for k, value in enumerate((spec.get("adaptive_k") or {}).get("k_steps", [])):
             self._advance(("k", k), value, self._spec_k_steps.labels(self._model, str(k)))
 

@@ -55,7 +55,21 @@ def add_serve_parser(sub, add_engine_args) -> None:
                     choices=["critical", "error", "warning", "info", "debug", "trace"],
                     help="uvicorn's own log (info adds its access log and startup lines)")
     lg.add_argument("--disable-uvicorn-access-log", action="store_true", help="no access log lines from uvicorn")
+    _add_chat_args(p)
     p.set_defaults(func=run)
+
+
+def _add_chat_args(p) -> None:
+    from pipespec.server.parsers.reasoning import REASONING_PARSERS
+    from pipespec.server.parsers.tool_calls import TOOL_CALL_PARSERS
+
+    t = p.add_argument_group("tools and reasoning (vLLM's flags; README: Tools and reasoning)")
+    t.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="parse tool calls out of chat answers (tool_choice \"auto\"); needs --tool-call-parser")
+    t.add_argument("--tool-call-parser", choices=list(TOOL_CALL_PARSERS), default=None,
+                   help="the model's tool-call format")
+    t.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=None,
+                   help="put the model's <think> block in reasoning_content instead of content")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -66,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
     from pipespec.engine.llm_engine import LLMEngine
     from pipespec.server.app import build_app
     from pipespec.server.async_engine import AsyncEngine
+    from pipespec.server.chat_request import ChatOptions
     from pipespec.server.graceful import GracefulServer
 
     from pipespec.server.request_log import StatsLogger
@@ -76,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--log-stats-interval must be > 0 seconds, got {args.log_stats_interval:g}")
     if args.max_request_body_bytes < 1:
         raise ValueError(f"--max-request-body-bytes must be >= 1, got {args.max_request_body_bytes}")
+    chat_options = ChatOptions.from_args(args.enable_auto_tool_choice, args.tool_call_parser, args.reasoning_parser)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     kwargs = engine_kwargs(args)
     if args.model_path is not None:
@@ -94,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     names = args.served_model_name or [engine.model_name]
     name = names[0]
     app = build_app(async_engine, name, api_key=args.api_key, max_body_bytes=args.max_request_body_bytes,
-                    log_requests=not args.disable_log_requests, model_aliases=tuple(names[1:]))
+                    log_requests=not args.disable_log_requests, model_aliases=tuple(names[1:]), chat_options=chat_options)
 
     def on_deadline() -> None:
         if async_engine.engine.has_unfinished_requests() or async_engine.num_waiting:

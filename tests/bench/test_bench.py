@@ -5,10 +5,11 @@ import json
 import subprocess
 import sys
 
+import httpx
 import pytest
 
 from pipespec.bench.stats import percentile
-from tests.live_server import REPO, LiveServer, pipespec_env
+from tests.live_server import REPO, LiveServer, metric, pipespec_env
 
 ENGINE = ["--device", "cpu", "--max-model-len", "256", "--num-kv-blocks", "64", "--threads-per-stage", "1"]
 
@@ -75,3 +76,27 @@ def test_percentile_matches_linear_interpolation():
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
     assert percentile([5.0], 99) == 5.0
     assert percentile([0.0, 10.0], 90) == 9.0
+
+
+def test_serve_shared_prefix_and_multi_turn(tmp_path):
+    server = LiveServer("--max-num-seqs", "8", "--max-model-len", "512")
+    try:
+        out = tmp_path / "prefix.json"
+        bench("serve", "--base-url", server.url, "--num-prompts", "3", "--random-prefix-len", "40",
+              "--random-input-len", "8", "--random-output-len", "3", "--output-json", str(out))
+        r = json.loads(out.read_text())
+        assert r["completed"] == 3 and r["total_input_tokens"] == 3 * (40 + 8) and r["random_prefix_len"] == 40
+        out = tmp_path / "turns.json"
+        proc = bench("serve", "--base-url", server.url, "--num-prompts", "2", "--multi-turn", "3",
+                     "--random-input-len", "10", "--random-output-len", "4", "--max-concurrency", "2",
+                     "--output-json", str(out))
+        metrics = httpx.get(f"{server.url}/metrics").text
+    finally:
+        server.stop()
+    r = json.loads(out.read_text())
+    assert r["completed"] == 2 * 3 and r["failed"] == 0 and r["multi_turn"] == 3
+    assert r["median_ttft_first_turn_ms"] > 0 and r["median_ttft_later_turns_ms"] > 0
+    # each turn resends the last one: more input than 6 single lines
+    assert r["total_input_tokens"] > 6 * 10 * 2
+    assert "Median TTFT, later turns (ms):" in proc.stdout
+    assert metric(metrics, "pipespec:prefix_cache_hits_total") > 0
