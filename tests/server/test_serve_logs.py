@@ -34,8 +34,15 @@ def test_request_and_stats_lines(tmp_path):
         rid = r.json()["id"]
         log = _wait_for(server, rf"request {rid}: \d+ prompt tokens, 12 generated, finish_reason=length, "
                                 r"[\d.]+ s")
+        # the same prompt again: its full blocks come from the prefix cache (on by default)
+        r = httpx.post(f"{server.url}/v1/completions", timeout=120,
+                       json={"prompt": "Once upon a time " * 8, "max_tokens": 2})
+        r = httpx.post(f"{server.url}/v1/completions", timeout=120,
+                       json={"prompt": "Once upon a time " * 8, "max_tokens": 2})
+        assert r.status_code == 200
         log = _wait_for(server, r"INFO pipespec.server.stats: prompt [\d.]+ tokens/s, generation [\d.]+ tokens/s, "
-                                r"running \d+ reqs, waiting \d+ reqs, KV cache usage [\d.]+%")
+                                r"running \d+ reqs, waiting \d+ reqs, KV cache usage [\d.]+%, "
+                                r"prefix cache hit rate [1-9][\d.]*%")
     finally:
         server.stop()
     assert "engine ready" in log                  # INFO reached: --log-level after `serve` took effect
