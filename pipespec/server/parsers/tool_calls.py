@@ -4,9 +4,10 @@ A parser finds call blocks between a start and an end tag; the text outside them
 about the formats (each checked against the model's published chat template and the reference
 parsers of vLLM/SGLang, nothing copied):
 
-- hermes (Qwen2.5, Qwen3): `<tool_call>\\n{"name": N, "arguments": {...}}\\n</tool_call>`, one per call.
-- qwen3_coder (Qwen3-Coder, Qwen3.5/3.6, Qwen3-Next): `<tool_call>\\n<function=N>\\n<parameter=K>\\nV\\n
+- hermes (Qwen2.5, Qwen3, Qwen3-Next): `<tool_call>\\n{"name": N, "arguments": {...}}\\n</tool_call>`, one per call.
+- qwen3_coder (Qwen3-Coder, Qwen3.5/3.6): `<tool_call>\\n<function=N>\\n<parameter=K>\\nV\\n
   </parameter>\\n</function>\\n</tool_call>`; V is raw text, typed by the tool's JSON schema.
+- qwen3 (recent vLLM's name for the Qwen family): either of the two forms above, call by call.
 - glm45 (GLM-4.5/4.6) and glm47 (GLM-4.7/5): `<tool_call>N\\n<arg_key>K</arg_key>\\n<arg_value>V
   </arg_value>\\n</tool_call>` (glm47 writes no newlines); V is raw text for string parameters, JSON
   otherwise.
@@ -165,6 +166,11 @@ def _parse_qwen3_coder(block: str, schemas: dict) -> list[ParsedCall]:
     return calls
 
 
+def _parse_qwen3(block: str, schemas: dict) -> list[ParsedCall]:
+    """Either Qwen form: JSON (Qwen3, Qwen3-Next) or <function=...> (Qwen3.5/3.6, Qwen3-Coder)."""
+    return (_parse_hermes if block.lstrip().startswith("{") else _parse_qwen3_coder)(block, schemas)
+
+
 _ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
 
 
@@ -247,6 +253,7 @@ class ToolCallFormat:
 TOOL_CALL_PARSERS = {f.name: f for f in (
     ToolCallFormat("hermes", "<tool_call>", "</tool_call>", _parse_hermes),
     ToolCallFormat("qwen3_coder", "<tool_call>", "</tool_call>", _parse_qwen3_coder),
+    ToolCallFormat("qwen3", "<tool_call>", "</tool_call>", _parse_qwen3),
     ToolCallFormat("glm45", "<tool_call>", "</tool_call>", _parse_glm),
     ToolCallFormat("glm47", "<tool_call>", "</tool_call>", _parse_glm),
     ToolCallFormat("deepseek_v3", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", _parse_deepseek_v3),
@@ -270,7 +277,7 @@ class ToolCallStream:
         self.fmt = fmt
         self._schemas = param_schemas(tools)
         self._split = TagSplitter((fmt.start, fmt.end))
-        self._block: str | None = None          # the text of the open call block
+        self._block: list[str] | None = None    # the text of the open call block, in pieces
 
     def feed(self, piece: str) -> list:
         return self._run(self._split.feed(piece))
@@ -278,7 +285,7 @@ class ToolCallStream:
     def finish(self) -> list:
         events = self._run(self._split.finish())
         if self._block is not None:
-            block, self._block = self._block, None
+            block, self._block = "".join(self._block), None
             events += self._close(block, complete=False)
         return events
 
@@ -287,14 +294,14 @@ class ToolCallStream:
         for item in items:
             if self._block is None:
                 if isinstance(item, Tag) and item == self.fmt.start:
-                    self._block = ""
+                    self._block = []
                 else:
                     events.append(str(item))
             elif isinstance(item, Tag) and item == self.fmt.end:
-                block, self._block = self._block, None
+                block, self._block = "".join(self._block), None
                 events += self._close(block, complete=True)
             else:
-                self._block += str(item)
+                self._block.append(str(item))
         return events
 
     def _close(self, block: str, complete: bool) -> list:

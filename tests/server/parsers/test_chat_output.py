@@ -84,3 +84,14 @@ def test_parallel_tool_calls_false_keeps_the_first_call():
 def test_reasoning_only_passes_tool_markup_through_as_content():
     msg, finish = parser(tools=None).message("hm</think>" + SAMPLES["hermes"], "stop")
     assert msg["content"] == SAMPLES["hermes"] and finish == "stop" and "tool_calls" not in msg
+
+
+def test_a_call_that_skips_the_end_of_reasoning_is_still_a_call():
+    text = 'I should look it up.\n<tool_call>\n{"name": "search", "arguments": {"query": "x"}}\n</tool_call>'
+    for pieces in splits(text, random_splits=20):
+        p = parser(tools="hermes")
+        deltas = [d for piece in pieces for d in p.feed(piece)]
+        more, finish = p.finish("stop")
+        msg = assemble(deltas + more, True)
+        assert finish == "tool_calls" and msg["reasoning_content"] == "I should look it up."
+        assert [c["function"]["name"] for c in msg["tool_calls"]] == ["search"] and msg["content"] is None

@@ -51,6 +51,10 @@ def streamed(fmt, pieces):
     return "".join(e for e in events if isinstance(e, str)), [e for e in events if isinstance(e, ParsedCall)]
 
 
+SAMPLES["qwen3"] = (SAMPLES["hermes"].rsplit("<tool_call>", 1)[0]                  # one call of each form
+                    + SAMPLES["qwen3_coder"].split("</tool_call>\n", 1)[1])
+
+
 def test_every_format_has_a_sample():
     assert set(SAMPLES) == set(TOOL_CALL_PARSERS)
 
