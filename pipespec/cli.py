@@ -12,6 +12,9 @@ import sys
 from pipespec.engine.args import add_engine_args, engine_kwargs
 
 
+LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
+
+
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Every flag's help ends with its default (vLLM's --help shows them too); switches and flags
     without a default say nothing."""
@@ -30,13 +33,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="pipespec", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--version", action="version", version=f"pipespec {__version__}")
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument("--log-level", default="INFO", choices=LOG_LEVELS,
+                        help="also accepted after the command (`pipespec serve --log-level DEBUG`)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="complete prompts and print the completions")
     add_engine_args(gen)
     s = gen.add_argument_group("sampling")
-    s.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt at most")
+    s.add_argument("--max-tokens", type=int, default=None,
+                   help="tokens to generate per prompt at most (default: until the model ends its answer, "
+                        "bounded by --max-model-len)")
     s.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     s.add_argument("--top-k", type=int, default=-1, help="-1: all tokens")
@@ -70,12 +76,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _use_formatter(parser: argparse.ArgumentParser) -> None:
-    """Give every subcommand's parser (at any depth) the formatter that shows defaults."""
+    """Give every subcommand's parser (at any depth) the formatter that shows defaults, and --log-level
+    (kept from before the command unless given after it)."""
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for sub in action.choices.values():
                 sub.formatter_class = HelpFormatter
+                if "--log-level" not in sub._option_string_actions:
+                    sub.add_argument("--log-level", default=argparse.SUPPRESS, choices=LOG_LEVELS,
+                                     help="as before the command (default: INFO)")
                 _use_formatter(sub)
+
+
+def _option_strings(parser: argparse.ArgumentParser) -> set[str]:
+    """Every flag any command (at any depth) defines."""
+    names = set(parser._option_string_actions)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                names |= _option_strings(sub)
+    return names
 
 
 def _train_mtp(args) -> int:
@@ -119,7 +139,15 @@ def _generate(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    from pipespec.engine.refused_flags import refused_flag
+
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    refused = refused_flag(argv, _option_strings(parser))
+    if refused is not None:
+        print(f"pipespec: error: {refused[0]} is not supported: {refused[1]}", file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         worker = _torchrun_worker(args)

@@ -43,6 +43,13 @@ class ModelConfig:
     # fp8 / awq / gptq: with load_format="dummy", random weights in that format (benchmarks); with a
     # checkpoint it must name the checkpoint's own quantization_config method (None: whatever it is)
     quantization: str | None = None
+    # vLLM's names: a Hub id's revision and cache folder; another tokenizer (folder or Hub id, at
+    # tokenizer_revision); a chat template (a file or the template itself) replacing the model's
+    revision: str | None = None
+    download_dir: str | None = None
+    tokenizer: str | None = None
+    tokenizer_revision: str | None = None
+    chat_template: str | None = None
 
     def __post_init__(self):
         _require(self.dtype in _DTYPES, f"dtype must be one of {_DTYPES}, got {self.dtype!r}")

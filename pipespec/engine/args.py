@@ -12,8 +12,24 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and activations; auto: float32 on CPU, bfloat16 on GPU")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    g.add_argument("--max-model-len", type=int, default=None,
-                   help="longest prompt plus output, in tokens (default: the model's context length)")
+    g.add_argument("--max-model-len", type=parse_max_model_len, default=None,
+                   help="longest prompt plus output, in tokens; vLLM's spellings work: 4096, 1k (1000), 1K (1024), "
+                        "25.6k, -1 or auto (default: the model's context length, lowered to what the KV cache holds)")
+    g.add_argument("--tokenizer", default=None,
+                   help="tokenizer folder, GGUF file or Hugging Face Hub id (default: the model's)")
+    g.add_argument("--revision", default=None,
+                   help="branch, tag or commit of a Hub model id (default: main)")
+    g.add_argument("--tokenizer-revision", default=None, help="branch, tag or commit of a Hub --tokenizer id")
+    g.add_argument("--download-dir", default=None,
+                   help="cache folder of Hub downloads (default: huggingface_hub's, $HF_HUB_CACHE)")
+    g.add_argument("--trust-remote-code", action=argparse.BooleanOptionalAction, default=False,
+                   help="accepted for vLLM compatibility and ignored: pipespec never runs code from a "
+                        "checkpoint; it supports the architectures it implements itself")
+    g.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                   help="Jinja chat template replacing the model's: a file, or the template itself")
+    g.add_argument("--kv-cache-dtype", default="auto", type=_kv_cache_dtype,
+                   help="auto only: the KV cache is stored in the model's dtype (FP8 KV caches are not "
+                        "implemented)")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
                    help="auto: Triton paged-attention kernels on CUDA, PyTorch reference elsewhere")
     g.add_argument("--enforce-eager", action="store_true", help="do not capture or replay CUDA graphs")
@@ -35,8 +51,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="most prompt tokens one request's prefill chunk takes in a step while other "
                         "requests are running or waiting, so a long prompt does not hold them back; "
                         "0: no limit (default: a quarter of --max-num-batched-tokens)")
-    g.add_argument("--no-chunked-prefill", action="store_true",
-                   help="prefill each prompt in one step (it must fit --max-num-batched-tokens)")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+                   help="split long prompts over several steps (default: on; --no-enable-chunked-prefill: "
+                        "prefill each prompt in one step, which must fit --max-num-batched-tokens)")
+    g.add_argument("--no-chunked-prefill", action="store_true", help="the same as --no-enable-chunked-prefill")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV cache of prompt prefixes already computed (full blocks; off by itself "
                         "for models with linear-attention layers); --no-enable-prefix-caching turns it off")
@@ -75,7 +93,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 enable_prefix_caching=args.enable_prefix_caching,
                 kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                enable_chunked_prefill=not args.no_chunked_prefill,
+                enable_chunked_prefill=not args.no_chunked_prefill and args.enable_chunked_prefill is not False,
                 long_prefill_token_threshold=args.long_prefill_token_threshold,
                 async_scheduling=args.async_scheduling,
                 pipeline_parallel_size=_pipeline_size(args.pipeline_parallel_size, args.tensor_parallel_size),
@@ -83,7 +101,34 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 pp_layer_partition=args.pp_layer_partition, stage_timeout=args.stage_timeout,
                 custom_all_reduce=args.custom_all_reduce,
                 distributed_backend=args.distributed_backend, threads_per_stage=args.threads_per_stage,
-                speculative_config=args.speculative_config)
+                speculative_config=args.speculative_config, revision=args.revision,
+                download_dir=args.download_dir, tokenizer=args.tokenizer,
+                tokenizer_revision=args.tokenizer_revision, chat_template=args.chat_template)
+
+
+def parse_max_model_len(text: str) -> int | None:
+    """vLLM's --max-model-len: an integer, with k/m (x1000) or K/M (x1024) suffix, decimals allowed
+    with a suffix (25.6k); -1 or auto: the model's own length (what fits the KV cache)."""
+    value = text.strip()
+    if value.lower() in ("-1", "auto"):
+        return None
+    scale = {"k": 1000, "m": 1000 ** 2, "g": 1000 ** 3, "K": 1024, "M": 1024 ** 2, "G": 1024 ** 3}
+    try:
+        if value and value[-1] in scale:
+            number = float(value[:-1]) * scale[value[-1]]
+            if number != int(number):
+                raise ValueError
+            return int(number)
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a length in tokens (e.g. 4096, 4k, 4K, auto)") from None
+
+
+def _kv_cache_dtype(text: str) -> str:
+    if text != "auto":
+        raise argparse.ArgumentTypeError(f"{text!r} is not supported: pipespec keeps the KV cache in the model's "
+                                         "dtype (auto); FP8 KV caches are not implemented")
+    return text
 
 
 def _pipeline_size(asked: int | None, tp: int) -> int:

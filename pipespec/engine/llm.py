@@ -49,13 +49,22 @@ class LLM:
         return self._run(requests, use_tqdm)
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation (a list of messages) or a list of them."""
+             add_generation_prompt: bool = True, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None, chat_template: str | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (a list of messages) or a list of them.
+
+        `tools`: OpenAI tool definitions the template lists for the model; `chat_template_kwargs`:
+        more template variables (e.g. {"enable_thinking": False}); `chat_template`: a Jinja template
+        used instead of the model's. Assistant messages may carry `tool_calls` (arguments as objects)
+        and `role: "tool"` messages the results. The output is the raw text: the server's parsers
+        (pipespec.server.parsers) split out reasoning and calls."""
         conversations = messages if messages and isinstance(messages[0], (list, tuple)) else [messages]
         prompts = []
         for i, conv in enumerate(conversations):
             _check_messages(conv, i)
-            text = self.engine.tokenizer.apply_chat_template(list(conv), add_generation_prompt)
+            text = self.engine.tokenizer.apply_chat_template(list(conv), add_generation_prompt, tools=tools,
+                                                             chat_template=chat_template,
+                                                             **(chat_template_kwargs or {}))
             prompts.append({"prompt_token_ids": self.engine.tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)
 
@@ -122,5 +131,6 @@ def _check_messages(conv, index: int) -> None:
         raise ValueError(f"{where}: messages must be a non-empty list of {{'role', 'content'}} dicts")
     for j, msg in enumerate(conv):
         if not isinstance(msg, dict) or not isinstance(msg.get("role"), str) \
-                or not isinstance(msg.get("content"), str):
-            raise ValueError(f"{where}, message {j}: needs a string 'role' and a string 'content'")
+                or not (isinstance(msg.get("content"), str) or msg.get("tool_calls") and msg.get("content") is None):
+            raise ValueError(f"{where}, message {j}: needs a string 'role' and a string 'content' "
+                             "(content may be None in an assistant message with tool_calls)")

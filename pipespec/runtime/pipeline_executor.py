@@ -32,7 +32,7 @@ from pipespec.runtime import launch
 from pipespec.runtime.executor import Executor, release_device_memory
 from pipespec.runtime.symmetry import CollectiveMismatch, compare_reports
 from pipespec.runtime.step import run_stage_step
-from pipespec.runtime.transport import Link, Op, StageError, control_header, pack_plan
+from pipespec.runtime.transport import Link, Op, StageError, control_header, library_text, pack_plan
 from pipespec.runtime.worker import (WorkerSettings, debug_report, error_text, join_tp_group, key, spawn_entry,
                                      stage_status)
 
@@ -230,7 +230,7 @@ class PipelineExecutor(Executor):
         except StageError as e:
             self._fail(e)
         except Exception as e:        # e.g. gloo's "connection closed by peer" from a killed worker
-            self._fail(StageError(f"pipeline failed while waiting for step {step_id}: {error_text(e)}"))
+            self._fail(StageError(f"pipeline failed while waiting for step {step_id}: {library_text(e)}"))
         except BaseException as e:
             self._failed = self._failed or f"interrupted while waiting for step {step_id}: {error_text(e)}"
             raise
@@ -296,7 +296,8 @@ class PipelineExecutor(Executor):
         """Record the failure with what the workers can tell about it; raise StageError."""
         if self._failed is None:
             detail = self._diagnose()
-            self._failed = f"{err}" + (f"; {detail}" if detail else "")
+            # the cause first (which rank died or failed), what the driver saw of it after
+            self._failed = f"{detail}; the driver saw: {err}" if detail else f"{err}"
             logger.error("pipeline failed: %s", self._failed)
         raise StageError(self._failed) from err
 

@@ -297,3 +297,9 @@ def _first_line(text: str) -> str:
     line = line.split("] ", 1)[-1] if line.startswith("[") else line
     return line.split(". This is typically", 1)[0]
 
+
+
+def library_text(exc: BaseException) -> str:
+    """An exception from torch.distributed (gloo, NCCL) in one line: its type and first fact, without
+    the source-file prefix and the generic advice."""
+    return f"{type(exc).__name__}: {_first_line(str(exc))}"

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 
@@ -14,12 +15,17 @@ import pipespec
 from pipespec.engine.llm_engine import EngineDeadError
 from pipespec.server.async_engine import AsyncEngine, QueueFullError
 from pipespec.server.body_limit import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
+from pipespec.server.chat_request import ChatOptions, prepare_chat
 from pipespec.server.metrics import Metrics
+from pipespec.server.request_log import log_request
 from pipespec.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest
 
 
 def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, log_requests: bool = False,
+              model_aliases: tuple[str, ...] = (), chat_options: ChatOptions = ChatOptions()) -> FastAPI:
+    """`log_requests`: one INFO line per finished request; `model_aliases`: more names the API
+    accepts for the model (vLLM's several --served-model-name); `chat_options`: tools and reasoning."""
     app = FastAPI(title="pipespec", version=pipespec.__version__)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)    # inside the API-key check below
     metrics = Metrics(model_name)
@@ -65,7 +71,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         return await call_next(request)
 
     def check_model(name: str | None) -> None:
-        if name is not None and name != model_name:
+        if name is not None and name != model_name and name not in model_aliases:
             raise ApiError(404, f"The model `{name}` does not exist; this server serves `{model_name}`",
                            "model", kind="not_found_error")
 
@@ -103,49 +109,34 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         if body.echo or body.suffix or (body.best_of not in (None, 1)):
             param = "echo" if body.echo else "suffix" if body.suffix else "best_of"
             raise ApiError(400, f"{param} is not supported by pipespec", param)
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise ApiError(400, "a list of several prompts is not supported; send one request per prompt",
-                               "prompt")
-            prompt = prompt[0]
-        prompt = {"prompt_token_ids": prompt} if isinstance(prompt, list) else prompt
+        prompts = completion_prompts(body.prompt)
         params = body.sampling_params(body.max_tokens, 16)
-        return await _respond(request, body, prompt, params, chat=False)
+        if len(prompts) > 1:
+            return await _respond_many(body, prompts, params)
+        return await _respond(request, body, prompts[0], params, chat=False)
 
-    def render_chat(messages: list[dict], add_generation_prompt: bool) -> dict:
-        """Template and tokens of a conversation (run off the event loop: it can take seconds)."""
+    def render_chat(plan, add_generation_prompt: bool) -> tuple[dict, str]:
+        """Tokens and text of a conversation (run off the event loop: it can take seconds)."""
         try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt)
+            text = tokenizer.apply_chat_template(plan.messages, add_generation_prompt, tools=plan.tools,
+                                                 **plan.template_kwargs)
         except Exception as e:     # a template that raises on this conversation is the client's problem
             raise ApiError(400, f"messages: the chat template refused them: {e}", "messages") from None
-        return {"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+        return {"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}, text
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
-        messages = []
-        for i, m in enumerate(body.messages):
-            content = m.content
-            if isinstance(content, list):
-                media = next((p.get("type") for p in content if isinstance(p, dict)
-                              and any(m in str(p.get("type", "")) for m in _MEDIA)), None)
-                if media is not None:       # e.g. Qwen3.5's vision tower is not loaded: text only
-                    raise ApiError(400, f"messages[{i}].content: {media} content is not supported: pipespec "
-                                   "serves text only (a multimodal model's vision tower is not loaded)",
-                                   f"messages[{i}].content")
-                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                           for p in content):
-                    raise ApiError(400, f"messages[{i}].content: only text parts are supported",
-                                   f"messages[{i}].content")
-                content = "".join(p["text"] for p in content)
-            messages.append({"role": m.role, "content": content})
-        prompt = await engine.run_blocking(render_chat, messages, body.add_generation_prompt)
+        plan = prepare_chat(body, chat_options)
+        prompt, text = await engine.run_blocking(render_chat, plan, body.add_generation_prompt)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = body.sampling_params(max_tokens, None)
-        return await _respond(request, body, prompt, params, chat=True)
+        parser = plan.output_parser(chat_options, text)
+        if parser is not None:          # the markup may be special tokens: keep them in the text to parse
+            params = dataclasses.replace(params, skip_special_tokens=False)
+        return await _respond(request, body, prompt, params, chat=True, parser=parser)
 
-    async def _respond(request: Request, body, prompt, params, chat: bool):
+    async def _respond(request: Request, body, prompt, params, chat: bool, parser=None):
         try:
             request_id, outputs, prompt_ids = await engine.add_request(prompt, params,
                                                                        "chatcmpl" if chat else "cmpl")
@@ -156,30 +147,82 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         except EngineDeadError as e:
             raise ApiError(503, str(e), kind="engine_error") from None
         metrics.prompt_tokens.inc(len(prompt_ids))
-        gen = _Generation(engine, metrics, request_id, outputs, len(prompt_ids))
+        gen = _Generation(engine, metrics, request_id, outputs, len(prompt_ids), log_requests)
         object_name = "chat.completion" if chat else "text_completion"
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(_sse(gen, chat, model_name, object_name + ".chunk" if chat else object_name,
-                                          include_usage), media_type="text/event-stream")
+                                          include_usage, parser), media_type="text/event-stream")
         try:
             text, finish = await gen.collect()
         finally:
             gen.close()
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
-                  if chat else {"index": 0, "text": text, "finish_reason": finish, "logprobs": None})
+        if parser is not None:          # reasoning and tool calls parsed out of the text
+            message, finish = parser.message(text, finish)
+            choice = {"index": 0, "message": message, "finish_reason": finish}
+        else:
+            choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+                      if chat else {"index": 0, "text": text, "finish_reason": finish, "logprobs": None})
         return {"id": request_id, "object": object_name, "created": int(time.time()), "model": model_name,
                 "choices": [choice], "usage": gen.usage()}
 
+    async def _respond_many(body: CompletionRequest, prompts: list, params):
+        """One choice per prompt (index = the prompt's place in the list), run side by side."""
+        gens: list[_Generation] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                try:
+                    request_id, outputs, prompt_ids = await engine.add_request(prompt, params, "cmpl")
+                except ValueError as e:
+                    raise ApiError(400, f"prompt[{i}]: {e}", "prompt") from None
+                except QueueFullError as e:
+                    raise ApiError(503, str(e), kind="server_overloaded") from None
+                except EngineDeadError as e:
+                    raise ApiError(503, str(e), kind="engine_error") from None
+                metrics.prompt_tokens.inc(len(prompt_ids))
+                gens.append(_Generation(engine, metrics, request_id, outputs, len(prompt_ids), log_requests))
+        except BaseException:
+            for gen in gens:
+                gen.close()
+            raise
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(_sse_many(gens, model_name, include_usage), media_type="text/event-stream")
+        try:
+            results = await asyncio.gather(*(gen.collect() for gen in gens))
+        finally:
+            for gen in gens:
+                gen.close()
+        choices = [{"index": i, "text": text, "finish_reason": finish, "logprobs": None}
+                   for i, (text, finish) in enumerate(results)]
+        return {"id": gens[0].request_id, "object": "text_completion", "created": int(time.time()),
+                "model": model_name, "choices": choices, "usage": _total_usage(gens)}
+
     app.state.metrics = metrics
     return app
+
+
+def completion_prompts(prompt) -> list:
+    """/v1/completions' prompt as a list of engine prompts: a string, a list of token ids, or a list
+    of either (one choice each)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise ApiError(400, "prompt is empty", "prompt")
+    if isinstance(prompt[0], int):
+        return [{"prompt_token_ids": prompt}]
+    return [p if isinstance(p, str) else {"prompt_token_ids": p} for p in prompt]
+
+
+def _total_usage(gens) -> dict:
+    usages = [gen.usage() for gen in gens]
+    return {key: sum(u[key] for u in usages) for key in ("prompt_tokens", "completion_tokens", "total_tokens")}
 
 
 # required fields of each route's body, named when the body is missing altogether
 _REQUIRED = {route: tuple(name for name, f in model.model_fields.items() if f.is_required())
              for route, model in (("/v1/completions", CompletionRequest),
                                   ("/v1/chat/completions", ChatCompletionRequest))}
-_MEDIA = ("image", "video", "audio")     # image_url, input_image, video_url, input_audio, ...
 _FIELDS = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields) | {"role", "content"}
 
 
@@ -195,12 +238,14 @@ class _Generation:
     the engine) into text deltas, and keeps its metrics."""
 
     def __init__(self, engine: AsyncEngine, metrics: Metrics, request_id: str, outputs: asyncio.Queue,
-                 num_prompt_tokens: int):
+                 num_prompt_tokens: int, log_requests: bool = False):
         self.engine, self.metrics, self.request_id, self.outputs = engine, metrics, request_id, outputs
         self.num_prompt_tokens = num_prompt_tokens
+        self.log_requests = log_requests
         self.num_tokens = 0
         self.parts: list[str] = []          # the deltas, joined once for a whole response
         self.finish_reason = None
+        self.error: str | None = None
         self.done = False
         self.arrival = time.perf_counter()
         self.last_token_time = None
@@ -210,6 +255,7 @@ class _Generation:
         while not self.done:
             out = await self.outputs.get()
             if isinstance(out, Exception):
+                self.error = str(out)
                 raise ApiError(500, f"the engine failed: {out}", kind="engine_error")
             completion = out.outputs[0]
             self._count(len(completion.token_ids))
@@ -247,9 +293,14 @@ class _Generation:
         if not self.done:
             self.engine.abort(self.request_id)
             self.metrics.finished("abort")
+        if self.log_requests:
+            self.log_requests = False      # once
+            log_request(self.request_id, self.num_prompt_tokens, self.num_tokens,
+                        self.finish_reason if self.done else "abort (client gone)",
+                        time.perf_counter() - self.arrival, self.error)
 
 
-async def _sse(gen: _Generation, chat: bool, model: str, object_name: str, include_usage: bool):
+async def _sse(gen: _Generation, chat: bool, model: str, object_name: str, include_usage: bool, parser=None):
     created = int(time.time())
 
     def chunk(choice: dict | None, usage: dict | None = None) -> str:
@@ -263,6 +314,15 @@ async def _sse(gen: _Generation, chat: bool, model: str, object_name: str, inclu
         if chat:
             yield chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
         async for delta, finish in gen.deltas():
+            if parser is not None:      # reasoning and tool calls: parsed deltas, then the finish reason
+                for d in parser.feed(delta) if delta else ():
+                    yield chunk({"index": 0, "delta": d, "finish_reason": None})
+                if finish is not None:
+                    more, finish = parser.finish(finish)
+                    for d in more:
+                        yield chunk({"index": 0, "delta": d, "finish_reason": None})
+                    yield chunk({"index": 0, "delta": {}, "finish_reason": finish})
+                continue
             if not delta and finish is None:
                 continue
             choice = ({"index": 0, "delta": {"content": delta} if delta else {}, "finish_reason": finish}
@@ -276,3 +336,48 @@ async def _sse(gen: _Generation, chat: bool, model: str, object_name: str, inclu
         yield "data: [DONE]\n\n"
     finally:           # also when the client went away and the response was cancelled
         gen.close()
+
+
+async def _sse_many(gens: list[_Generation], model: str, include_usage: bool):
+    """Several prompts' streams in one: each chunk carries one choice, its index the prompt's."""
+    created = int(time.time())
+    merged: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, gen: _Generation):
+        try:
+            async for delta, finish in gen.deltas():
+                if delta or finish is not None:
+                    await merged.put((index, delta, finish, None))
+        except ApiError as e:
+            await merged.put((index, "", None, e))
+        finally:
+            await merged.put((index, None, None, None))      # this prompt is over
+
+    def chunk(choices: list, usage: dict | None = None) -> str:
+        payload = {"id": gens[0].request_id, "object": "text_completion", "created": created, "model": model,
+                   "choices": choices}
+        if include_usage:
+            payload["usage"] = usage
+        return f"data: {json.dumps(payload)}\n\n"
+
+    tasks = [asyncio.ensure_future(pump(i, gen)) for i, gen in enumerate(gens)]
+    try:
+        open_streams, error = len(gens), None
+        while open_streams:
+            index, delta, finish, err = await merged.get()
+            if delta is None:
+                open_streams -= 1
+            elif err is not None:
+                error = error or err
+            else:
+                yield chunk([{"index": index, "text": delta, "finish_reason": finish, "logprobs": None}])
+        if error is not None:
+            yield f"data: {json.dumps(error.body())}\n\n"
+        elif include_usage:
+            yield chunk([], _total_usage(gens))
+        yield "data: [DONE]\n\n"
+    finally:           # also when the client went away and the response was cancelled
+        for task in tasks:
+            task.cancel()
+        for gen in gens:
+            gen.close()

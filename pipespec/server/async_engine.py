@@ -29,6 +29,10 @@ class QueueFullError(RuntimeError):
     pass
 
 
+class ShuttingDownError(QueueFullError):
+    """The server is stopping: new requests get 503 while the ones in flight finish."""
+
+
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
@@ -49,6 +53,7 @@ class AsyncEngine:
         self._idle_wait = idle_wait
         self._validate = ThreadPoolExecutor(validate_threads, thread_name_prefix="pipespec-validate")
         self.error: str | None = None
+        self.draining = False     # set by abort_all: the server is stopping, new requests are refused
         self.stats: dict = engine.stats()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="pipespec-engine", daemon=True)
@@ -85,6 +90,8 @@ class AsyncEngine:
         return request_id, stream.outputs, req.prompt_token_ids
 
     def _check_room(self) -> None:
+        if self.draining:
+            raise ShuttingDownError("the server is shutting down; retry on another replica or later")
         if not self.healthy:
             raise EngineDeadError(f"the engine has stopped: {self.error or 'engine thread exited'}")
         waiting = self.num_waiting
@@ -97,6 +104,13 @@ class AsyncEngine:
             known = self._streams.pop(request_id, None) is not None
         if known:
             self._commands.put(("abort", request_id))
+
+    def abort_all(self) -> None:
+        """End every request now (the shutdown grace period ran out): each stream gets a last output
+        with finish_reason "abort", and requests arriving from now on are refused. Thread safe (a
+        signal handler or the event loop may call it)."""
+        self.draining = True
+        self._commands.put(("abort_all", None))
 
     async def reset_prefix_cache(self, timeout: float = 10.0) -> bool:
         """Forget the engine's cached KV blocks, in the engine thread; False while requests run."""
@@ -139,6 +153,11 @@ class AsyncEngine:
                     self._posted -= 1
             elif cmd == "abort":
                 self.engine.abort_request(arg)
+            elif cmd == "abort_all":
+                for request_id in list(self.engine.requests):
+                    out = self.engine.abort_request(request_id)
+                    if out is not None:
+                        self._deliver(request_id, out)
             elif cmd == "reset":
                 try:
                     arg.set_result(self.engine.reset_prefix_cache())

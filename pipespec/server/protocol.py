@@ -88,7 +88,7 @@ class CompletionRequest(_SamplingFields):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: Union[str, list[dict]]
+    content: Optional[Union[str, list[dict]]] = None    # None: an assistant message with tool_calls
     name: Optional[str] = None
 
 
@@ -96,3 +96,8 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = None
     add_generation_prompt: bool = True
+    # tools and reasoning (checked by pipespec.server.chat_request, against the server's flags)
+    tools: Optional[list[dict]] = None
+    tool_choice: Optional[Union[str, dict]] = None
+    parallel_tool_calls: Optional[bool] = None
+    chat_template_kwargs: Optional[dict] = None

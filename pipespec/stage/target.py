@@ -15,7 +15,7 @@ from pipespec.model.quant.linear import use_dummy_quantized_linears
 from pipespec.model.registry import build_target
 from pipespec.model.source import ModelSource
 from pipespec.model.tp_layers import SINGLE
-from pipespec.model.weights import init_dummy_weights, load_weights
+from pipespec.model.weights import init_dummy_weights, load_weights, parameters_on_meta
 from pipespec.parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
@@ -23,7 +23,8 @@ logger = logging.getLogger(__name__)
 
 def load_target(source: ModelSource, config: EngineConfig, layer_range: tuple[int, int], max_position: int,
                 dtype: torch.dtype, device: torch.device, tp: TensorParallel = SINGLE) -> torch.nn.Module:
-    model = build_target(source.arch, layer_range, max_position, tp)
+    with parameters_on_meta():      # allocated on the device in their dtype by the loader, nowhere before
+        model = build_target(source.arch, layer_range, max_position, tp)
     method = config.model.quantization
     if config.model.load_format == "dummy":
         if method is not None:

@@ -141,3 +141,61 @@ def test_concurrent_streams_with_aborts_free_every_block(server, model):
 
 def test_version(server):
     assert httpx.get(f"{server.url}/version").json()["version"]
+
+
+# -- several prompts in one /v1/completions request (vLLM and OpenAI accept lists) -----------------
+
+
+def _one(client, model, prompt, **kw):
+    return client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0,
+                                     extra_body={"ignore_eos": True}, **kw).choices[0].text
+
+
+def test_list_of_prompts_gets_one_choice_per_prompt(client, model):
+    prompts = ["The capital of France is", "1, 2, 3,", "Hello"]
+    r = client.completions.create(model=model, prompt=prompts, max_tokens=6, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.text for c in r.choices] == [_one(client, model, p) for p in prompts]
+    assert all(c.finish_reason == "length" for c in r.choices)
+    singles = [client.completions.create(model=model, prompt=p, max_tokens=1) for p in prompts]
+    assert r.usage.completion_tokens == 18
+    assert r.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles)
+
+
+def test_token_id_prompts(client, model):
+    from pipespec.model.source import resolve_model
+    tok = resolve_model(None).tokenizer()
+    a, b = tok.encode("The capital of France is"), tok.encode("Hello")
+    single = client.completions.create(model=model, prompt=a, max_tokens=6, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    many = client.completions.create(model=model, prompt=[a, b], max_tokens=6, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert single.choices[0].text == many.choices[0].text == _one(client, model, "The capital of France is")
+    assert many.choices[1].text == _one(client, model, "Hello")
+    assert many.usage.prompt_tokens == len(a) + len(b)
+
+
+def test_list_of_prompts_streams_with_indexes(client, model):
+    prompts = ["Once upon a time", "def add(a, b):"]
+    chunks = list(client.completions.create(model=model, prompt=prompts, max_tokens=8, temperature=0, stream=True,
+                                            stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))
+    texts, finish = ["", ""], [None, None]
+    for c in chunks:
+        for choice in c.choices:
+            texts[choice.index] += choice.text
+            finish[choice.index] = choice.finish_reason or finish[choice.index]
+    assert texts == [client.completions.create(model=model, prompt=p, max_tokens=8, temperature=0,
+                                               extra_body={"ignore_eos": True}).choices[0].text for p in prompts]
+    assert finish == ["length", "length"]
+    assert chunks[-1].usage.completion_tokens == 16
+
+
+def test_bad_prompt_in_a_list_names_its_index(server):
+    r = httpx.post(f"{server.url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                   json={"prompt": ["fine", ""], "max_tokens": 2}, timeout=60)
+    assert r.status_code == 400 and "prompt[1]" in r.json()["error"]["message"], r.text
+    r = httpx.post(f"{server.url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                   json={"prompt": [], "max_tokens": 2}, timeout=60)
+    assert r.status_code == 400 and "empty" in r.json()["error"]["message"], r.text
