@@ -28,6 +28,8 @@ def test_generate_prints_a_completion():
     text, n, reason = m.group(1), int(m.group(2)), m.group(3)
     assert 1 <= n <= 8 and reason in ("length", "stop") and (reason == "stop" or n == 8)
     assert text.strip(), f"empty completion in {out!r}"
+    rate = re.search(r"### (\d+) tokens generated in ([\d.]+) s: ([\d.]+) tokens/s", out)
+    assert rate and int(rate.group(1)) == n and float(rate.group(3)) > 0, out
 
 
 @pytest.mark.parametrize("flag,value,field", [("--temperature", "-1", "temperature"),
