@@ -65,7 +65,7 @@ def test_gpu_flags_reach_the_engine():
 
 
 @pytest.mark.parametrize("flag,reason", [("--enable-lora", "LoRA"), ("--data-parallel-size=2", "load balancer"),
-                                         ("--ssl-keyfile", "TLS")])
+                                         ("--ssl-keyfile", "TLS"), ("--model-impl", "own implementation")])
 def test_refused_vllm_flag_exits_2_naming_it_and_why(flag, reason):
     proc = run_cli("serve", flag, "x", timeout=60)
     assert proc.returncode == 2, proc.stderr
@@ -96,8 +96,11 @@ def test_vllm_engine_flags_reach_the_engine_config():
         ("org/tok", "v2", "/d", "{{ x }}", 2048)
     assert cfg.scheduler.enable_chunked_prefill is False
     assert args.served_model_name == ["a", "b"] and args.disable_log_requests and args.shutdown_timeout == 2.0
-    on = EngineConfig.from_kwargs(**engine_kwargs(build_parser().parse_args(["serve", "--enable-chunked-prefill"])))
-    assert on.scheduler.enable_chunked_prefill is True
+    on = EngineConfig.from_kwargs(**engine_kwargs(build_parser().parse_args(
+        ["serve", "--enable-chunked-prefill", "--num-gpu-blocks-override", "77", "--tokenizer-mode", "auto",
+         "--disable-custom-all-reduce"])))
+    assert on.scheduler.enable_chunked_prefill is True and on.cache.num_kv_blocks == 77
+    assert on.parallel.custom_all_reduce is False
 
 
 @pytest.mark.parametrize("text,value", [("4096", 4096), ("1k", 1000), ("1K", 1024), ("25.6k", 25600),
