@@ -7,7 +7,12 @@ Two workloads, each against a server started with the cache on and one started w
   (`pipespec bench serve --multi-turn`'s requests). Later turns are cached up to the last block when
   the cache is on: their TTFT against the same turns uncached is the figure (goal: <= 0.3x);
 - shared system prompt: `--shared-requests` requests of a common random-token prefix
-  (`--prefix-tokens`) plus a short question each, `--concurrency` at a time: TTFT and throughput.
+  (`--prefix-tokens`) plus a short question each, `--concurrency` at a time: TTFT and throughput, in
+  the steady state of a server whose system prompt some earlier request already computed (one
+  request with it goes first, unmeasured; requests sent together before any has computed the
+  prefix all compute it).
+
+Each server first answers a short warm-up request (the first steps of a process are slower).
 
     python benchmarks/prefix_cache_serve.py [--rounds 3] [--server-args "--max-model-len 4096"]
 """
@@ -60,6 +65,7 @@ def shared_prefix(url: str, args, seed: int) -> dict:
     rng = random.Random(seed)
     prefix = [rng.randrange(1000, 30000) for _ in range(args.prefix_tokens)]
     prompts = [prefix + [rng.randrange(1000, 30000) for _ in range(16)] for _ in range(args.shared_requests)]
+    asyncio.run(run_load(url, [prefix + [11, 12, 13]], 1))           # an earlier request: unmeasured
     results, wall = asyncio.run(run_load(url, prompts, args.output_tokens, max_concurrency=args.concurrency))
     s = summarize(results, wall, percentiles=())
     if s["failed"]:
@@ -86,6 +92,8 @@ def main():
     try:
         for name, flag in (("on", "--enable-prefix-caching"), ("off", "--no-enable-prefix-caching")):
             servers[name] = start_server(f"{args.server_args} {flag}")
+        for _, url in servers.values():
+            asyncio.run(run_load(url, ["A short warm-up request."] * 2, 8))
         figures = {name: {"multi_turn": [], "shared": []} for name in servers}
         for rnd in range(args.rounds):
             order = ("on", "off") if rnd % 2 == 0 else ("off", "on")

@@ -188,3 +188,11 @@ def test_switch_and_hybrid_models_log_why_it_is_off(caplog, tmp_path, tokenizer)
     assert any("prefix caching off" in r.message and "not block-addressable" in r.message for r in caplog.records)
     with pytest.raises(ValueError, match="enable_prefix_caching"):
         LLM(**dict(DEFAULT_LLM_KWARGS, enable_prefix_caching="yes"))
+
+
+def test_cli_and_serve_flags():
+    from pipespec.cli import build_parser, engine_kwargs
+    for command in (["generate", "hi"], ["serve"]):
+        assert engine_kwargs(build_parser().parse_args(command))["enable_prefix_caching"] is True
+        off = build_parser().parse_args([*command, "--no-enable-prefix-caching"])
+        assert engine_kwargs(off)["enable_prefix_caching"] is False
