@@ -209,13 +209,6 @@ def _scan_qwen3(block: str, schemas: dict, final: bool) -> list[tuple[str, list[
     return _scan_qwen3_coder(block, schemas, final)
 
 
-def _whole(scan):
-    """A block parser from a scanner: the calls of the closed block."""
-    def parse(block: str, schemas: dict) -> list[ParsedCall]:
-        return [ParsedCall(name, "{" + ", ".join(members) + "}") for name, members, _ in scan(block, schemas, True)]
-    return parse
-
-
 _ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
 
 
@@ -310,10 +303,15 @@ class ToolCallFormat:
     name: str
     start: str
     end: str
-    parse: Callable[[str, dict], list[ParsedCall]]
+    # formats parsed when their block closes: (block, schemas) -> the calls
+    parse: Callable[[str, dict], list[ParsedCall]] | None = None
     # formats whose calls stream as they are written: (block so far, schemas, final) -> the calls
-    # so far (see _scan_qwen3_coder); the others are parsed when their block closes
+    # so far (see _scan_qwen3_coder)
     scan: Callable[[str, dict, bool], list[tuple[str, list[str], bool]]] | None = None
+
+    def __post_init__(self):
+        if (self.parse is None) == (self.scan is None):
+            raise ValueError(f"tool-call format {self.name}: give either parse or scan")
 
     def stream(self, tools: list[dict] | None = None) -> "ToolCallStream":
         return ToolCallStream(self, tools)
@@ -336,14 +334,13 @@ class ToolCallFormat:
 
 TOOL_CALL_PARSERS = {f.name: f for f in (
     ToolCallFormat("hermes", "<tool_call>", "</tool_call>", _parse_hermes),
-    ToolCallFormat("qwen3_coder", "<tool_call>", "</tool_call>", _whole(_scan_qwen3_coder), _scan_qwen3_coder),
-    ToolCallFormat("qwen3", "<tool_call>", "</tool_call>", _whole(_scan_qwen3), _scan_qwen3),
-    ToolCallFormat("glm45", "<tool_call>", "</tool_call>", _whole(_scan_glm), _scan_glm),
-    ToolCallFormat("glm47", "<tool_call>", "</tool_call>", _whole(_scan_glm), _scan_glm),
+    ToolCallFormat("qwen3_coder", "<tool_call>", "</tool_call>", scan=_scan_qwen3_coder),
+    ToolCallFormat("qwen3", "<tool_call>", "</tool_call>", scan=_scan_qwen3),
+    ToolCallFormat("glm45", "<tool_call>", "</tool_call>", scan=_scan_glm),
+    ToolCallFormat("glm47", "<tool_call>", "</tool_call>", scan=_scan_glm),
     ToolCallFormat("deepseek_v3", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", _parse_deepseek_v3),
     ToolCallFormat("deepseek_v31", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", _parse_deepseek_v31),
-    ToolCallFormat("deepseek_v32", "<｜DSML｜function_calls>", "</｜DSML｜function_calls>", _whole(_scan_deepseek_v32),
-                   _scan_deepseek_v32),
+    ToolCallFormat("deepseek_v32", "<｜DSML｜function_calls>", "</｜DSML｜function_calls>", scan=_scan_deepseek_v32),
 )}
 
 
