@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -434,6 +435,5 @@ def test_torchrun_launch_matches_pp1(tiny_llama):
            "--max-model-len", "256", "--num-kv-blocks", "64", "--max-tokens", "8", "--ignore-eos", *prompts]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
-    texts = [block.split("\n", 1)[1].rsplit("\n### ", 1)[0]
-             for block in run.stdout.split("### prompt: ")[1:]]
+    texts = re.findall(r"### prompt: .*?tokens\)\n(.*?)\n### \d+ tokens, finish_reason=", run.stdout, re.S)
     assert texts == expected, run.stdout
