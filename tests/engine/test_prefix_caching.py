@@ -1,7 +1,7 @@
 """Automatic prefix caching end to end on the default model: outputs (greedy and seeded sampling)
-equal with the cache on and off, with MTP K = 0, 2, 3 at PP = 1, 2 and 3, and the cache really hit;
-also under async scheduling; the MTP entry of a reused block made with the right next token; a block shared by running requests
-surviving one of them being aborted or preempted; a workload larger than the cache staying correct;
+equal with the cache on and off, with MTP K = 0, 2, 3 at PP = 1, 2 and 3 and under async
+scheduling, and the cache really hit; the MTP entry of a reused block made with the right next
+token; a block shared by running requests surviving one of them being aborted or preempted; a workload larger than the cache staying correct;
 stats, reset and the switch."""
 from __future__ import annotations
 
