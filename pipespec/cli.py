@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import time
 
 from pipespec.engine.args import add_engine_args, engine_kwargs
 
@@ -123,16 +124,21 @@ def _generate(args) -> int:
                             top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop,
                             ignore_eos=args.ignore_eos)
     with LLM(**engine_kwargs(args)) as llm:
+        t0 = time.perf_counter()
         if args.chat:
             outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params)
         else:
             outs = llm.generate(args.prompts, params)
+        elapsed = time.perf_counter() - t0
         spec = llm.engine.spec_stats if llm.engine.spec_stats.num_spec_tokens else None
     for prompt, out in zip(args.prompts, outs):
         c = out.outputs[0]
         print(f"### prompt: {prompt!r}  ({len(out.prompt_token_ids)} tokens)")
         print(c.text)
         print(f"### {len(c.token_ids)} tokens, finish_reason={c.finish_reason}\n")
+    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    print(f"### {generated} tokens generated in {elapsed:.2f} s: {generated / elapsed:.1f} tokens/s "
+          f"(prefill included)")
     if spec is not None:
         print(f"### {spec.summary()}")
     return 0

@@ -11,7 +11,7 @@ import time
 
 from pipespec.bench.output import report
 from pipespec.bench.prompts import random_token_prompts
-from pipespec.bench.stats import describe
+from pipespec.bench.stats import describe, speculation, speculation_line
 
 PERCENTILES = (10, 25, 50, 75, 90, 99)
 
@@ -46,12 +46,17 @@ def run(args: argparse.Namespace) -> int:
 
         for _ in range(args.num_iters_warmup):
             once()
+        before = llm.stats().get("spec_decode")
         latencies = [once() for _ in range(args.num_iters)]
+        spec = speculation(before, llm.stats().get("spec_decode"))
     summary = describe(latencies, PERCENTILES)
     lines = [f"Avg latency: {summary['mean']:.4f} seconds"]
     lines += [f"{q}% percentile latency: {summary[f'p{q}']:.4f} seconds" for q in PERCENTILES]
     results = {"input_len": args.input_len, "output_len": args.output_len, "batch_size": args.batch_size,
                "num_iters": args.num_iters, "avg_latency": summary["mean"], "latencies": latencies,
                "percentiles": {str(q): summary[f"p{q}"] for q in PERCENTILES}}
+    if spec is not None:
+        results["speculative_decoding"] = spec
+        lines += speculation_line(spec)
     report(lines, results, args.output_json)
     return 0

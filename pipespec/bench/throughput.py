@@ -10,6 +10,7 @@ import time
 
 from pipespec.bench.output import report
 from pipespec.bench.prompts import random_token_prompts
+from pipespec.bench.stats import speculation, speculation_line
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -32,9 +33,11 @@ def run(args: argparse.Namespace) -> int:
     with LLM(seed=args.seed, **engine_kwargs(args)) as llm:
         prompts = [{"prompt_token_ids": ids} for ids in
                    random_token_prompts(args.num_prompts, args.input_len, llm.engine.arch.vocab_size, args.seed)]
+        before = llm.stats().get("spec_decode")
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - t0
+        spec = speculation(before, llm.stats().get("spec_decode"))
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outs)
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     results = {"input_len": args.input_len, "output_len": args.output_len, "num_requests": len(outs),
@@ -46,5 +49,8 @@ def run(args: argparse.Namespace) -> int:
              f"{results['tokens_per_second']:.2f} total tokens/s, "
              f"{results['output_tokens_per_second']:.2f} output tokens/s "
              f"({len(outs)} requests in {elapsed:.2f} s)"]
+    if spec is not None:
+        results["speculative_decoding"] = spec
+        lines += speculation_line(spec)
     report(lines, results, args.output_json)
     return 0

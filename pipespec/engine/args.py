@@ -27,6 +27,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "checkpoint; it supports the architectures it implements itself")
     g.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                    help="Jinja chat template replacing the model's: a file, or the template itself")
+    g.add_argument("--tokenizer-mode", default="auto", type=_tokenizer_mode,
+                   help="auto only: the model folder's `tokenizers` fast tokenizer")
     g.add_argument("--kv-cache-dtype", default="auto", type=_kv_cache_dtype,
                    help="auto only: the KV cache is stored in the model's dtype (FP8 KV caches are not "
                         "implemented)")
@@ -39,7 +41,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="with --load-format dummy: random weights in this format (block-scaled FP8, int4); "
                         "with a checkpoint: must match its quantization_config")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
-    g.add_argument("--num-kv-blocks", type=int, default=None,
+    g.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", type=int, default=None,
                    help="KV cache blocks (default: from --kv-cache-memory on CPU, free memory on GPU)")
     g.add_argument("--kv-cache-memory", type=int, default=None,
                    help="bytes for the KV cache on CPU (default: 1 GiB)")
@@ -76,6 +78,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     pp.add_argument("--custom-all-reduce", action="store_true",
                     help="TP on GPUs: decode-sized sums through a one-host symmetric-memory all-reduce "
                          "instead of NCCL (experimental; default off)")
+    pp.add_argument("--disable-custom-all-reduce", action="store_true",
+                    help="accepted for vLLM compatibility: pipespec's custom all-reduce is off unless "
+                         "--custom-all-reduce")
     pp.add_argument("--stage-timeout", type=float, default=30.0,
                     help="seconds a stage may stay silent before the engine fails")
     pp.add_argument("--distributed-backend", default="auto", choices=["auto", "gloo", "nccl"],
@@ -122,6 +127,13 @@ def parse_max_model_len(text: str) -> int | None:
         return int(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a length in tokens (e.g. 4096, 4k, 4K, auto)") from None
+
+
+def _tokenizer_mode(text: str) -> str:
+    if text not in ("auto", "hf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not supported: pipespec always uses the model folder's "
+                                         "`tokenizers` fast tokenizer (auto)")
+    return "auto"
 
 
 def _kv_cache_dtype(text: str) -> str:

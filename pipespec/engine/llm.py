@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 from pipespec.config import EngineConfig
 from pipespec.engine.llm_engine import LLMEngine
 from pipespec.engine.outputs import RequestOutput
+from pipespec.model.tokenizer import read_chat_template
 from pipespec.sampling import RequestOutputKind, SamplingParams
 
 
@@ -55,17 +56,19 @@ class LLM:
 
         `tools`: OpenAI tool definitions the template lists for the model; `chat_template_kwargs`:
         more template variables (e.g. {"enable_thinking": False}); `chat_template`: a Jinja template
-        used instead of the model's. Assistant messages may carry `tool_calls` (arguments as objects)
-        and `role: "tool"` messages the results. The output is the raw text: the server's parsers
-        (pipespec.server.parsers) split out reasoning and calls."""
+        (or a file holding one) used instead of the model's. Assistant messages may carry
+        `tool_calls` (arguments as objects) and `role: "tool"` messages the results. The output is
+        the raw text: the server's parsers (pipespec.server.parsers) split out reasoning and calls."""
         conversations = messages if messages and isinstance(messages[0], (list, tuple)) else [messages]
+        tokenizer = self.engine.tokenizer
+        if chat_template is not None:
+            tokenizer = tokenizer.with_chat_template(read_chat_template(chat_template))
         prompts = []
         for i, conv in enumerate(conversations):
             _check_messages(conv, i)
-            text = self.engine.tokenizer.apply_chat_template(list(conv), add_generation_prompt, tools=tools,
-                                                             chat_template=chat_template,
-                                                             **(chat_template_kwargs or {}))
-            prompts.append({"prompt_token_ids": self.engine.tokenizer.encode(text, add_special_tokens=False)})
+            text = tokenizer.apply_chat_template(list(conv), add_generation_prompt, tools=tools,
+                                                 **(chat_template_kwargs or {}))
+            prompts.append({"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)
 
     @staticmethod

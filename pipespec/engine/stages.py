@@ -143,6 +143,7 @@ def run_stage_worker(config: EngineConfig) -> int:
         raise RuntimeError("run_stage_worker is for ranks > 0 of a torchrun launch")
     source = resolve_model(config.model.model, weights_dtype(config), config.model.revision,
                            config.model.download_dir)
+    check_tensor_parallel(source.arch, config.parallel.tensor_parallel_size)    # each rank says it, exit 2
     max_model_len = check_max_model_len(config.model.max_model_len, source.arch.max_position)
     ranges = config.parallel.layer_ranges(source.arch.num_layers)
     make_stage = _make_stage(source, config, ranges, max_model_len, env.rank, env)

@@ -50,13 +50,12 @@ class Tokenizer:
         self.bos_token, self.eos_token = bos_token, eos_token
         self.chat_template = chat_template
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
-        self._env = env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
         env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False, sort_keys=False: json.dumps(
             x, ensure_ascii=ensure_ascii, indent=indent, sort_keys=sort_keys)
         self._template = env.from_string(chat_template) if chat_template else None
-        self._override: tuple[str, object] | None = None       # (source, compiled) of a replacement template
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if len(text) < _LONG_TEXT:
@@ -88,15 +87,11 @@ class Tokenizer:
         self._tok.save(str(path))
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None, chat_template: str | None = None, **kwargs) -> str:
+                            tools: list[dict] | None = None, **kwargs) -> str:
         """Render a conversation. `tools`: OpenAI tool definitions, for templates that list them;
-        `chat_template`: a template used instead of the model's; other keywords reach the template
-        as variables (e.g. enable_thinking=False for Qwen3, thinking=True for DeepSeek-V3.1)."""
+        other keywords reach the template as variables (e.g. enable_thinking=False for Qwen3,
+        thinking=True for DeepSeek-V3.1)."""
         template = self._template
-        if chat_template is not None:
-            if self._override is None or self._override[0] != chat_template:
-                self._override = (chat_template, self._env.from_string(chat_template))
-            template = self._override[1]
         if template is None:
             raise ValueError("this model has no chat template; use generate() with a plain prompt")
         return template.render(**kwargs, messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,

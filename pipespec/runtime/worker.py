@@ -40,7 +40,8 @@ from pipespec.runtime.idle import next_plan_header
 from pipespec.runtime.one_host_all_reduce import OneHostAllReduce
 from pipespec.runtime.spawned_worker import prepare_spawned_worker
 from pipespec.runtime.step import run_stage_step
-from pipespec.runtime.transport import Link, Op, SendQueue, StageError, payload_len, unpack_plan
+from pipespec.runtime.transport import (Link, Op, SendQueue, StageError, library_text, payload_len,
+                                        unpack_plan)
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +124,12 @@ def stage_status(stage, rank: int) -> dict:
 
 
 def error_text(exc: BaseException) -> str:
-    text = f"{type(exc).__name__}: {exc}"
+    """One line: the exception's type and message (a torch.distributed library's message cut to its
+    fact: no source-file prefix, no generic advice) and where it was raised."""
+    message = str(exc)
+    if message.startswith("[") and ("gloo" in message or "This is typically" in message):
+        message = library_text(exc).split(": ", 1)[1]
+    text = f"{type(exc).__name__}: {message}"
     tb = traceback.extract_tb(exc.__traceback__)
     if tb:
         frame = tb[-1]

@@ -48,7 +48,7 @@ class ChatOptions:
         return cls(enable_auto_tool_choice, tool_call_parser, reasoning_parser)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class ChatPlan:
     """What a checked chat request renders and how its answer is parsed."""
     messages: list[dict]
@@ -205,8 +205,9 @@ def _message(i: int, m) -> dict:
     if calls is not None:
         if m.role != "assistant":
             raise ApiError(400, f"{where}.tool_calls: only assistant messages carry tool calls", f"{where}.tool_calls")
-        msg["tool_calls"] = [_history_call(f"{where}.tool_calls[{j}]", c) for j, c in enumerate(calls or ())] \
-            if isinstance(calls, list) else _bad(f"{where}.tool_calls", "must be a list")
+        if not isinstance(calls, list):
+            _bad(f"{where}.tool_calls", "must be a list")
+        msg["tool_calls"] = [_history_call(f"{where}.tool_calls[{j}]", c) for j, c in enumerate(calls)]
     if content is None and not (m.role == "assistant" and msg.get("tool_calls")):
         raise ApiError(400, f"{where}.content: missing (only an assistant message with tool_calls may omit it)",
                        f"{where}.content")
@@ -239,5 +240,4 @@ def _history_call(where: str, call) -> dict:
             _bad(f"{where}.function.arguments", "is not valid JSON")
     if not isinstance(args, dict):
         _bad(f"{where}.function.arguments", "must be a JSON object")
-    out = {"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}}
-    return out
+    return {"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}}

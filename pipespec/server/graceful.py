@@ -6,7 +6,8 @@ On SIGTERM or Ctrl-C the server stops accepting connections and lets the request
 ends each with finish_reason "abort": a stream gets its last chunk and `[DONE]`, a plain request its
 answer so far), so that every response completes by itself and uvicorn never has to cancel a
 handler (which would cut the streams off and log CancelledError tracebacks). uvicorn's own cancel
-is kept as a backstop, `BACKSTOP` seconds later. A second Ctrl-C aborts at once.
+is kept as a backstop, `BACKSTOP` seconds later. A second Ctrl-C aborts at once, a third stops
+waiting altogether.
 
 uvicorn re-raises the signal with the default handler after its shutdown, which would kill the
 process before `pipespec serve` stops its pipeline stages (they would see the driver vanish, and
@@ -47,6 +48,8 @@ class GracefulServer(uvicorn.Server):
         if self.stop_signal is None:
             self.stop_signal = sig
         if self.should_exit and sig == signal.SIGINT:
+            if self._deadline_called:
+                self.force_exit = True      # a third Ctrl-C: stop waiting for anything
             self._deadline()                # a second Ctrl-C: answer the open requests now
         self.should_exit = True
 

@@ -31,6 +31,18 @@ def test_latency(tmp_path):
     assert min(result["latencies"]) <= result["percentiles"]["50"] <= max(result["latencies"])
     assert f"Avg latency: {result['avg_latency']:.4f} seconds" in proc.stdout
     assert "99% percentile latency" in proc.stdout
+    assert "speculative_decoding" not in result and "Speculative decoding" not in proc.stdout
+
+
+def test_throughput_with_mtp_reports_acceptance(tmp_path):
+    out = tmp_path / "throughput.json"
+    proc = bench("throughput", *ENGINE, "--input-len", "8", "--output-len", "12", "--num-prompts", "3",
+                 "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}', "--output-json", str(out))
+    spec = json.loads(out.read_text())["speculative_decoding"]
+    assert spec["num_drafts"] > 0 and spec["num_draft_tokens"] == 2 * spec["num_drafts"]
+    assert spec["mean_acceptance_length"] == pytest.approx(1 + spec["num_accepted_tokens"] / spec["num_drafts"])
+    assert 1.0 <= spec["mean_acceptance_length"] <= 3.0
+    assert f"mean acceptance length {spec['mean_acceptance_length']:.2f}" in proc.stdout
 
 
 def test_throughput(tmp_path):

@@ -42,7 +42,8 @@ def help_text(capsys, *args: str) -> str:
 def test_help_shows_defaults(capsys):
     text = help_text(capsys, "generate")
     out = " ".join(text[text.index("\n\n"):].split())     # past the usage lines, line wrapping undone
-    for flag, default in (("--max-tokens", "64"), ("--max-num-batched-tokens", "1024"), ("--block-size", "16"),
+    for flag, default in (("--max-tokens", "until the model ends its answer, bounded by --max-model-len"),
+                          ("--max-num-batched-tokens", "1024"), ("--block-size", "16"),
                           ("--max-num-seqs", "64"), ("--temperature", "0.0"), ("--dtype", "auto")):
         # the flag's own entry: no other flag between it and its "(default: ...)"
         m = re.search(re.escape(flag) + r" \S+ (?:(?! --).)*?\(default: ([^)]*)\)", out)

@@ -20,7 +20,8 @@ def test_tools_kwargs_and_history_reach_the_template(tokenizer):
         {"role": "assistant", "content": None,
          "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Zürich"}}}]},
         {"role": "tool", "content": "22 C"}]
-    text = tokenizer.apply_chat_template(history, False, tools=TOOLS, chat_template=PROBE, enable_thinking=False)
+    text = tokenizer.with_chat_template(PROBE).apply_chat_template(history, False, tools=TOOLS,
+                                                                    enable_thinking=False)
     assert text == ('get_weather|False|user:What is the weather in Paris?;assistant:get_weather{"city": "Zürich"};'
                     "tool:22 C;")
 

@@ -83,8 +83,12 @@ def test_default_model_tp3_equals_tp1(_session_llm, tokenizer):
 
 
 def test_default_model_refuses_tp2_naming_the_heads():
-    with pytest.raises(StageError, match="num_attention_heads=9 is not divisible by tensor_parallel_size=2"):
+    """Checked in the parent before any worker is spawned: a bad argument (ValueError), said once."""
+    before = spawned_children()
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 does not split the model's attention heads "
+                                         r"evenly \(num_attention_heads=9, num_key_value_heads=3\); choose one of 1, 3, 9"):
         LLM(model=None, tensor_parallel_size=2, startup_timeout=60, **DEFAULT_LLM_KWARGS)
+    assert spawned_children() <= before
 
 
 @pytest.mark.serial
@@ -114,6 +118,9 @@ def test_killed_tp_rank_fails_generate_within_timeout(tiny_models, prompts, pp, 
     assert elapsed < 10, f"the error took {elapsed:.1f}s"
     name = f"pipeline stage {victim // 2} TP rank 1 (rank {victim}) (pid {pid}) killed by SIGKILL"
     assert name in str(err.value), str(err.value)
+    # our diagnosis first, what gloo said after it (one line of it, without its advice)
+    assert str(err.value).index(name) < str(err.value).index("the driver saw"), str(err.value)
+    assert "This is typically" not in str(err.value)
     assert all(o.outputs[0].finish_reason == "abort" for o in err.value.outputs)
     llm.shutdown()
     assert not any(pid_alive(p) for p in pids)

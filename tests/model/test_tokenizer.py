@@ -76,3 +76,40 @@ def test_llm_chat_uses_the_template(llm, hf_tokenizer):
     out = llm.chat(CONVERSATIONS[1], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)[0]
     assert out.prompt_token_ids == _ids(hf_tokenizer.apply_chat_template(CONVERSATIONS[1],
                                                                           add_generation_prompt=True, tokenize=True))
+
+
+# -- --tokenizer and --chat-template (vLLM's flags) ----------------------------------------------
+
+
+def test_chat_template_inline_file_and_errors(tmp_path):
+    from pipespec.model.tokenizer import read_chat_template
+    inline = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+    assert read_chat_template(inline) == inline
+    path = tmp_path / "t.jinja"
+    path.write_text(inline)
+    assert read_chat_template(str(path)) == inline
+    with pytest.raises(FileNotFoundError, match="no such file, and not a template"):
+        read_chat_template(str(tmp_path / "missing.jinja"))
+
+
+def test_engine_applies_tokenizer_and_chat_template(tiny_models, tmp_path):
+    import json
+    import shutil
+
+    from pipespec import LLM
+    tok_folder = tmp_path / "tok"
+    shutil.copytree(tiny_models["qwen2"][0], tok_folder)
+    cfg = json.loads((tok_folder / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = "TOK:{{ messages[0]['content'] }}"
+    (tok_folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    kwargs = dict(model=str(tiny_models["qwen2"][0]), dtype="float32", device="cpu", max_model_len=64,
+                  num_kv_blocks=16)
+    messages = [{"role": "user", "content": "hi"}]
+    with LLM(tokenizer=str(tok_folder), **kwargs) as llm:
+        assert llm.get_tokenizer().apply_chat_template(messages) == "TOK:hi"
+    with LLM(tokenizer=str(tok_folder), chat_template="<{{ messages[0]['content'] }}>", **kwargs) as llm:
+        assert llm.get_tokenizer().apply_chat_template(messages) == "<hi>"
+        out = llm.chat(messages, use_tqdm=False)[0]
+        assert out.prompt_token_ids == llm.get_tokenizer().encode("<hi>")
+    with pytest.raises(ValueError, match="chat template does not compile"):
+        LLM(chat_template="{% for %}", **kwargs)

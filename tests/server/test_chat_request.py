@@ -113,5 +113,3 @@ def test_server_options_refuse_bad_combinations():
         ChatOptions(tool_call_parser="hermes")
     with pytest.raises(ValueError, match="--reasoning-parser 'r2' is not known"):
         ChatOptions(reasoning_parser="r2")
-    with pytest.raises(ValueError, match="neither a file nor a Jinja template"):
-        ChatOptions.from_args(False, None, None, "/no/such/template.jinja")

@@ -147,3 +147,29 @@ def test_requests_after_the_signal_are_refused_or_not_accepted(tmp_path):
 
 def _model(server: LiveServer) -> str:
     return httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]["id"]
+
+
+def test_second_ctrl_c_aborts_at_once(tmp_path):
+    server = LiveServer("--shutdown-timeout", "120", log=tmp_path / "server.log", log_level="INFO")
+    events = []
+    try:
+        with httpx.stream("POST", f"{server.url}/v1/completions", timeout=120,
+                          json={"prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True,
+                                "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 2:
+                        server.proc.send_signal(signal.SIGINT)
+                        signalled = time.monotonic()
+                    elif len(events) == 6:
+                        server.proc.send_signal(signal.SIGINT)
+        code = server.proc.wait(60)
+        exit_time = time.monotonic() - signalled
+    finally:
+        server.stop()
+    log = server.output()
+    assert code == 0, log[-3000:]
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["choices"][0]["finish_reason"] == "abort"
+    assert exit_time < 30, f"{exit_time:.1f}s: the second Ctrl-C did not cut the 120 s grace period short"
+    _clean(log)

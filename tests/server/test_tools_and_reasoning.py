@@ -12,36 +12,39 @@ import pytest
 from openai import OpenAI
 
 from tests.live_server import REPO, LiveServer, pipespec_env
-from tests.tool_template import CITY, QUESTION, REASONING, TOOL_TEMPLATE, TOOLS
+from tests.tool_template import ARGUMENTS, CITY, QUESTION, REASONING, TOOLS, tool_template
 
-FLAGS = ("--max-model-len", "1024", "--max-num-seqs", "4", "--enable-auto-tool-choice",
-         "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3")
+pytestmark = pytest.mark.slow       # three servers, a few answers of ~60 tokens each
+
+FLAGS = ("--max-model-len", "1024", "--max-num-seqs", "4", "--enable-auto-tool-choice", "--reasoning-parser", "qwen3")
 MTP = ("--speculative-config", '{"method": "mtp", "num_speculative_tokens": 3}')
-ASK = dict(messages=QUESTION, tools=TOOLS, max_tokens=64, temperature=0)
+ASK = dict(messages=QUESTION, tools=TOOLS, max_tokens=96, temperature=0)
 
 
 @pytest.fixture(scope="module")
-def template_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("template") / "tool_template.jinja"
-    path.write_text(TOOL_TEMPLATE)
-    return str(path)
+def template_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("templates")
 
 
-def _client(server):
-    return OpenAI(base_url=f"{server.url}/v1", api_key="none", timeout=300, max_retries=0)
+def _server(folder, parser: str, *more: str):
+    """A live server with `parser` and a template whose earlier turns call in its format."""
+    path = folder / f"{parser}.jinja"
+    path.write_text(tool_template(parser))
+    s = LiveServer(*FLAGS, "--tool-call-parser", parser, "--chat-template", str(path), *more)
+    return s, OpenAI(base_url=f"{s.url}/v1", api_key="none", timeout=300, max_retries=0)
 
 
 @pytest.fixture(scope="module")
-def plain(template_file):
-    s = LiveServer(*FLAGS, "--chat-template", template_file)
-    yield _client(s)
+def plain(template_dir):
+    s, client = _server(template_dir, "hermes")
+    yield client
     s.stop()
 
 
 @pytest.fixture(scope="module")
-def mtp(template_file):
-    s = LiveServer(*FLAGS, *MTP, "--chat-template", template_file)
-    yield _client(s)
+def mtp(template_dir):
+    s, client = _server(template_dir, "hermes", *MTP)
+    yield client
     s.stop()
 
 
@@ -80,13 +83,13 @@ def streamed(client) -> tuple[dict, str, list]:
             finishes[-1], kinds)
 
 
-def check(msg: dict, finish: str) -> None:
+def check(msg: dict, finish: str, parser: str = "hermes") -> None:
     assert finish == "tool_calls"
     assert msg["content"] is None                  # no markup, no blank text: the answer is the call
     assert msg["reasoning_content"] == REASONING
     [(kind, name, arguments)] = msg["calls"]
     assert (kind, name) == ("function", "get_weather")
-    assert json.loads(arguments) == {"city": CITY}
+    assert json.loads(arguments) == ARGUMENTS[parser]
     assert msg["ids"][0].startswith("call_")
 
 
@@ -103,12 +106,44 @@ def test_tool_call_and_reasoning_streamed_and_not_with_mtp_off_and_on(plain, mtp
     assert results["mtp"] == results["off"]        # speculation changes no field
 
 
+def test_qwen3_coder_calls_typed_by_the_schema_with_mtp(template_dir):
+    s, client = _server(template_dir, "qwen3_coder", *MTP)
+    try:
+        msg, finish = whole(client)
+        check(msg, finish, "qwen3_coder")             # "days": 3, an integer as the tool's schema says
+        smsg, sfinish, _ = streamed(client)
+        check(smsg, sfinish, "qwen3_coder")
+        assert smsg["calls"] == msg["calls"]
+    finally:
+        s.stop()
+
+
 def test_tool_choice_none_keeps_the_reasoning_apart_and_the_markup_in_content(mtp):
     r = mtp.chat.completions.create(model=model(mtp), tool_choice="none", **ASK)
     msg = r.choices[0].message
     assert r.choices[0].finish_reason == "stop" and not msg.tool_calls
     assert msg.reasoning_content == REASONING
     assert msg.content.startswith("<tool_call>") and '"get_weather"' in msg.content
+
+
+def test_thinking_off_through_chat_template_kwargs(mtp):
+    r = mtp.chat.completions.create(model=model(mtp), extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+                                    **ASK)
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert msg.reasoning_content is None and msg.content is None        # the prompt closed the block
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls] == \
+        [("get_weather", {"city": CITY})]
+
+
+def test_history_with_a_tool_call_and_its_result_is_accepted(plain):
+    history = QUESTION + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "22 C and sunny"}]
+    r = plain.chat.completions.create(model=model(plain), **{**ASK, "messages": history, "max_tokens": 1})
+    assert r.choices[0].finish_reason in ("length", "stop", "tool_calls")
+    assert r.usage.prompt_tokens > 100
 
 
 @pytest.mark.parametrize("extra,match", [

@@ -9,7 +9,7 @@ from __future__ import annotations
 import uuid
 
 from pipespec.server.parsers.reasoning import ReasoningFormat
-from pipespec.server.parsers.tool_calls import ParsedCall, ToolCallFormat
+from pipespec.server.parsers.tool_calls import CallArgs, CallStart, ParsedCall, ToolCallFormat
 
 
 def tool_call_id() -> str:
@@ -28,6 +28,7 @@ class ChatOutputParser:
         self.has_reasoning = reasoning is not None
         self.parallel_tool_calls = parallel_tool_calls
         self.num_calls = 0
+        self._dropping = False           # a streamed call past the first, with parallel_tool_calls=False
         self._ws = ""                    # content's trailing whitespace, held until text follows it
 
     def feed(self, text: str) -> list[dict]:
@@ -58,14 +59,19 @@ class ChatOutputParser:
         if final:
             events += self._tools.finish()
         for e in events:
-            if isinstance(e, ParsedCall):
+            if isinstance(e, (ParsedCall, CallStart)):         # a call's index, id and name
                 self._ws = ""
-                if self.num_calls and not self.parallel_tool_calls:
+                self._dropping = bool(self.num_calls and not self.parallel_tool_calls)
+                if self._dropping:
                     continue
-                index, self.num_calls = self.num_calls, self.num_calls + 1
-                out.append({"tool_calls": [{"index": index, "id": tool_call_id(), "type": "function",
+                self.num_calls += 1
+                out.append({"tool_calls": [{"index": self.num_calls - 1, "id": tool_call_id(), "type": "function",
                                             "function": {"name": e.name, "arguments": ""}}]})
-                out.append({"tool_calls": [{"index": index, "function": {"arguments": e.arguments}}]})
+                if isinstance(e, ParsedCall):
+                    out.append({"tool_calls": [{"index": self.num_calls - 1, "function": {"arguments": e.arguments}}]})
+            elif isinstance(e, CallArgs):                      # then its arguments, fragment by fragment
+                if not self._dropping:
+                    out.append({"tool_calls": [{"index": self.num_calls - 1, "function": {"arguments": e.text}}]})
             elif e:
                 # trailing blank text is held: blank text around calls is never content
                 text = self._ws + e

@@ -22,6 +22,8 @@ class ReasoningFormat:
     # the output is reasoning until `end` even when neither the prompt nor the output opened the
     # block (DeepSeek-R1's template adds `<think>` only in some versions; the model never writes it)
     always_starts_inside: bool = False
+    # tags that end the reasoning when the model skips `end` (they stay in the output, as content)
+    implicit_ends: tuple[str, ...] = ()
 
     def stream(self, prompt: str = "") -> "ReasoningStream":
         return ReasoningStream(self, self.always_starts_inside or prompt.rstrip().endswith(self.start))
@@ -35,7 +37,8 @@ class ReasoningFormat:
 
 
 REASONING_PARSERS = {
-    "qwen3": ReasoningFormat("qwen3"),
+    # Qwen3 models now and then open a tool call without closing the reasoning block first
+    "qwen3": ReasoningFormat("qwen3", implicit_ends=("<tool_call>",)),
     "glm45": ReasoningFormat("glm45"),
     "deepseek_r1": ReasoningFormat("deepseek_r1", always_starts_inside=True),
     # V3.1/V3.2: `thinking` in chat_template_kwargs makes the template end the prompt with `<think>`
@@ -60,7 +63,7 @@ class ReasoningStream:
 
     def __init__(self, fmt: ReasoningFormat, inside: bool):
         self.fmt = fmt
-        self._split = TagSplitter((fmt.start, fmt.end))
+        self._split = TagSplitter((fmt.start, fmt.end, *fmt.implicit_ends))
         self._state = _REASONING if inside else _START
         self._pending = ""             # whitespace not yet placed (before the block, or reasoning's tail)
         self._reasoning_started = False
@@ -84,6 +87,9 @@ class ReasoningStream:
                     self._state, self._pending = _REASONING, ""
                 elif state in (_START, _REASONING) and item == self.fmt.end:
                     self._state, self._pending = _AFTER, ""
+                elif state == _REASONING and item in self.fmt.implicit_ends:
+                    self._state, self._pending = _CONTENT, ""
+                    content.append(str(item))
                 elif state == _REASONING:
                     pass                       # a second opening tag inside the block: dropped
                 else:

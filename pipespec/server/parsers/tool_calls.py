@@ -4,9 +4,10 @@ A parser finds call blocks between a start and an end tag; the text outside them
 about the formats (each checked against the model's published chat template and the reference
 parsers of vLLM/SGLang, nothing copied):
 
-- hermes (Qwen2.5, Qwen3): `<tool_call>\\n{"name": N, "arguments": {...}}\\n</tool_call>`, one per call.
-- qwen3_coder (Qwen3-Coder, Qwen3.5/3.6, Qwen3-Next): `<tool_call>\\n<function=N>\\n<parameter=K>\\nV\\n
+- hermes (Qwen2.5, Qwen3, Qwen3-Next): `<tool_call>\\n{"name": N, "arguments": {...}}\\n</tool_call>`, one per call.
+- qwen3_coder (Qwen3-Coder, Qwen3.5/3.6): `<tool_call>\\n<function=N>\\n<parameter=K>\\nV\\n
   </parameter>\\n</function>\\n</tool_call>`; V is raw text, typed by the tool's JSON schema.
+- qwen3 (recent vLLM's name for the Qwen family): either of the two forms above, call by call.
 - glm45 (GLM-4.5/4.6) and glm47 (GLM-4.7/5): `<tool_call>N\\n<arg_key>K</arg_key>\\n<arg_value>V
   </arg_value>\\n</tool_call>` (glm47 writes no newlines); V is raw text for string parameters, JSON
   otherwise.
@@ -17,7 +18,9 @@ parsers of vLLM/SGLang, nothing copied):
   `<｜DSML｜parameter name="K" string="true|false">V</｜DSML｜parameter>` (string="true": V is raw
   text, else JSON), closed by `</｜DSML｜invoke>` and `</｜DSML｜function_calls>`.
 
-A block that does not parse as a call is returned as content, with a warning log line."""
+A block that does not parse as a call is returned as content, with a warning log line. The
+parameter formats (qwen3_coder, glm45/47, deepseek_v32) stream each call as it is written: its name
+once whole, then its arguments a parameter at a time; the JSON formats give a call when it closes."""
 from __future__ import annotations
 
 import dataclasses
@@ -35,6 +38,18 @@ logger = logging.getLogger(__name__)
 class ParsedCall:
     name: str
     arguments: str        # a JSON object, as the OpenAI API carries it
+
+
+@dataclasses.dataclass(frozen=True)
+class CallStart:
+    """A call streamed as it is written: its name is known (its arguments follow as `CallArgs`)."""
+    name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class CallArgs:
+    """The next fragment of the arguments (a JSON object) of the latest `CallStart`."""
+    text: str
 
 
 class BadCall(ValueError):
@@ -150,34 +165,75 @@ def _strip_one_newline(value: str) -> str:
     return value
 
 
-def _parse_qwen3_coder(block: str, schemas: dict) -> list[ParsedCall]:
+def _member(key: str, value) -> str:
+    """One `"key": value` of an arguments object, as json.dumps writes it inside the braces."""
+    return f"{json.dumps(key, ensure_ascii=False)}: {json.dumps(value, ensure_ascii=False)}"
+
+
+def _scan_qwen3_coder(block: str, schemas: dict, final: bool) -> list[tuple[str, list[str], bool]]:
+    """The calls of a block so far, each (name, its complete parameters as JSON members, closed).
+    On a growing block (final=False) the result only grows: a call appears once its name is
+    whole, a parameter once its end is seen, and nothing seen changes later."""
     calls = []
     for m in _FUNCTION.finditer(block):
-        name = _name(m.group(1))
-        props = schemas.get(name, {})
-        args = {}
-        for p in _PARAMETER.finditer(m.group(2)):
+        try:
+            name = _name(m.group(1))
+        except BadCall:
+            if final:
+                raise
+            break
+        closed = final or m.group(0).endswith("</function>")
+        body, props, members, seen = m.group(2), schemas.get(name, {}), [], set()
+        for p in _PARAMETER.finditer(body):
+            if not (closed or p.group(0).endswith("</parameter>") or p.end() < len(body)):
+                break                                  # the value may still grow
             key = p.group(1).strip()
-            args[key] = typed_value(_strip_one_newline(p.group(2)), props.get(key), default_json=False)
-        calls.append(ParsedCall(name, _arguments(args)))
-    if not calls or _FUNCTION.sub("", block).strip():
+            if key not in seen:                        # a repeated parameter: the first one counts
+                seen.add(key)
+                members.append(_member(key, typed_value(_strip_one_newline(p.group(2)), props.get(key),
+                                                        default_json=False)))
+        calls.append((name, members, closed))
+    if final and (not calls or _FUNCTION.sub("", block).strip()):
         raise BadCall("not <function=NAME>...</function>")
     return calls
+
+
+def _scan_qwen3(block: str, schemas: dict, final: bool) -> list[tuple[str, list[str], bool]]:
+    """Either Qwen form: JSON (Qwen3, Qwen3-Next; whole at the block's end) or <function=...>
+    (Qwen3.5/3.6, Qwen3-Coder; streamed)."""
+    if block.lstrip().startswith("{"):
+        if not final:
+            return []
+        return [(c.name, [_member(k, v) for k, v in json.loads(c.arguments).items()], True)
+                for c in _parse_hermes(block.strip(), schemas)]
+    return _scan_qwen3_coder(block, schemas, final)
 
 
 _ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
 
 
-def _parse_glm(block: str, schemas: dict) -> list[ParsedCall]:
-    head, _, _ = block.partition("<arg_key>")
-    name = _name(head)
-    props = schemas.get(name, {})
+def _scan_glm(block: str, schemas: dict, final: bool) -> list[tuple[str, list[str], bool]]:
+    """One call per block; its name is whole at the first <arg_key> (or the block's end), each
+    argument at its </arg_value> (as _scan_qwen3_coder: the result only grows with the block)."""
+    head, key_tag, _ = block.partition("<arg_key>")
+    if not key_tag and not final:
+        return []
+    try:
+        name = _name(head)
+    except BadCall:
+        if final:
+            raise
+        return []
+    props, members, seen = schemas.get(name, {}), [], set()
     rest = block[len(head):]
-    args = {m.group(1).strip(): typed_value(m.group(2), props.get(m.group(1).strip()), default_json=True)
-            for m in _ARG.finditer(rest)}
-    if _ARG.sub("", rest).strip():
+    for m in _ARG.finditer(rest):
+        key = m.group(1).strip()
+        if key not in seen:
+            seen.add(key)
+            members.append(_member(key, typed_value(m.group(2), props.get(key), default_json=True)))
+    if final and _ARG.sub("", rest).strip():
         raise BadCall("not NAME<arg_key>K</arg_key><arg_value>V</arg_value>...")
-    return [ParsedCall(name, _arguments(args))]
+    return [(name, members, final)]
 
 
 _V3_CALL = re.compile(r"<｜tool▁call▁begin｜>\s*(\w+)\s*<｜tool▁sep｜>([^\n`]*?)\s*```(?:json)?\s*(.*?)\s*```\s*"
@@ -202,28 +258,43 @@ def _parse_deepseek_v31(block: str, schemas: dict) -> list[ParsedCall]:
             for m in _all_matched(_V31_CALL, block, "<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...} calls")]
 
 
-_INVOKE = re.compile(r'<｜DSML｜invoke\s+name="([^"]*)"\s*>(.*?)</｜DSML｜invoke>', re.S)
+_INVOKE = re.compile(r'<｜DSML｜invoke\s+name="([^"]*)"\s*>(.*?)(?:</｜DSML｜invoke>|\Z)', re.S)
 _DSML_PARAM = re.compile(r'<｜DSML｜parameter\s+name="([^"]*)"\s+string="(true|false)"\s*>(.*?)</｜DSML｜parameter>',
                          re.S)
 
 
-def _parse_deepseek_v32(block: str, schemas: dict) -> list[ParsedCall]:
+def _scan_deepseek_v32(block: str, schemas: dict, final: bool) -> list[tuple[str, list[str], bool]]:
+    """The invokes so far (as _scan_qwen3_coder: a call once its name is whole, a parameter at its
+    closing tag, closed at </｜DSML｜invoke>)."""
     calls = []
-    for m in _all_matched(_INVOKE, block, '<｜DSML｜invoke name="NAME"> calls'):
-        name = _name(m.group(1))
-        body = m.group(2)
-        if _DSML_PARAM.sub("", body).strip():
-            raise BadCall('not a sequence of <｜DSML｜parameter name="K" string="..."> parameters')
-        args = {}
-        for p in _DSML_PARAM.finditer(body):
+    for m in _INVOKE.finditer(block):
+        try:
+            name = _name(m.group(1))
+        except BadCall:
+            if final:
+                raise
+            break
+        closed = final or m.group(0).endswith("</｜DSML｜invoke>")
+        members, seen = [], set()
+        for p in _DSML_PARAM.finditer(m.group(2)):
+            key, raw = p.group(1), p.group(3)
             if p.group(2) == "true":
-                args[p.group(1)] = p.group(3)
+                value = raw
             else:
                 try:
-                    args[p.group(1)] = json.loads(p.group(3))
+                    value = json.loads(raw)
                 except ValueError:
-                    raise BadCall(f"parameter {p.group(1)!r} (string=\"false\") is not JSON") from None
-        calls.append(ParsedCall(name, _arguments(args)))
+                    if final:
+                        raise BadCall(f"parameter {key!r} (string=\"false\") is not JSON") from None
+                    break
+            if key not in seen:
+                seen.add(key)
+                members.append(_member(key, value))
+        if final and _DSML_PARAM.sub("", m.group(2)).strip():
+            raise BadCall('not a sequence of <｜DSML｜parameter name="K" string="..."> parameters')
+        calls.append((name, members, closed))
+    if final and (not calls or _INVOKE.sub("", block).strip()):
+        raise BadCall('not a sequence of <｜DSML｜invoke name="NAME"> calls')
     return calls
 
 
@@ -232,7 +303,15 @@ class ToolCallFormat:
     name: str
     start: str
     end: str
-    parse: Callable[[str, dict], list[ParsedCall]]
+    # formats parsed when their block closes: (block, schemas) -> the calls
+    parse: Callable[[str, dict], list[ParsedCall]] | None = None
+    # formats whose calls stream as they are written: (block so far, schemas, final) -> the calls
+    # so far (see _scan_qwen3_coder)
+    scan: Callable[[str, dict, bool], list[tuple[str, list[str], bool]]] | None = None
+
+    def __post_init__(self):
+        if (self.parse is None) == (self.scan is None):
+            raise ValueError(f"tool-call format {self.name}: give either parse or scan")
 
     def stream(self, tools: list[dict] | None = None) -> "ToolCallStream":
         return ToolCallStream(self, tools)
@@ -240,18 +319,28 @@ class ToolCallFormat:
     def extract(self, text: str, tools: list[dict] | None = None) -> tuple[str, list[ParsedCall]]:
         """(content, calls) of a whole output."""
         s = self.stream(tools)
-        events = s.feed(text) + s.finish()
-        return ("".join(e for e in events if isinstance(e, str)), [e for e in events if isinstance(e, ParsedCall)])
+        content, calls = [], []
+        for e in s.feed(text) + s.finish():
+            if isinstance(e, str):
+                content.append(e)
+            elif isinstance(e, ParsedCall):
+                calls.append(e)
+            elif isinstance(e, CallStart):
+                calls.append(ParsedCall(e.name, ""))
+            else:
+                calls[-1] = ParsedCall(calls[-1].name, calls[-1].arguments + e.text)
+        return "".join(content), calls
 
 
 TOOL_CALL_PARSERS = {f.name: f for f in (
     ToolCallFormat("hermes", "<tool_call>", "</tool_call>", _parse_hermes),
-    ToolCallFormat("qwen3_coder", "<tool_call>", "</tool_call>", _parse_qwen3_coder),
-    ToolCallFormat("glm45", "<tool_call>", "</tool_call>", _parse_glm),
-    ToolCallFormat("glm47", "<tool_call>", "</tool_call>", _parse_glm),
+    ToolCallFormat("qwen3_coder", "<tool_call>", "</tool_call>", scan=_scan_qwen3_coder),
+    ToolCallFormat("qwen3", "<tool_call>", "</tool_call>", scan=_scan_qwen3),
+    ToolCallFormat("glm45", "<tool_call>", "</tool_call>", scan=_scan_glm),
+    ToolCallFormat("glm47", "<tool_call>", "</tool_call>", scan=_scan_glm),
     ToolCallFormat("deepseek_v3", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", _parse_deepseek_v3),
     ToolCallFormat("deepseek_v31", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", _parse_deepseek_v31),
-    ToolCallFormat("deepseek_v32", "<｜DSML｜function_calls>", "</｜DSML｜function_calls>", _parse_deepseek_v32),
+    ToolCallFormat("deepseek_v32", "<｜DSML｜function_calls>", "</｜DSML｜function_calls>", scan=_scan_deepseek_v32),
 )}
 
 
@@ -263,14 +352,18 @@ def tool_call_format(name: str) -> ToolCallFormat:
 
 class ToolCallStream:
     """One output's tool calls, fed in pieces. `feed(piece)` and `finish()` return events in output
-    order: strings (content) and `ParsedCall`s. A call block is held until its end tag arrives (or
-    the output ends: a block cut short is still tried as a call, then given back as content)."""
+    order: strings (content), and calls: `ParsedCall`s, or for formats that stream calls, a
+    `CallStart` and `CallArgs` fragments (joined: the arguments). A call block that is not a valid
+    call is given back as content (a block cut short by the end of the output is still tried as a
+    call); a streamed call found invalid after it started is closed with what it has."""
 
     def __init__(self, fmt: ToolCallFormat, tools: list[dict] | None):
         self.fmt = fmt
         self._schemas = param_schemas(tools)
         self._split = TagSplitter((fmt.start, fmt.end))
-        self._block: str | None = None          # the text of the open call block
+        self._block: list[str] | None = None    # the text of the open call block, in pieces
+        self._sent: list[str] = []              # arguments sent so far of each streamed call of the block
+        self._closed = False                    # whether the latest streamed call's arguments are whole
 
     def feed(self, piece: str) -> list:
         return self._run(self._split.feed(piece))
@@ -278,8 +371,7 @@ class ToolCallStream:
     def finish(self) -> list:
         events = self._run(self._split.finish())
         if self._block is not None:
-            block, self._block = self._block, None
-            events += self._close(block, complete=False)
+            events += self._close(complete=False)
         return events
 
     def _run(self, items: list) -> list:
@@ -287,20 +379,50 @@ class ToolCallStream:
         for item in items:
             if self._block is None:
                 if isinstance(item, Tag) and item == self.fmt.start:
-                    self._block = ""
+                    self._block, self._sent = [], []
                 else:
                     events.append(str(item))
             elif isinstance(item, Tag) and item == self.fmt.end:
-                block, self._block = self._block, None
-                events += self._close(block, complete=True)
+                events += self._close(complete=True)
             else:
-                self._block += str(item)
+                self._block.append(str(item))
+                if self.fmt.scan is not None and ">" in item:     # (a call or parameter ends at a '>')
+                    events += self._grow(self.fmt.scan("".join(self._block), self._schemas, False))
         return events
 
-    def _close(self, block: str, complete: bool) -> list:
+    def _grow(self, calls: list) -> list:
+        """Events that bring the streamed calls up to `calls` (which extend what was sent)."""
+        events = []
+        for i, (name, members, closed) in enumerate(calls):
+            if i == len(self._sent):
+                events.append(CallStart(name))
+                self._sent.append("")
+            args = "{" + ", ".join(members) + ("}" if closed else "")
+            if len(args) > len(self._sent[i]):
+                events.append(CallArgs(args[len(self._sent[i]):]))
+                self._sent[i] = args
+            self._closed = closed
+        return events
+
+    def _close(self, complete: bool) -> list:
+        block, self._block = "".join(self._block), None
+        if self.fmt.scan is not None:
+            # what the whole block streams, then its end: the same however the text was split
+            events = self._grow(self.fmt.scan(block, self._schemas, False))
+            try:
+                return events + self._grow(self.fmt.scan(block, self._schemas, True))
+            except BadCall as e:
+                if self._sent:
+                    logger.warning("%s tool-call parser: a call went wrong after it started; it ends with "
+                                   "the arguments it had (%s)", self.fmt.name, e)
+                    return events + ([] if self._closed else [CallArgs("}")])
+                return self._as_content(block, complete, e)
         try:
             return list(self.fmt.parse(block.strip(), self._schemas))
         except BadCall as e:
-            logger.warning("%s tool-call parser: a call block that is not a valid call is returned as "
-                           "content (%s)", self.fmt.name, e)
-            return [self.fmt.start + block + (self.fmt.end if complete else "")]
+            return self._as_content(block, complete, e)
+
+    def _as_content(self, block: str, complete: bool, error: BadCall) -> list:
+        logger.warning("%s tool-call parser: a call block that is not a valid call is returned as "
+                       "content (%s)", self.fmt.name, error)
+        return [self.fmt.start + block + (self.fmt.end if complete else "")]

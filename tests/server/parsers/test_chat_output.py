@@ -47,9 +47,13 @@ def test_streamed_deltas_join_to_the_message_for_every_split():
         assert kinds[0] == "reasoning_content" and "reasoning_content" not in kinds[kinds.index("content"):]
         assert all(next(iter(d.values())) for d in deltas)
         calls = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
-        # each call: index, id, type and name (empty arguments) first, then its arguments
-        assert [(c["index"], "id" in c, c["function"].get("name")) for c in calls] == \
-            [(0, True, "get_weather"), (0, False, None), (1, True, "search"), (1, False, None)]
+        # each call: index, id, type and name (empty arguments) first, then its arguments in fragments
+        # (a parameter at a time: the call streams as it is written)
+        starts = [(i, c["index"], c["function"]["name"]) for i, c in enumerate(calls) if "id" in c]
+        assert [s[1:] for s in starts] == [(0, "get_weather"), (1, "search")]
+        assert starts[0][0] == 0 and all("name" not in c["function"] and c["function"]["arguments"]
+                                         for c in calls if "id" not in c)
+        assert [c["index"] for c in calls] == sorted(c["index"] for c in calls)
         assert without_ids(assemble(deltas, True)) == want, pieces
 
 
@@ -84,3 +88,28 @@ def test_parallel_tool_calls_false_keeps_the_first_call():
 def test_reasoning_only_passes_tool_markup_through_as_content():
     msg, finish = parser(tools=None).message("hm</think>" + SAMPLES["hermes"], "stop")
     assert msg["content"] == SAMPLES["hermes"] and finish == "stop" and "tool_calls" not in msg
+
+
+def test_qwen3_coder_arguments_stream_a_parameter_at_a_time():
+    p = parser(reasoning=None, prompt="")
+
+    def args(deltas):
+        return [d["tool_calls"][0]["function"]["arguments"] for d in deltas]
+
+    first = p.feed("<tool_call>\n<function=get_weather>")
+    assert first[0]["tool_calls"][0]["function"]["name"] == "get_weather" and args(first) == ["", "{"]
+    assert p.feed("\n<parameter=city>\nPar") == []                 # the value may still grow
+    assert args(p.feed("is\n</parameter>\n<parameter=days>\n3\n</parameter>")) == ['"city": "Paris", "days": 3']
+    assert args(p.feed("\n</function>\n</tool_call>")) == ["}"]
+    assert p.finish("stop") == ([], "tool_calls")
+
+
+def test_a_call_that_skips_the_end_of_reasoning_is_still_a_call():
+    text = 'I should look it up.\n<tool_call>\n{"name": "search", "arguments": {"query": "x"}}\n</tool_call>'
+    for pieces in splits(text, random_splits=20):
+        p = parser(tools="hermes")
+        deltas = [d for piece in pieces for d in p.feed(piece)]
+        more, finish = p.finish("stop")
+        msg = assemble(deltas + more, True)
+        assert finish == "tool_calls" and msg["reasoning_content"] == "I should look it up."
+        assert [c["function"]["name"] for c in msg["tool_calls"]] == ["search"] and msg["content"] is None

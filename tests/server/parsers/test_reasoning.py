@@ -31,6 +31,10 @@ CASES = [
     ("deepseek_v3", "<｜Assistant｜></think>", "non-thinking answer", "", "non-thinking answer"),
     ("qwen3", "<think>\n", "cut short by max_tokens, still thinking", "cut short by max_tokens, still thinking", ""),
     ("qwen3", "<think>\n", "a</think>b </think> c", "a", "b </think> c"),     # a later end tag is content
+    # Qwen3 calling a tool without closing the block: the call ends the reasoning
+    ("qwen3", "<think>\n", "let me call it\n<tool_call>\n{}\n</tool_call>", "let me call it",
+     "<tool_call>\n{}\n</tool_call>"),
+    ("glm45", "<think>", "glm has no such rule <tool_call>", "glm has no such rule <tool_call>", ""),
 ]
 
 

@@ -3,7 +3,8 @@ import logging
 
 import pytest
 
-from pipespec.server.parsers.tool_calls import TOOL_CALL_PARSERS, ParsedCall, tool_call_format, typed_value
+from pipespec.server.parsers.tool_calls import (TOOL_CALL_PARSERS, CallArgs, CallStart, ParsedCall, tool_call_format,
+                                                typed_value)
 from tests.server.parsers.conftest import splits
 
 TOOLS = [
@@ -45,10 +46,23 @@ SAMPLES = {
 def streamed(fmt, pieces):
     s = fmt.stream(TOOLS)
     events = [e for p in pieces for e in s.feed(p)] + s.finish()
+    content, calls = [], []
     for e in events:
         if isinstance(e, str):
             assert "<tool_call" not in e and "｜" not in e, f"markup leaked into content: {e!r}"
-    return "".join(e for e in events if isinstance(e, str)), [e for e in events if isinstance(e, ParsedCall)]
+            content.append(e)
+        elif isinstance(e, ParsedCall):
+            calls.append(e)
+        elif isinstance(e, CallStart):
+            calls.append(ParsedCall(e.name, ""))
+        else:
+            assert isinstance(e, CallArgs) and e.text
+            calls[-1] = ParsedCall(calls[-1].name, calls[-1].arguments + e.text)
+    return "".join(content), calls
+
+
+SAMPLES["qwen3"] = (SAMPLES["hermes"].rsplit("<tool_call>", 1)[0]                  # one call of each form
+                    + SAMPLES["qwen3_coder"].split("</tool_call>\n", 1)[1])
 
 
 def test_every_format_has_a_sample():
@@ -127,3 +141,46 @@ def test_boolean_parameter_schemas_do_not_break_parsing():
 def test_unknown_parser_is_refused_naming_the_known_ones():
     with pytest.raises(ValueError, match="unknown tool-call parser 'mistral'.*hermes"):
         tool_call_format("mistral")
+
+
+def test_a_streamed_call_that_goes_wrong_keeps_what_it_had_however_split(caplog):
+    fmt = tool_call_format("qwen3_coder")
+    text = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n4"
+            "\n</parameter>\n</function>\nstray words\n</tool_call>")
+    with caplog.at_level(logging.WARNING, logger="pipespec.server.parsers.tool_calls"):
+        for pieces in splits(text, random_splits=40):
+            assert streamed(fmt, pieces) == ("", [ParsedCall("get_weather", '{"city": "Paris", "days": 4}')]), pieces
+    assert "went wrong after it started" in caplog.text
+    # cut short by the end of the output: the call is closed with the parameters it has
+    cut = text[:text.index("4")]
+    for pieces in splits(cut, random_splits=20):
+        assert streamed(fmt, pieces) == ("", [ParsedCall("get_weather", '{"city": "Paris", "days": ""}')]), pieces
+
+
+def test_a_bad_function_name_is_content_however_split():
+    text = "<tool_call>\n<function=get weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"
+    for pieces in splits(text, random_splits=20):
+        s = tool_call_format("qwen3_coder").stream(TOOLS)
+        events = [e for p in pieces for e in s.feed(p)] + s.finish()
+        assert all(isinstance(e, str) for e in events) and "".join(events) == text, pieces
+
+
+@pytest.mark.parametrize("name", ["qwen3_coder", "glm45", "glm47", "deepseek_v32"])
+def test_xml_formats_stream_arguments_a_parameter_at_a_time(name):
+    s = tool_call_format(name).stream(TOOLS)
+    events = [e for ch in SAMPLES[name] for e in s.feed(ch)] + s.finish()
+    calls = [e for e in events if isinstance(e, (CallStart, CallArgs, ParsedCall))]
+    assert not any(isinstance(e, ParsedCall) for e in calls)
+    first = calls[:calls.index(CallStart("search"))]
+    # the name first, then the arguments as they are written: '{', "city", "days", then '}'
+    assert first[0] == CallStart("get_weather")
+    assert [e.text for e in first[1:]] == ["{", '"city": "Zürich 天气"', ', "days": 3', "}"]
+
+
+def test_dsml_invoke_with_bad_json_after_it_started_keeps_what_it_had():
+    text = ('<｜DSML｜function_calls>\n<｜DSML｜invoke name="get_weather">\n<｜DSML｜parameter name="city" '
+            'string="true">Paris</｜DSML｜parameter>\n<｜DSML｜parameter name="days" string="false">three'
+            '</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜function_calls>')
+    for pieces in splits(text, random_splits=20):
+        assert streamed(tool_call_format("deepseek_v32"), pieces) == (
+            "", [ParsedCall("get_weather", '{"city": "Paris"}')]), pieces
