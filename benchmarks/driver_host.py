@@ -177,7 +177,8 @@ def main():
                     figures[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
             for name, runs in figures.items():
                 med = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
-                print(f"{name:5s} {cache:>7s} {batch:5d} {prompt_len:6d} {k:2d} | " + " ".join(f"{med[p]:9.1f}" for p in PHASES)
+                print(f"{name:5s} {cache:>7s} {batch:5d} {prompt_len:6d} {k:2d} | "
+                      + " ".join(f"{med[p]:9.1f}" for p in PHASES)
                       + f" {med['driver']:9.1f} {med['stage']:9.1f}", flush=True)
 
 

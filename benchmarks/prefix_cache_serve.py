@@ -112,7 +112,8 @@ def main():
             stop(proc)
 
     def med(name, workload, key):
-        values = [v for run in figures[name][workload] for v in (run[key] if isinstance(run[key], list) else [run[key]])]
+        runs = figures[name][workload]
+        values = [v for run in runs for v in (run[key] if isinstance(run[key], list) else [run[key]])]
         return statistics.median(values)
 
     report = {"machine": f"{platform.machine()} {platform.processor() or ''}".strip(),

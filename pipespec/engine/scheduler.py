@@ -377,6 +377,7 @@ class Scheduler:
         """The batch came back: its KV is in the cache up to the accepted drafts (rejected draft rows
         are rolled back by position; their slots get overwritten); free the blocks of requests that
         finished meanwhile. `result` is needed only when a line had draft rows."""
+        caching, bs = self.enable_prefix_caching, self.block_size
         for row, (req, n, rows, sampled) in enumerate(zip(batch.requests, batch.num_new_tokens, batch.draft_rows,
                                                            batch.samples)):
             req.in_flight -= 1
@@ -388,14 +389,13 @@ class Scheduler:
                 continue
             accepted = len(result.tokens(row)) - 1 if rows else 0
             req.num_computed_tokens += n - rows + accepted
-            if self.enable_prefix_caching:
-                self._cache_blocks(req)
+            if caching and req.num_computed_tokens >= (req.num_cached_blocks + 1) * bs:
+                self._cache_blocks(req)            # (a block filled up: most steps of most requests fill none)
             # a verify line leaves a candidate linear-attention state per row: the next plan names
             # the one to commit (committed at once otherwise); with a later step of it in flight, that
             # step's result names it (until then the plans continuing it carry it in on the device)
             if not req.in_flight:
                 req.state_commit = accepted if rows else -1
-
 
     # -- prefix caching -----------------------------------------------------------------------
 

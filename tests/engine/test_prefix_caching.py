@@ -1,7 +1,7 @@
 """Automatic prefix caching end to end on the default model: outputs (greedy and seeded sampling)
-equal with the cache on and off, with MTP K = 0, 2, 3 at PP = 1, 2 and 3, and the cache really hit;
-the MTP entry of a reused block made with the right next token; a block shared by running requests
-surviving one of them being aborted or preempted; a workload larger than the cache staying correct;
+equal with the cache on and off, with MTP K = 0, 2, 3 at PP = 1, 2 and 3 and under async
+scheduling, and the cache really hit; the MTP entry of a reused block made with the right next
+token; a block shared by running requests surviving one of them being aborted or preempted; a workload larger than the cache staying correct;
 stats, reset and the switch."""
 from __future__ import annotations
 
@@ -66,9 +66,11 @@ def reference(first_turn, tokenizer):
     _REFERENCES.clear()
 
 
-@pytest.mark.parametrize("pp,k", [(1, 0), (1, 2), (1, 3), (2, 2), (3, 3)])
-def test_outputs_equal_with_cache_on_and_off(pp, k, first_turn, tokenizer, reference):
-    with LLM(**DEFAULT_LLM_KWARGS, pipeline_parallel_size=pp, speculative_config=_spec(k)) as llm:
+@pytest.mark.parametrize("pp,k,overlap", [(1, 0, False), (1, 2, False), (2, 2, False), (3, 3, False), (1, 2, True)])
+def test_outputs_equal_with_cache_on_and_off(pp, k, overlap, first_turn, tokenizer, reference):
+    """`overlap`: async scheduling (a request continued before its step returns)."""
+    with LLM(**DEFAULT_LLM_KWARGS, pipeline_parallel_size=pp, speculative_config=_spec(k),
+             async_scheduling=overlap or None) as llm:
         got = _two_turns(llm, first_turn, tokenizer)
         stats = llm.stats()
         assert_engine_clean(llm)
@@ -81,6 +83,8 @@ def test_outputs_equal_with_cache_on_and_off(pp, k, first_turn, tokenizer, refer
     assert cache["cached_blocks"] > 0
     if k:
         assert stats["spec_decode"]["num_accepted_tokens"] > 0
+    if overlap:
+        assert stats["num_carried_rows"] > 0, "no step was scheduled ahead: async scheduling did not run"
 
 
 def test_mtp_entry_of_a_reused_block_was_made_with_its_next_token(tokenizer):
