@@ -27,8 +27,8 @@ def _spec(k: int) -> dict | None:
 
 def _params() -> list[SamplingParams]:
     """Greedy and seeded sampling side by side."""
-    return [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True) if i % 2 == 0 else
-            SamplingParams(temperature=0.8, top_p=0.9, seed=7 + i, max_tokens=20, ignore_eos=True)
+    return [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True) if i % 2 == 0 else
+            SamplingParams(temperature=0.8, top_p=0.9, seed=7 + i, max_tokens=12, ignore_eos=True)
             for i in range(len(QUESTIONS))]
 
 
@@ -66,7 +66,7 @@ def reference(first_turn, tokenizer):
     _REFERENCES.clear()
 
 
-@pytest.mark.parametrize("pp,k,overlap", [(1, 0, False), (1, 2, False), (2, 2, False), (3, 3, False), (1, 2, True)])
+@pytest.mark.parametrize("pp,k,overlap", [(1, 0, False), (2, 2, False), (3, 3, False), (1, 2, True)])
 def test_outputs_equal_with_cache_on_and_off(pp, k, overlap, first_turn, tokenizer, reference):
     """`overlap`: async scheduling (a request continued before its step returns)."""
     with LLM(**DEFAULT_LLM_KWARGS, pipeline_parallel_size=pp, speculative_config=_spec(k),
