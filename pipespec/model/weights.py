@@ -215,7 +215,6 @@ def init_dummy_weights(model: torch.nn.Module, dtype: torch.dtype, device, seed:
     place_parameters(model, dtype, device)
     gen = torch.Generator(device=device)
     shards = checkpoint_shards(model)
-    dtypes = param_dtypes(model, dtype)
     for own, param in model.named_parameters():
         name = (key or {}).get(own, own)
         if "norm" in name.rsplit(".", 2)[-2]:
@@ -228,7 +227,7 @@ def init_dummy_weights(model: torch.nn.Module, dtype: torch.dtype, device, seed:
             continue
         shape = list(param.shape)
         shape[shard.dim] = sum(shard.sizes)
-        whole = torch.empty(shape, dtype=dtypes[own], device=device).normal_(0.0, 0.02, generator=gen)
+        whole = torch.empty(shape, dtype=param.dtype, device=device).normal_(0.0, 0.02, generator=gen)
         offsets = [sum(shard.sizes[:i]) for i in range(len(shard.sizes))]
         pieces = [whole.narrow(shard.dim, off + a, b - a) for off, r in zip(offsets, shard.ranges)
                   for a, b in pairs(r)]

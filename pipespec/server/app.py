@@ -136,18 +136,24 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             params = dataclasses.replace(params, skip_special_tokens=False)
         return await _respond(request, body, prompt, params, chat=True, parser=parser)
 
-    async def _respond(request: Request, body, prompt, params, chat: bool, parser=None):
+    async def start(prompt, params, id_prefix: str, index: int | None = None) -> _Generation:
+        """Admit one request, or raise the API error its refusal maps to (`index`: its place in a list
+        of prompts, named in a 400)."""
         try:
-            request_id, outputs, prompt_ids = await engine.add_request(prompt, params,
-                                                                       "chatcmpl" if chat else "cmpl")
+            request_id, outputs, prompt_ids = await engine.add_request(prompt, params, id_prefix)
         except ValueError as e:
-            raise ApiError(400, str(e), _param_of(str(e))) from None
+            if index is None:
+                raise ApiError(400, str(e), _param_of(str(e))) from None
+            raise ApiError(400, f"prompt[{index}]: {e}", "prompt") from None
         except QueueFullError as e:
             raise ApiError(503, str(e), kind="server_overloaded") from None
         except EngineDeadError as e:
             raise ApiError(503, str(e), kind="engine_error") from None
         metrics.prompt_tokens.inc(len(prompt_ids))
-        gen = _Generation(engine, metrics, request_id, outputs, len(prompt_ids), log_requests)
+        return _Generation(engine, metrics, request_id, outputs, len(prompt_ids), log_requests)
+
+    async def _respond(request: Request, body, prompt, params, chat: bool, parser=None):
+        gen = await start(prompt, params, "chatcmpl" if chat else "cmpl")
         object_name = "chat.completion" if chat else "text_completion"
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -163,7 +169,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         else:
             choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
                       if chat else {"index": 0, "text": text, "finish_reason": finish, "logprobs": None})
-        return {"id": request_id, "object": object_name, "created": int(time.time()), "model": model_name,
+        return {"id": gen.request_id, "object": object_name, "created": int(time.time()), "model": model_name,
                 "choices": [choice], "usage": gen.usage()}
 
     async def _respond_many(body: CompletionRequest, prompts: list, params):
@@ -171,16 +177,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         gens: list[_Generation] = []
         try:
             for i, prompt in enumerate(prompts):
-                try:
-                    request_id, outputs, prompt_ids = await engine.add_request(prompt, params, "cmpl")
-                except ValueError as e:
-                    raise ApiError(400, f"prompt[{i}]: {e}", "prompt") from None
-                except QueueFullError as e:
-                    raise ApiError(503, str(e), kind="server_overloaded") from None
-                except EngineDeadError as e:
-                    raise ApiError(503, str(e), kind="engine_error") from None
-                metrics.prompt_tokens.inc(len(prompt_ids))
-                gens.append(_Generation(engine, metrics, request_id, outputs, len(prompt_ids), log_requests))
+                gens.append(await start(prompt, params, "cmpl", i))
         except BaseException:
             for gen in gens:
                 gen.close()

@@ -82,7 +82,6 @@ def run(args: argparse.Namespace) -> int:
     from pipespec.server.async_engine import AsyncEngine
     from pipespec.server.chat_request import ChatOptions
     from pipespec.server.graceful import GracefulServer
-
     from pipespec.server.request_log import StatsLogger
 
     if args.shutdown_timeout < 0:
