@@ -280,7 +280,7 @@ class EngineConfig:
     def num_spec_tokens(self) -> int:
         return self.speculative.num_speculative_tokens if self.speculative else 0
 
-    def overlaps_steps(self, device_type: str) -> bool:
+    def async_scheduling_on(self, device_type: str) -> bool:
         """Whether the driver schedules step n + 1 while a stage on a `device_type` device runs step n: asked for,
         or by default on a GPU (where the step runs asynchronously to the host), where it applies."""
         asked = self.scheduler.async_scheduling

@@ -14,7 +14,6 @@ from __future__ import annotations
 import torch
 
 from pipespec import kernels
-from pipespec.layout import StepLayout
 from pipespec.sampling import SamplingTensors, draw, processed_probs, uniform_keyed
 
 _ACCEPT_STREAM = 1   # the plain draw uses stream 0, so a step without drafts samples like `sample`
@@ -96,7 +95,12 @@ def _repeat_rows(st: SamplingTensors, rows: int) -> SamplingTensors:
                            st.needs_sort, st.all_greedy)
 
 
-def verify(logits: torch.Tensor, layout: StepLayout, sampling: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
-    """The verifier: each sampling request's line of 1 + K rows (logits [S, 1 + K, V]) against the
-    drafts its rows embedded; tokens [S, 1 + K] (-1 past the end) and num_sampled [S]."""
-    return rejection_sample(logits, layout.draft_ids, layout.num_drafts, sampling, layout.first_positions + 1)
+def verify(logits: torch.Tensor, inp, sampling: SamplingTensors | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The verifier, the one place a step's lines are verified (eagerly, or inside a CUDA graph's
+    forward for greedy steps): each sampling request's line of 1 + K rows (logits [S, 1 + K, V]) of
+    `inp` (a `StepInput`) against the drafts its rows embedded. `sampling`: None or all greedy
+    verifies greedily and reads nothing else. Returns tokens [S, 1 + K] (-1 past the end) and
+    num_sampled [S]."""
+    if sampling is None or sampling.all_greedy:
+        return verify_greedy(logits, inp.draft_ids, inp.line_drafts)
+    return rejection_sample(logits, inp.draft_ids, inp.line_drafts, sampling, inp.first_positions + 1)
