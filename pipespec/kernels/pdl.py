@@ -21,8 +21,8 @@ without PDL (cuBLAS, PyTorch's, fla-core's) waits for everything before it as us
 On only for kernels launched inside `pdl_scope()` (`kernels/__init__.py`), which the CUDA-graph
 capture opens, its warm-up run included (so the variants it captures are compiled outside the
 capture). An eager step has nothing to gain (its host launches are slower than the GPU), and with
-every launch on PDL an eager prefill was slower (RESULTS.md). Off before sm_90, under the Triton interpreter and with
-`PIPESPEC_PDL=0`; then the constexpr `PDL` compiles the instructions out and the launch is a plain one.
+every launch on PDL an eager prefill was slower (RESULTS.md). Off before sm_90, under the Triton
+interpreter and with `PIPESPEC_PDL=0`; then the constexpr `PDL` compiles the instructions out and the launch is a plain one.
 """
 from __future__ import annotations
 
