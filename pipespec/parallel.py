@@ -58,8 +58,8 @@ class TensorParallel:
 
     def close(self) -> None:
         """Shut the group down now (NCCL: destroys its communicator), rather than in its destructor
-        at some later garbage collection, where an NCCL group's implicit abort was seen to hang
-        30 s and more on two H200s. Destroy the CUDA graphs that captured its collectives first
+        at some later garbage collection, where an NCCL group's implicit abort was seen to hang for
+        tens of seconds. Destroy the CUDA graphs that captured its collectives first
         (`Stage.close` keeps the order): a communicator is not freed while captured work holds it."""
         group, self._group, self._record = self._group, None, None
         if self._fast is not None:

@@ -1,4 +1,4 @@
-"""Imports go one way (DESIGN.md, Layout): cli/server/train -> engine -> runtime -> stage ->
+"""Imports go one way (docs/architecture.md, Package layout): cli/server/train -> engine -> runtime -> stage ->
 {speculative, model} -> plan/config. The test reads every module's import statements (function-level
 ones included) and fails on an upward import, on the runtime touching models, and on a cycle."""
 from __future__ import annotations

@@ -174,7 +174,7 @@ class TorchReferenceBackend(AttentionBackend):
 
     @staticmethod
     def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        # index_select: ~5x faster on CPU than advanced indexing for the same rows
+        # index_select: much faster on CPU than advanced indexing for the same rows
         rows = cache.index_select(0, slots.reshape(-1))
         return rows.view(*slots.shape, *cache.shape[1:]).transpose(1, 2)
 

@@ -17,7 +17,7 @@ from pipespec.parallel import TensorParallel
 def head_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight.T for an LM head [V, H]. On CPU, MKL computes few rows against a row-major head
     fastest as weight @ x.T (one row padded to two: one row alone takes a slower matrix-vector
-    path); measured on SmolLM2's 49152 x 576 head, RESULTS.md."""
+    path; RESULTS.md)."""
     if x.device.type != "cpu" or x.dim() != 2 or weight.stride(1) != 1:
         return linear(x, weight)
     rows = x if x.shape[0] > 1 else x.expand(2, -1).contiguous()   # a real second row: BLAS needs it

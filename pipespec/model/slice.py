@@ -1,5 +1,5 @@
 """What every family's stage slice shares: its layer range, the embedding on the first stage, the
-final norm and the LM head on the last, and the head resolved at call time (DESIGN.md, I5). With
+final norm and the LM head on the last, and the head resolved at call time (docs/architecture.md, I5). With
 tensor parallelism the embedding and the head hold this rank's vocabulary rows and the logits are
 gathered (`tp_layers.py`); a family that splits its layers sets `self.tp` before `_init_head()`.
 
@@ -75,7 +75,7 @@ class StageSlice(nn.Module):
         return hidden, residual
 
     def head_weight(self) -> torch.Tensor:
-        # resolved at call time through the owner, never captured (DESIGN.md, I5)
+        # resolved at call time through the owner, never captured (docs/architecture.md, I5)
         return self.lm_head.weight if self.owns_head else self.model.embed_tokens.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
