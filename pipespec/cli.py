@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     dv.set_defaults(func=_draft_vocab)
     from pipespec.server.serve import add_serve_parser
     add_serve_parser(sub, add_engine_args)
-    from pipespec.bench.cli import add_bench_parser
+    from pipespec.bench import add_bench_parser
     add_bench_parser(sub, add_engine_args)
     _use_formatter(parser)
     return parser

@@ -30,12 +30,12 @@ class StepPlan:
     query_start_loc: torch.Tensor  # int64 [B+1] row boundaries of each request
     seq_lens: torch.Tensor        # int64 [B] KV length of each request after this step
     block_tables: torch.Tensor    # int64 [B, W] block ids, padded with 0
-    sample_rows: torch.Tensor     # int64 [S] requests (indices into B) that sample this step
+    sampling_reqs: torch.Tensor     # int64 [S] requests (indices into B) that sample this step
     sampling: SamplingTensors     # parameters of the S sampling requests
-    num_drafts: torch.Tensor | None = None  # int64 [B] draft rows ending each request's query (None: 0)
+    num_draft_rows: torch.Tensor | None = None  # int64 [B] draft rows ending each request's query (None: 0)
     # int64 [B] how many of those rows are real drafts; the rest are dummy rows padding a line to the
     # step's K (so it keeps the shape a CUDA graph replays), which verification never accepts
-    real_drafts: torch.Tensor | None = None
+    num_drafts: torch.Tensor | None = None
     # int64 [B] the known token after each request's last row (a prefill chunk that does not end the
     # prompt), -1 where it is still to be sampled; the MTP drafter's shifted input needs it
     next_token_ids: torch.Tensor | None = None
@@ -55,10 +55,10 @@ class StepPlan:
 
     def __post_init__(self):
         b, device = self.seq_lens.shape[0], self.seq_lens.device
+        if self.num_draft_rows is None:
+            self.num_draft_rows = torch.zeros(b, dtype=torch.int64, device=device)
         if self.num_drafts is None:
-            self.num_drafts = torch.zeros(b, dtype=torch.int64, device=device)
-        if self.real_drafts is None:
-            self.real_drafts = self.num_drafts
+            self.num_drafts = self.num_draft_rows
         if self.next_token_ids is None:
             self.next_token_ids = torch.full((b,), -1, dtype=torch.int64, device=device)
         if self.state_slots is None:
@@ -123,17 +123,17 @@ class StepResult:
         return cls(step_id, data, num_spec_tokens)
 
     @classmethod
-    def from_verification(cls, step_id: int, num_reqs: int, num_spec_tokens: int, sample_rows: torch.Tensor,
+    def from_verification(cls, step_id: int, num_reqs: int, num_spec_tokens: int, sampling_reqs: torch.Tensor,
                           tokens: torch.Tensor, num_sampled: torch.Tensor,
                           drafts: torch.Tensor | None = None) -> "StepResult":
         """tokens [S, <=K+1] (-1 padded), num_sampled [S], drafts [S, K] for the sampling requests."""
         k = num_spec_tokens
         data = torch.full((num_reqs, result_width(k)), -1, dtype=torch.int64, device=tokens.device)
         data[:, k + 1] = 0
-        data[sample_rows, :tokens.shape[1]] = tokens
-        data[sample_rows, k + 1] = num_sampled
+        data[sampling_reqs, :tokens.shape[1]] = tokens
+        data[sampling_reqs, k + 1] = num_sampled
         if drafts is not None and k:
-            data[sample_rows, k + 2:] = drafts
+            data[sampling_reqs, k + 2:] = drafts
         return cls(step_id, data, k)     # on the stage's device: the runtime moves it to the host
 
     @cached_property

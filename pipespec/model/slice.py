@@ -43,8 +43,17 @@ class SliceModel(nn.Module):
 
 
 class StageSlice(nn.Module):
+    """The base of every family's target slice: what `pipespec.stage.interfaces.TargetModel` asks that
+    all families share."""
+
     arch: ArchConfig
     tp: TensorParallel = SINGLE
+    # a family whose attention runs on the torch backend only (sparse attention) says so
+    reference_attention_only: bool = False
+
+    def state_shapes(self) -> list:
+        """Per-request linear-attention states of the local layers (families with such layers)."""
+        return []
 
     def _init_head(self) -> None:
         # A tied head on a stage without the embedding loads its own copy of the embedding matrix.

@@ -93,14 +93,3 @@ def _repeat_rows(st: SamplingTensors, rows: int) -> SamplingTensors:
     rep = lambda t: t.repeat_interleave(rows)          # noqa: E731
     return SamplingTensors(rep(st.temperature), rep(st.top_k), rep(st.top_p), rep(st.min_p), rep(st.seed),
                            st.needs_sort, st.all_greedy)
-
-
-def verify(logits: torch.Tensor, inp, sampling: SamplingTensors | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The verifier, the one place a step's lines are verified (eagerly, or inside a CUDA graph's
-    forward for greedy steps): each sampling request's line of 1 + K rows (logits [S, 1 + K, V]) of
-    `inp` (a `StepInput`) against the drafts its rows embedded. `sampling`: None or all greedy
-    verifies greedily and reads nothing else. Returns tokens [S, 1 + K] (-1 past the end) and
-    num_sampled [S]."""
-    if sampling is None or sampling.all_greedy:
-        return verify_greedy(logits, inp.draft_ids, inp.line_drafts)
-    return rejection_sample(logits, inp.draft_ids, inp.line_drafts, sampling, inp.first_positions + 1)

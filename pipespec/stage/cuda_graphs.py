@@ -29,9 +29,8 @@ from pipespec.kernels import pdl_scope
 from pipespec.model.attention import AttentionBackend, ForwardContext, KVCache
 from pipespec.model.linear_state import LinearFlags, LinearMeta
 from pipespec.plan import StepPlan
-from pipespec.speculative.rejection import verify
 from pipespec.stage.carry import Carry
-from pipespec.stage.step_input import StepBuffers, StepInput
+from pipespec.stage.step_input import StepBuffers, StepInput, verify
 from pipespec.stage.target import run_target
 
 logger = logging.getLogger(__name__)
@@ -140,7 +139,7 @@ class CudaGraphs:
         if not bool((plan.query_lens().numpy() == q).all()):
             return None
         # the last stage: every request samples, in a line of K draft rows (some may be dummies)
-        if self.is_last and (plan.sample_rows.shape[0] != b or bool((plan.num_drafts.numpy() != self.num_spec_tokens).any())):
+        if self.is_last and (plan.sampling_reqs.shape[0] != b or bool((plan.num_draft_rows.numpy() != self.num_spec_tokens).any())):
             return None
         return next(n for n in self.buckets if n >= b)
 

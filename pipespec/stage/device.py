@@ -53,7 +53,7 @@ def finish_within(timeout: float, tp: TensorParallel, what: str) -> None:
 def choose_backend(choice: str, device: torch.device, model=None) -> AttentionBackend:
     """The attention backend for `choice` ("auto", "torch", "triton") on `device`, for `model` (a
     family may run on the torch backend only: `reference_attention_only`)."""
-    if getattr(model, "reference_attention_only", False):
+    if model is not None and model.reference_attention_only:
         if choice == "triton":
             raise ValueError(f"attention_backend='triton' does not serve {model.arch.model_type} (DeepSeek sparse "
                              "attention runs on the torch backend); use attention_backend='auto' or 'torch'")

@@ -36,13 +36,12 @@ from pipespec.model.source import ModelSource
 from pipespec.parallel import TensorParallel
 from pipespec.plan import StepPlan, StepResult, position_margin
 from pipespec.speculative.loading import build_proposer
-from pipespec.speculative.rejection import verify
 from pipespec.stage import memory
 from pipespec.stage.carry import Carry
 from pipespec.stage.cuda_graphs import CudaGraphs, GraphsByK
 from pipespec.stage.device import (choose_backend, finish_within, prefer_column_major, tensors_off_device,
                                    use_device)
-from pipespec.stage.step_input import Padding, StepBuffers, StepInput
+from pipespec.stage.step_input import Padding, StepBuffers, StepInput, verify
 from pipespec.stage.target import load_target, run_target
 
 logger = logging.getLogger(__name__)
@@ -119,7 +118,7 @@ class Stage:
                                           self._bytes_per_block())
 
     def _state_shapes(self) -> list:
-        return self.model.state_shapes() if hasattr(self.model, "state_shapes") else []
+        return self.model.state_shapes()
 
     def _state_slots(self) -> int:
         # one per request the scheduler may run, and one more, never handed out, that takes the
@@ -237,7 +236,7 @@ class Stage:
                                     self.block_size, max_query_len=inp.max_query_len)
         ctx = ForwardContext(inp.positions, inp.slot_mapping, self.backend, attn, self.kv_caches)
         if self.linear_states is not None:
-            flags = LinearFlags.of(inp.max_query_len, plan.state_commit, plan.num_drafts)
+            flags = LinearFlags.of(inp.max_query_len, plan.state_commit, plan.num_draft_rows)
             ctx.linear = LinearMeta.build(inp.query_start_loc, inp.positions, inp.state_slots, inp.state_commit,
                                           inp.num_draft_rows, self.linear_states, flags)
         return ctx
@@ -250,7 +249,7 @@ class Stage:
         k, s = inp.num_spec_tokens, inp.num_lines
         if s == 0:
             if self.drafter is not None:      # keep the MTP KV written where later steps attend
-                self.drafter.write_kv(ctx, inp, hidden)
+                self.drafter.write_kv(ctx, inp.mtp_input_ids, hidden)
             return StepResult.empty(plan.step_id, plan.num_reqs, k).data
         if ctx is None and plan.sampling.all_greedy:
             return self.graphs.finish()
@@ -272,7 +271,8 @@ class Stage:
         if self.drafter is not None:
             last = num_sampled - 1
             last_tokens = tokens.gather(1, last[:, None]).squeeze(1)
-            drafts = self.drafter.propose(ctx, inp, hidden, inp.verify_rows[:, 0] + last, last_tokens, k)
+            drafts = self.drafter.propose(ctx, inp.mtp_input_ids, inp.block_tables[inp.sampling_reqs], hidden,
+                                          inp.verify_rows[:, 0] + last, last_tokens, k)
         data = StepResult.from_verification(0, inp.num_reqs, k, inp.sampling_reqs, tokens, num_sampled, drafts).data
         if self.carry is not None:
             self.carry.keep(data, k, inp.num_draft_rows)

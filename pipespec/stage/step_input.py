@@ -22,6 +22,8 @@ import numpy as np
 import torch
 
 from pipespec.plan import StepPlan
+from pipespec.sampling import SamplingTensors
+from pipespec.speculative.rejection import rejection_sample, verify_greedy
 
 # the flat buffer's fields, in order, as (name, size in units): T rows, B requests, S lines (sampling
 # requests), Q = 1 + K rows a line, W block-table columns
@@ -103,6 +105,8 @@ class StepInput:
 class StepBuffers:
     """A stage's step-input buffers, sized once for the largest step the config allows."""
 
+    host_buffers = ("_host", "_host_np")      # the host mirror, by design (`tensors_off_device`)
+
     def __init__(self, device: torch.device, max_rows: int, max_reqs: int, max_blocks_per_seq: int,
                  num_spec_tokens: int, padding: Padding | None = None):
         q = num_spec_tokens + 1
@@ -137,8 +141,8 @@ class StepBuffers:
         k = plan.num_spec_tokens
         q = k + 1
         qsl = plan.query_start_loc.numpy()
-        reqs = plan.sample_rows.numpy()
-        draft_rows, real = plan.num_drafts.numpy(), plan.real_drafts.numpy()
+        reqs = plan.sampling_reqs.numpy()
+        draft_rows, real = plan.num_draft_rows.numpy(), plan.num_drafts.numpy()
         t, b, s, w = plan.num_tokens, plan.num_reqs, len(reqs), plan.block_tables.shape[1]
         line_rows = draft_rows[reqs]
         if s and line_rows.max() > k:
@@ -232,7 +236,7 @@ class StepBuffers:
                         positions=torch.zeros(0, dtype=torch.int64), slot_mapping=torch.zeros(0, dtype=torch.int64),
                         query_start_loc=torch.zeros(1, dtype=torch.int64), seq_lens=torch.zeros(0, dtype=torch.int64),
                         block_tables=torch.zeros(0, self.max_blocks, dtype=torch.int64),
-                        sample_rows=torch.zeros(0, dtype=torch.int64), sampling=None, num_spec_tokens=k)
+                        sampling_reqs=torch.zeros(0, dtype=torch.int64), sampling=None, num_spec_tokens=k)
         self.write(plan, pad_to=nb)
         q = k + 1
         return self._step_input((nb * q, nb, nb, self.max_blocks, q), k, nb * q, nb, nb, q, True)
@@ -254,3 +258,13 @@ class StepBuffers:
             f["block_tables"] = f["block_tables"].view(b, w)
             view = self._views[key] = StepInput(num_spec_tokens=k, max_query_len=max_query_len, padded=padded, **f)
         return view
+
+
+def verify(logits: torch.Tensor, inp: StepInput, sampling: SamplingTensors | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The verifier, the one place a step's lines are verified (eagerly, or inside a CUDA graph's
+    forward for greedy steps): each line of 1 + K rows of `inp` (logits [S, 1 + K, V]) against the
+    drafts its rows embedded. `sampling`: None or all greedy verifies greedily and reads nothing
+    else. Returns tokens [S, 1 + K] (-1 past the end) and num_sampled [S]."""
+    if sampling is None or sampling.all_greedy:
+        return verify_greedy(logits, inp.draft_ids, inp.line_drafts)
+    return rejection_sample(logits, inp.draft_ids, inp.line_drafts, sampling, inp.first_positions + 1)
