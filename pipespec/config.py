@@ -133,8 +133,8 @@ class ParallelConfig:
     startup_timeout: float = 600.0       # seconds the stages may take to start and load their weights
     distributed_backend: str = "auto"    # activations between stages: auto = nccl on CUDA, gloo on CPU
     # TP on GPUs: small sums through the one-host symmetric-memory all-reduce, NCCL's otherwise
-    # (runtime/one_host_all_reduce.py). Opt-in: on two H200s a second TP engine in one process hung
-    # in its set-up (RESULTS.md, 2026-12-01)
+    # (runtime/one_host_all_reduce.py). Opt-in: a second TP engine in one process has hung in its
+    # set-up (RESULTS.md, TP = 2)
     custom_all_reduce: bool = False
     threads_per_stage: int | None = None  # CPU threads of each stage; None: torch's default for PP = 1,
                                           # cores / PP for PP > 1

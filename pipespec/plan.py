@@ -2,7 +2,7 @@
 and the shapes every message of a step has.
 
 A plan carries everything any stage needs for one step and nothing else; a result has a shape that
-depends only on the plan and the config (DESIGN.md, I2), never on what was sampled.
+depends only on the plan and the config (docs/architecture.md, I2), never on what was sampled.
 
 K (`num_spec_tokens`) is the number of draft tokens per request; each plan says its step's K (the
 config's, or with adaptive K one in 0..config K), and every shape of the step follows from it. A verifying request runs 1 + K query

@@ -26,12 +26,12 @@ With P pipeline stages up to P micro-batches are in flight, and a request is in 
 (its next plan needs its last result). So that every stage has work, a micro-batch then takes at
 most ceil(n / P) requests, n being those that could run now (running plus admissible waiting).
 
-Async scheduling (one stage; no speculation, or adaptive K after a step of K = 0) is the exception:
-a request in the one step in flight may be scheduled again before that step returns. Its next rows
-are then either the rest of its prompt, known here, or the one token that step samples, which the
-plan marks as carried (`StepPlan.carried`) and the stage takes from its previous result. Positions
-and KV slots follow from the counts alone (`num_scheduled_tokens`, `num_expected_tokens`), so only
-token ids travel late.
+Async scheduling (one stage) is the exception: a request in the one step in flight may be scheduled
+again before that step returns. Its next rows are then either the rest of its prompt, known here, or
+the token that step samples and the drafts it proposes (`_continues`), which the plan marks as
+carried (`StepPlan.carried`) and the stage fills in from its previous result (`stage/carry.py`).
+Positions and KV slots follow from the counts the driver knows and move on, on the device, by the
+drafts accepted, so only token ids travel late.
 """
 from __future__ import annotations
 
@@ -405,7 +405,7 @@ class Scheduler:
 
         The target's KV at position t depends on tokens 0..t only. The MTP layer's does not: at
         position t it takes the target's hidden state h_t and the embedding of token t + 1 (its
-        inputs are shifted left by one, DESIGN "MTP alignment"), so the MTP entry in a block's last
+        inputs are shifted left by one, docs/architecture.md, "MTP alignment"), so the MTP entry in a block's last
         slot was computed with the first token of the next block. Two prompts that agree on a block
         but not on the token after it hold different MTP entries there; a block reused with another
         next token would feed the drafter a stale entry (no effect on greedy output, which the target

@@ -6,7 +6,7 @@ row t takes the target's final hidden h_t and the token at t+1, which for the ro
 accepted token is the token just sampled. Its output at that row gives draft 1. Steps 1..K-1 run one
 row per request at the next position, feeding back the module's own output hidden; step i uses MTP
 layer i % n. Drafts are the module's argmax, so the verifier treats the draft distribution as one-hot
-(DESIGN.md I1: nothing the stage computes reaches its next step except the draft ids, through the
+(docs/architecture.md, I1: nothing the stage computes reaches its next step except the draft ids, through the
 driver).
 
 The proposer is a module owning every weight it drafts with: the MTP layers and, on a last stage

@@ -74,10 +74,9 @@ def choose_backend(choice: str, device: torch.device, model=None) -> AttentionBa
 def prefer_column_major(module: torch.nn.Module) -> None:
     """Store every layer's [out, in] matrix transposed in memory (same values, same shape).
 
-    On CPU, MKL's matrix-vector product reads such a layout ~1.3x faster, which is what batch-1
-    decode is made of (measured: 18.1 -> 20.6 tok/s on SmolLM2; RESULTS.md). Embeddings and LM heads
-    stay row-major: lookups want rows, and `head_logits` is fastest on a row-major head at any row
-    count (one row 3.8 ms against 5.1 column-major, four rows 4.5 against 19-24 ms).
+    On CPU, MKL's matrix-vector product reads such a layout faster, and batch-1 decode is made of
+    them (RESULTS.md). Embeddings and LM heads stay row-major: lookups want rows, and `head_logits`
+    is fastest on a row-major head at any row count.
     """
     for m in module.modules():
         if isinstance(m, torch.nn.Linear) and not isinstance(m, LMHead):
