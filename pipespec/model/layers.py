@@ -143,3 +143,15 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj(x), gated=True)
+
+
+def prefer_column_major(module: torch.nn.Module) -> None:
+    """Store every layer's [out, in] matrix transposed in memory (same values, same shape).
+
+    On CPU, MKL's matrix-vector product reads such a layout faster, and batch-1 decode is made of
+    them (RESULTS.md). Embeddings and LM heads stay row-major: lookups want rows, and `head_logits`
+    is fastest on a row-major head at any row count.
+    """
+    for m in module.modules():
+        if isinstance(m, torch.nn.Linear) and not isinstance(m, LMHead):
+            m.weight.data = m.weight.data.t().contiguous().t()

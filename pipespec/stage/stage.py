@@ -29,7 +29,8 @@ import numpy as np
 import torch
 
 from pipespec.config import EngineConfig
-from pipespec.model.attention import CacheShape, ForwardContext, allocate_caches, cache_bytes_per_block
+from pipespec.model.attention import CacheShape, ForwardContext, allocate_caches, cache_bytes_per_block, choose_backend
+from pipespec.model.layers import prefer_column_major
 from pipespec.model.linear_state import LinearFlags, LinearMeta, allocate_states, state_bytes
 from pipespec.model.placement import resolve_device, resolve_dtype
 from pipespec.model.source import ModelSource
@@ -39,8 +40,7 @@ from pipespec.speculative.loading import build_proposer
 from pipespec.stage import memory
 from pipespec.stage.carry import Carry
 from pipespec.stage.cuda_graphs import CudaGraphs, GraphsByK
-from pipespec.stage.device import (choose_backend, finish_within, prefer_column_major, tensors_off_device,
-                                   use_device)
+from pipespec.stage.device import tensors_off_device, use_device
 from pipespec.stage.step_input import Padding, StepBuffers, StepInput, verify
 from pipespec.stage.target import load_target, run_target
 
@@ -220,7 +220,7 @@ class Stage:
         """TP on CUDA: the collectives may be in a replayed graph, out of NCCL's watchdog's sight;
         wait for `what` with a bound (`finish_within`: past it, the TP communicator is aborted)."""
         if self.tp.size > 1 and self.device.type == "cuda":
-            finish_within(self.config.parallel.stage_timeout, self.tp, f"{what} of TP rank {self.tp.rank}")
+            self.tp.finish_within(self.config.parallel.stage_timeout, f"{what} of TP rank {self.tp.rank}")
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan, inbound: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
