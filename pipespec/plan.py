@@ -52,6 +52,9 @@ class StepPlan:
     # last stage drafts K tokens after verifying, and the result row is result_width(K) wide. The
     # config's K unless adaptive K picked a smaller one (0: plain decoding, the MTP KV still written)
     num_spec_tokens: int = 0
+    # False once adaptive K has retired speculation (no K paid): the last stage then runs no drafter,
+    # and no MTP KV is kept from this step on
+    drafting: bool = True
 
     def __post_init__(self):
         b, device = self.seq_lens.shape[0], self.seq_lens.device

@@ -105,6 +105,7 @@ class LLMEngine:
                                    num_micro_batches=micro_batches,
                                    num_spec_tokens=config.num_spec_tokens,
                                    choose_k=self.k_policy.choose if self.k_policy else None,
+                                   drafting=self.k_policy.drafting if self.k_policy else None,
                                    async_scheduling=async_scheduling, enable_prefix_caching=caching)
         self.spec_stats = SpecDecodeStats(config.num_spec_tokens, self.k_policy)
         self._last_result_at = 0.0

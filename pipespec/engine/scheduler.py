@@ -88,9 +88,10 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, block_size: int, num_blocks: int, max_model_len: int,
                  num_micro_batches: int = 1, num_spec_tokens: int = 0,
                  choose_k: Callable[[int], int] | None = None, async_scheduling: bool = False,
-                 enable_prefix_caching: bool = False):
+                 enable_prefix_caching: bool = False, drafting: Callable[[], bool] | None = None):
         """`choose_k(num_reqs)`: the K of a step of that many requests (adaptive K); None: always
-        `num_spec_tokens`, the config's K (which also sizes the KV room drafts need).
+        `num_spec_tokens`, the config's K (which also sizes the KV room drafts need). `drafting()`:
+        False once adaptive K retired speculation (`StepPlan.drafting`); None: always True.
         `async_scheduling`: a request of the step in flight may be scheduled again (`_continues`).
         `enable_prefix_caching`: reuse cached full KV blocks of a prompt's prefix (module docstring)."""
         if async_scheduling and num_micro_batches > 1:
@@ -101,6 +102,7 @@ class Scheduler:
         self.config = config
         self.num_spec_tokens = num_spec_tokens
         self.choose_k = choose_k
+        self.drafting = drafting
         self.num_micro_batches = num_micro_batches
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -371,6 +373,7 @@ class Scheduler:
             state_commit=int64_tensor([line.req.state_commit for line in lines]),
             carried=int64_tensor(carried) if num_carried else None,
             num_spec_tokens=k,
+            drafting=self.drafting is None or self.drafting(),
         )
 
     def complete(self, batch: ScheduledBatch, result: StepResult | None = None) -> None:

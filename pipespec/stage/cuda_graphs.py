@@ -46,14 +46,17 @@ class Bucket:
     attn: object                       # the backend's metadata over the views
     finish: torch.cuda.CUDAGraph | None = None     # last stage: drafting, the result, the carry
     data: torch.Tensor | None = None
+    # K = 0 with a drafter (adaptive K): the finish once speculation retired, without the drafter
+    finish_plain: torch.cuda.CUDAGraph | None = None
+    data_plain: torch.Tensor | None = None
 
 
 class CudaGraphs:
     def __init__(self, model, drafter, backend: AttentionBackend, kv_caches: list[KVCache], buffers: StepBuffers,
                  block_size: int, num_spec_tokens: int, max_batch: int, finish: Callable,
                  linear_states: list | None = None, mixed_k: bool = False, carry: Carry | None = None):
-        """`finish(ctx, inp, hidden, tokens, num_sampled)`: the last stage's end of a step, captured as
-        the finish graph. `mixed_k`: steps of other K run between this set's (adaptive K), so a K = 0
+        """`finish(ctx, inp, hidden, tokens, num_sampled, drafting)`: the last stage's end of a step,
+        captured as the finish graph. `mixed_k`: steps of other K run between this set's (adaptive K), so a K = 0
         step may follow a verify step and must adopt its candidate linear-attention state (a masked
         commit). `carry`: async scheduling's buffers, which the forward graph reads first."""
         self.model, self.drafter, self.backend, self.kv_caches = model, drafter, backend, kv_caches
@@ -110,8 +113,12 @@ class CudaGraphs:
             graph, out = capture_graph(pool, lambda: self._forward(inp, ctx))
             bucket = Bucket(inp, graph, out, attn)
             if self.is_last:
+                drafting = self.drafter is not None
                 bucket.finish, bucket.data = capture_graph(pool, lambda: self.finish_fn(
-                    ctx, inp, out[0], self.tokens[:b], self.num_sampled[:b]))
+                    ctx, inp, out[0], self.tokens[:b], self.num_sampled[:b], drafting))
+                if drafting and self.num_spec_tokens == 0 and self.mixed_k:
+                    bucket.finish_plain, bucket.data_plain = capture_graph(pool, lambda: self.finish_fn(
+                        ctx, inp, out[0], self.tokens[:b], self.num_sampled[:b], False))
             self._buckets[b] = bucket
         torch.cuda.synchronize()
         logger.info("Captured CUDA graphs for %d batch sizes (up to %d, K=%d) in %.1f s", len(self.buckets),
@@ -156,16 +163,20 @@ class CudaGraphs:
         self._live = inp.num_reqs
         return tuple(None if t is None else t[:n] for t in b.out)
 
-    def finish(self, tokens: torch.Tensor | None = None, num_sampled: torch.Tensor | None = None) -> torch.Tensor:
+    def finish(self, tokens: torch.Tensor | None = None, num_sampled: torch.Tensor | None = None,
+               drafting: bool = True) -> torch.Tensor:
         """Replay the finish graph of the step just replayed, from the forward graph's greedy
         verification or from `tokens` / `num_sampled` verified eagerly (a step that samples); the
         result data of its live requests (a view the next replay rewrites: the runtime copies it to
-        the host first, in stream order)."""
+        the host first, in stream order). `drafting` False: the drafter retired (adaptive K)."""
         n_req = self._live
         if tokens is not None:
             self.tokens[:n_req].copy_(tokens)
             self.num_sampled[:n_req].copy_(num_sampled)
         bucket = self._buckets[next(b for b in self.buckets if b >= n_req)]
+        if not drafting and bucket.finish_plain is not None:
+            bucket.finish_plain.replay()
+            return bucket.data_plain[:n_req]
         bucket.finish.replay()
         return bucket.data[:n_req]
 
@@ -214,9 +225,10 @@ class GraphsByK:
         self._replayed = self.by_k[inp.num_spec_tokens]
         return self._replayed.forward(bucket, inp, inbound)
 
-    def finish(self, tokens: torch.Tensor | None = None, num_sampled: torch.Tensor | None = None) -> torch.Tensor:
+    def finish(self, tokens: torch.Tensor | None = None, num_sampled: torch.Tensor | None = None,
+               drafting: bool = True) -> torch.Tensor:
         """The finish graph of the set whose forward was just replayed."""
-        return self._replayed.finish(tokens, num_sampled)
+        return self._replayed.finish(tokens, num_sampled, drafting)
 
     @property
     def replays(self) -> int:

@@ -247,28 +247,30 @@ class Stage:
         the StepResult data. `ctx` None: the step was replayed from a CUDA graph, whose forward
         computed every row's `logits` and verified greedily, and whose finish graph drafts."""
         k, s = inp.num_spec_tokens, inp.num_lines
+        drafting = self.drafter is not None and plan.drafting
         if s == 0:
-            if self.drafter is not None:      # keep the MTP KV written where later steps attend
+            if drafting:      # keep the MTP KV written where later steps attend
                 self.drafter.write_kv(ctx, inp.mtp_input_ids, hidden)
             return StepResult.empty(plan.step_id, plan.num_reqs, k).data
         if ctx is None and plan.sampling.all_greedy:
-            return self.graphs.finish()
+            return self.graphs.finish(drafting=drafting)
         if logits is None:     # eager: the LM head at verify rows only
             logits = self.model.compute_logits(hidden[inp.verify_rows.reshape(-1)])
         # greedy verification reads no sampling tensor: spare their upload
         sampling = None if plan.sampling.all_greedy else plan.sampling.to(self.device)
         tokens, num_sampled = verify(logits.view(s, k + 1, -1), inp, sampling)
         if ctx is None:
-            return self.graphs.finish(tokens, num_sampled)
-        return self._finish(ctx, inp, hidden, tokens, num_sampled)
+            return self.graphs.finish(tokens, num_sampled, drafting)
+        return self._finish(ctx, inp, hidden, tokens, num_sampled, drafting)
 
     def _finish(self, ctx: ForwardContext, inp: StepInput, hidden: torch.Tensor, tokens: torch.Tensor,
-                num_sampled: torch.Tensor) -> torch.Tensor:
+                num_sampled: torch.Tensor, drafting: bool) -> torch.Tensor:
         """The end of a last stage's step, eager or captured as a CUDA graph's finish: the next step's
-        drafts (from each line's last accepted row), the StepResult data, what async scheduling
-        carries. tokens [S, 1 + K] (-1 past the end) and num_sampled [S]; no host sync."""
+        drafts (from each line's last accepted row; `drafting` False: none, the drafter retired), the
+        StepResult data, what async scheduling carries. tokens [S, 1 + K] (-1 past the end) and
+        num_sampled [S]; no host sync."""
         k, drafts = inp.num_spec_tokens, None
-        if self.drafter is not None:
+        if drafting:
             last = num_sampled - 1
             last_tokens = tokens.gather(1, last[:, None]).squeeze(1)
             drafts = self.drafter.propose(ctx, inp.mtp_input_ids, inp.block_tables[inp.sampling_reqs], hidden,
