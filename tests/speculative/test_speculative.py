@@ -66,7 +66,9 @@ def _schedule_agreement(mtp, target, ids: list[int], start: int) -> tuple[int, i
 @pytest.mark.parametrize("pp", [1, 2])
 def test_measured_acceptance_matches_teacher_forced(pp, chat_prompts, _session_llm):
     params = SamplingParams(temperature=0, max_tokens=96)
-    with LLM(**DEFAULT_LLM_KWARGS, pipeline_parallel_size=pp, speculative_config=_spec(1)) as llm:
+    # drafts over the whole vocabulary, as the teacher-forced agreement counts them
+    spec = _spec(1) | {"draft_vocab": "full"}
+    with LLM(**DEFAULT_LLM_KWARGS, pipeline_parallel_size=pp, speculative_config=spec) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in chat_prompts], params, use_tqdm=False)
         stats = llm.stats()["spec_decode"]
     target = _session_llm.engine.executor.stage.model
