@@ -72,7 +72,7 @@ def gpu_skip_reason(marker, num_devices: int, capability, interpret: bool = INTE
 
 def default_model_missing() -> str | None:
     """Why the default model cannot be loaded here (None: it can)."""
-    from pipespec.model.source import default_model_path
+    from pipespec.checkpoint.source import default_model_path
     try:
         path = default_model_path()
     except FileNotFoundError as e:
@@ -115,7 +115,7 @@ def assert_engine_clean(llm: LLM) -> None:
 
 @pytest.fixture(scope="session")
 def model_path() -> Path:
-    from pipespec.model.source import default_model_path
+    from pipespec.checkpoint.source import default_model_path
     return default_model_path()
 
 
@@ -220,7 +220,7 @@ def tiny_models(tmp_path_factory, tokenizer):
 def tiny_llama_head(tiny_models, tmp_path_factory):
     """(folder, head file): the tiny llama and a random DeepSeek-style MTP head for it."""
     from pipespec.model.mtp import save_mtp
-    from pipespec.model.source import resolve_model
+    from pipespec.checkpoint.source import resolve_model
     from tests.speculative.mtp_tiny import tiny_head
     folder = tiny_models["llama"][0]
     head = tmp_path_factory.mktemp("tiny_head") / "head.safetensors"

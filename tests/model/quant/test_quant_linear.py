@@ -12,7 +12,7 @@ import torch
 from pipespec import LLM, SamplingParams
 from pipespec.model.quant.linear import QuantLinear, use_quantized_linears
 from pipespec.model.registry import build_target
-from pipespec.model.source import resolve_model
+from pipespec.checkpoint.source import resolve_model
 from tests.helpers import INTERPRET, engine_logits, hf_logits
 from tests.model.quant.test_quantized_checkpoints import LAYOUTS, PROMPT, _write
 

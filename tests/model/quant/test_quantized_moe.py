@@ -21,7 +21,7 @@ from pipespec.model.quant.experts import Fp8Stack, Int4Stack, use_quantized_expe
 from pipespec.model.quant.linear import QuantLinear
 from pipespec.model.registry import build_target
 from pipespec.model.routed_experts import routed_experts
-from pipespec.model.source import resolve_model
+from pipespec.checkpoint.source import resolve_model
 from tests.model.deepseek import tiny
 from tests.model.quant import writers
 
