@@ -42,4 +42,5 @@ def test_a_misspelt_argument_is_refused():
 def test_a_missing_default_model_is_named(monkeypatch, tmp_path):
     assert default_model_missing() is None                  # the CPU suite runs on it: installed here
     monkeypatch.setenv("PIPESPEC_DEFAULT_MODEL", str(tmp_path / "gone.gguf"))
-    assert default_model_missing() == f"the default model {tmp_path / 'gone.gguf'} ($PIPESPEC_DEFAULT_MODEL) does not exist"
+    gone = tmp_path / "gone.gguf"
+    assert default_model_missing() == f"the default model {gone} ($PIPESPEC_DEFAULT_MODEL) does not exist"
