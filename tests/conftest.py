@@ -28,7 +28,14 @@ TINY_FAMILIES = ("llama", "qwen2", "qwen3")
 def pytest_configure(config):
     # One intra-op thread by default: on a small shared machine two OpenMP threads stall whenever the
     # other core is busy (a long prefill then takes 5-10x longer); PIPESPEC_TEST_THREADS overrides.
-    torch.set_num_threads(int(os.environ.get("PIPESPEC_TEST_THREADS", "1")))
+    threads = os.environ.get("PIPESPEC_TEST_THREADS", "1")
+    torch.set_num_threads(int(threads))
+    # The same for the processes tests start (servers, the CLI, training, benchmark scripts), whose
+    # torch takes its thread count from OMP_NUM_THREADS at import, wherever another xdist worker keeps
+    # the other core busy (or the count is asked for): a train-mtp run beside another test took 90 s
+    # with two threads, 55 s with one (benchmarks/RESULTS.md, 2026-12-06).
+    if os.environ.get("PYTEST_XDIST_WORKER") or "PIPESPEC_TEST_THREADS" in os.environ:
+        os.environ.setdefault("OMP_NUM_THREADS", threads)
     torch.manual_seed(0)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
