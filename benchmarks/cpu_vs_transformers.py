@@ -35,7 +35,7 @@ def main():
     from transformers import AutoModelForCausalLM
 
     from pipespec import LLM, SamplingParams
-    from pipespec.model.source import default_model_path
+    from pipespec.checkpoint.source import default_model_path
 
     gguf = default_model_path()
     llm = LLM(model=None, dtype="float32", device="cpu")

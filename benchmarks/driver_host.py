@@ -47,7 +47,7 @@ def small_model(folder: Path) -> tuple[Path, Path]:
     import torch
     from pipespec.model.mtp.deepseek import DeepSeekMTP
     from pipespec.model.mtp.files import save_mtp
-    from pipespec.model.source import resolve_model
+    from pipespec.checkpoint.source import resolve_model
     tok = resolve_model(None, torch.float32).tokenizer()
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152,
               "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,

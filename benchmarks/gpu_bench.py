@@ -155,7 +155,7 @@ def measure(runners, groups, new_tokens, repeats, table, model, peer_name):
 def smollm2(args, table):
     from transformers import AutoModelForCausalLM
 
-    from pipespec.model.source import default_model_path
+    from pipespec.checkpoint.source import default_model_path
 
     share = dict(gpu_memory_utilization=0.12, max_num_seqs=64)
     engines = {k: PipespecRunner(f"pipespec K={k}" if k else "pipespec", k, **share) for k in (0, 1, 2, 3)}

@@ -46,7 +46,7 @@ LABELS = {"tp1": (1, False), "tp2": (2, False), "tp2_custom": (2, True)}
 def random_head(model: str) -> str:
     """A random DeepSeek-style MTP head for the model's shape, saved in bf16."""
     from pipespec.model.mtp import DeepSeekMTP, save_mtp
-    from pipespec.model.source import resolve_model
+    from pipespec.checkpoint.source import resolve_model
     from pipespec.model.weights import init_dummy_weights
 
     layer = DeepSeekMTP(resolve_model(model).arch)

@@ -1,10 +1,12 @@
 """Shared fixtures: the default model loaded once per session, the transformers oracle, tiny random
-checkpoints of each supported family, and a guard that every engine test leaves the engine clean.
+checkpoints of each supported family, and a guard that every engine test leaves the engine clean;
+and the one place GPU tests are skipped where they cannot run (the `gpu` marker).
 
-Everything runs on CPU in float32.
+Everything else runs on CPU in float32.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -13,6 +15,7 @@ import pytest
 import torch
 
 from pipespec import LLM
+from tests.helpers import INTERPRET
 
 # Engine settings of the shared default-model engine. A small step budget makes long prompts go
 # through chunked prefill, mixed with other requests' decodes.
@@ -25,9 +28,83 @@ TINY_FAMILIES = ("llama", "qwen2", "qwen3")
 def pytest_configure(config):
     # One intra-op thread by default: on a small shared machine two OpenMP threads stall whenever the
     # other core is busy (a long prefill then takes 5-10x longer); PIPESPEC_TEST_THREADS overrides.
-    torch.set_num_threads(int(os.environ.get("PIPESPEC_TEST_THREADS", "1")))
+    threads = os.environ.get("PIPESPEC_TEST_THREADS", "1")
+    torch.set_num_threads(int(threads))
+    # The same for the processes tests start (servers, the CLI, training, benchmark scripts), whose
+    # torch takes its thread count from OMP_NUM_THREADS at import, wherever another xdist worker keeps
+    # the other core busy (or the count is asked for): a train-mtp run beside another test took 90 s
+    # with two threads, 55 s with one (benchmarks/RESULTS.md, 2026-12-06).
+    if os.environ.get("PYTEST_XDIST_WORKER") or "PIPESPEC_TEST_THREADS" in os.environ:
+        os.environ.setdefault("OMP_NUM_THREADS", threads)
     torch.manual_seed(0)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+# -- where GPU tests run ---------------------------------------------------------------------------
+#
+# @pytest.mark.gpu                     a CUDA device running compiled kernels (not TRITON_INTERPRET=1)
+# @pytest.mark.gpu(devices=2)          that many CUDA devices
+# @pytest.mark.gpu(capability=9)       a device of at least that compute capability (major): sm_90+
+# @pytest.mark.gpu(interpret=True)     Triton kernels the interpreter runs too: also on CPU under
+#                                      TRITON_INTERPRET=1 (with triton installed)
+# The closest marker wins: a function's own gpu marker replaces its module's.
+# A GPU test that needs the default model (marked default_model, or using the `model_path` fixture or
+# the shared engine) is skipped, naming the model, where it is not installed; on CPU it stays required.
+
+GPU_MARKER_ARGS = {"devices", "capability", "interpret"}
+
+
+def gpu_skip_reason(marker, num_devices: int, capability, interpret: bool = INTERPRET) -> str | None:
+    """Why a test with this gpu marker cannot run here (None: it can). `capability`: a callable giving
+    the first device's (major, minor); `interpret`: whether Triton runs under its interpreter."""
+    unknown = set(marker.kwargs) - GPU_MARKER_ARGS
+    if marker.args or unknown:
+        raise pytest.UsageError(f"@pytest.mark.gpu takes keywords {sorted(GPU_MARKER_ARGS)}; got "
+                                f"{marker.args or ''} {sorted(unknown) or ''}")
+    need = marker.kwargs.get("devices", 1)
+    if marker.kwargs.get("interpret") and interpret and num_devices == 0:
+        return None
+    if interpret and not marker.kwargs.get("interpret"):
+        return "runs compiled kernels: not under TRITON_INTERPRET=1"
+    if num_devices < need:
+        where = "a CUDA device" if need == 1 else f"{need} CUDA devices"
+        if marker.kwargs.get("interpret"):
+            where += " (or TRITON_INTERPRET=1 with triton on CPU)"
+        return f"needs {where}"
+    major = marker.kwargs.get("capability")
+    if major is not None and capability()[0] < major:
+        return f"needs an sm_{major}0+ GPU"
+    return None
+
+
+def default_model_missing() -> str | None:
+    """Why the default model cannot be loaded here (None: it can)."""
+    from pipespec.checkpoint.source import default_model_path
+    try:
+        path = default_model_path()
+    except FileNotFoundError as e:
+        return str(e)
+    return None if path.exists() else f"the default model {path} ($PIPESPEC_DEFAULT_MODEL) does not exist"
+
+
+# fixtures that load the default model (the shared engine, the tokenizer and the tiny checkpoints
+# all go through _session_llm)
+DEFAULT_MODEL_FIXTURES = {"model_path", "_session_llm"}
+
+
+def pytest_collection_modifyitems(config, items):
+    num_devices = torch.cuda.device_count()
+    model_missing = functools.cache(default_model_missing)     # looked up once, if a GPU test needs it
+    for item in items:
+        marker = item.get_closest_marker("gpu")
+        if marker is None:
+            continue
+        reason = gpu_skip_reason(marker, num_devices, lambda: torch.cuda.get_device_capability(0))
+        if reason is None and (item.get_closest_marker("default_model")
+                               or DEFAULT_MODEL_FIXTURES & set(getattr(item, "fixturenames", ()))):
+            reason = model_missing()
+        if reason is not None:
+            item.add_marker(pytest.mark.skip(reason=reason))
 
 
 def assert_engine_clean(llm: LLM) -> None:
@@ -45,7 +122,7 @@ def assert_engine_clean(llm: LLM) -> None:
 
 @pytest.fixture(scope="session")
 def model_path() -> Path:
-    from pipespec.model.source import default_model_path
+    from pipespec.checkpoint.source import default_model_path
     return default_model_path()
 
 
@@ -150,7 +227,7 @@ def tiny_models(tmp_path_factory, tokenizer):
 def tiny_llama_head(tiny_models, tmp_path_factory):
     """(folder, head file): the tiny llama and a random DeepSeek-style MTP head for it."""
     from pipespec.model.mtp import save_mtp
-    from pipespec.model.source import resolve_model
+    from pipespec.checkpoint.source import resolve_model
     from tests.speculative.mtp_tiny import tiny_head
     folder = tiny_models["llama"][0]
     head = tmp_path_factory.mktemp("tiny_head") / "head.safetensors"

@@ -2,13 +2,19 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import inspect
+import os
 
 import torch
 
 from pipespec.engine.request import Request
 from pipespec.engine.scheduler import Scheduler
 from pipespec.sampling import SamplingParams
+
+# Triton kernels run on CPU under the Triton interpreter (TRITON_INTERPRET=1 with triton installed):
+# how the kernels are developed without a GPU. Tests marked gpu(interpret=True) run there too.
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
 
 
 def make_request(request_id: str, prompt_ids: list[int], max_tokens: int = 16,

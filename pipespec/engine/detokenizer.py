@@ -1,7 +1,7 @@
 """Incremental detokenization and stop-string matching for one request."""
 from __future__ import annotations
 
-from pipespec.model.tokenizer import Tokenizer
+from pipespec.checkpoint.tokenizer import Tokenizer
 
 _CONTEXT = 5   # prompt tokens decoded with the output so the first word gets its leading space right
 # tokens that may wait for the rest of a character: a UTF-8 character is at most 4 bytes and a token

@@ -7,10 +7,10 @@ from typing import Sequence
 
 from tqdm.auto import tqdm
 
+from pipespec.checkpoint.tokenizer import read_chat_template
 from pipespec.config import EngineConfig
 from pipespec.engine.llm_engine import LLMEngine
 from pipespec.engine.outputs import RequestOutput
-from pipespec.model.tokenizer import read_chat_template
 from pipespec.sampling import RequestOutputKind, SamplingParams
 
 

@@ -27,6 +27,7 @@ import logging
 import time
 from collections import deque
 
+from pipespec.checkpoint.source import engine_tokenizer, resolve_model
 from pipespec.config import EngineConfig
 from pipespec.engine.adaptive_k import make_policy
 from pipespec.engine.detokenizer import IncrementalDetokenizer
@@ -36,8 +37,7 @@ from pipespec.engine.scheduler import ScheduledBatch, Scheduler
 from pipespec.engine.seeds import engine_seed_base, unseeded_request_seed
 from pipespec.engine.spec_stats import SpecDecodeStats
 from pipespec.engine.stages import build_executor, check_max_model_len
-from pipespec.model.placement import weights_dtype
-from pipespec.model.source import engine_tokenizer, resolve_model
+from pipespec.placement import weights_dtype
 from pipespec.plan import StepResult, position_margin
 from pipespec.runtime.pipeline_executor import PipelineExecutor
 from pipespec.runtime.transport import StageError

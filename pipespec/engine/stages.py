@@ -11,10 +11,10 @@ import logging
 
 import torch
 
+from pipespec.checkpoint.source import ModelSource, resolve_model
 from pipespec.config import EngineConfig
-from pipespec.model.placement import weights_dtype
-from pipespec.model.source import ModelSource, resolve_model
 from pipespec.parallel import TensorParallel
+from pipespec.placement import weights_dtype
 from pipespec.runtime import launch
 from pipespec.runtime.cpu_threads import capped_threads, stage_threads, usable_cores
 from pipespec.runtime.executor import Executor, LocalExecutor

@@ -23,7 +23,7 @@ def bundled_head_path(model: str | os.PathLike | None = None) -> Path | None:
         return None
     if model is None:
         return path
-    from pipespec.model.source import default_model_path
+    from pipespec.checkpoint.source import default_model_path
 
     try:
         default = default_model_path().resolve()

@@ -28,13 +28,13 @@ import logging
 import numpy as np
 import torch
 
+from pipespec.checkpoint.source import ModelSource
 from pipespec.config import EngineConfig
 from pipespec.model.attention import CacheShape, ForwardContext, allocate_caches, cache_bytes_per_block, choose_backend
 from pipespec.model.layers import prefer_column_major
 from pipespec.model.linear_state import LinearFlags, LinearMeta, allocate_states, state_bytes
-from pipespec.model.placement import resolve_device, resolve_dtype
-from pipespec.model.source import ModelSource
 from pipespec.parallel import TensorParallel
+from pipespec.placement import resolve_device, resolve_dtype
 from pipespec.plan import StepPlan, StepResult, position_margin
 from pipespec.speculative.loading import build_proposer
 from pipespec.stage import memory

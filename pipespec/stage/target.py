@@ -7,13 +7,13 @@ import logging
 import torch
 
 from pipespec import kernels
+from pipespec.checkpoint.source import ModelSource
 from pipespec.config import EngineConfig
 from pipespec.model.attention import ForwardContext
 from pipespec.model.quant.experts import use_dummy_quantized_experts
 from pipespec.model.quant.keep import keep_quantized
 from pipespec.model.quant.linear import use_dummy_quantized_linears
 from pipespec.model.registry import build_target
-from pipespec.model.source import ModelSource
 from pipespec.model.tp_layers import SINGLE
 from pipespec.model.weights import init_dummy_weights, load_weights, parameters_on_meta
 from pipespec.parallel import TensorParallel

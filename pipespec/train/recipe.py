@@ -11,12 +11,12 @@ from pathlib import Path
 
 import torch
 
+from pipespec.checkpoint.source import resolve_model
 from pipespec.heads import bundled_head_path
 from pipespec.model.llama import LlamaForCausalLM
 from pipespec.model.mtp import DeepSeekMTP, load_mtp_file, read_mtp_metadata, save_mtp
-from pipespec.model.placement import resolve_device, resolve_dtype
-from pipespec.model.source import resolve_model
 from pipespec.model.weights import load_weights
+from pipespec.placement import resolve_device, resolve_dtype
 from pipespec.speculative.draft_vocab import DRAFT_VOCAB_TENSOR, DraftVocab, write_draft_vocab
 from pipespec.train.budget import GenBudget, plan_text
 from pipespec.train.data import (Batcher, Sample, load_data, load_samples, most_frequent_tokens, plain_text_samples,

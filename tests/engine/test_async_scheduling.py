@@ -23,6 +23,15 @@ def async_llm():
     llm.shutdown()
 
 
+GREEDY_24 = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def plain_greedy(_session_llm):
+    """Plain decoding of PROMPTS, 24 tokens each: the reference of the tests below, computed once."""
+    return texts(_session_llm.generate(PROMPTS, GREEDY_24, use_tqdm=False))
+
+
 def params():
     return [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
             SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=13, ignore_eos=True),
@@ -43,11 +52,10 @@ def test_async_engine_equals_the_sync_one_and_carries_tokens(llm, async_llm):
     assert_engine_clean(async_llm)
 
 
-def test_stops_end_where_the_sync_engine_ends(llm, async_llm):
-    ref = llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
-                       use_tqdm=False)[0].outputs[0]
-    stop_id = ref.token_ids[6]
-    stop_text = ref.text[len(ref.text) // 2:][:3]
+def test_stops_end_where_the_sync_engine_ends(llm, async_llm, plain_greedy):
+    ref_ids, ref_text, _ = plain_greedy[0]
+    stop_id = ref_ids[6]
+    stop_text = ref_text[len(ref_text) // 2:][:3]
     for sp in (SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[stop_id], ignore_eos=True),
                SamplingParams(temperature=0.0, max_tokens=24, stop=[stop_text], ignore_eos=True)):
         want = llm.generate(PROMPTS[0], sp, use_tqdm=False)[0].outputs[0]
@@ -101,37 +109,35 @@ def test_adaptive_k_overlaps_its_k0_steps_and_stays_lossless(llm):
 
 
 @pytest.mark.parametrize("k", [1, 3])
-def test_fixed_k_speculation_continues_verify_steps_and_stays_lossless(llm, k):
+def test_fixed_k_speculation_continues_verify_steps_and_stays_lossless(llm, plain_greedy, k):
     """Steps that verify drafts are continued too: the next line takes the token, the drafts and the
     shift from the result on the device. Greedy output equals plain decoding, seeded sampling the
     synchronous speculative engine's."""
     spec = {"method": "mtp", "num_speculative_tokens": k}
-    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     seeded = [SamplingParams(temperature=0.8, top_p=0.9, seed=11 + i, max_tokens=17, ignore_eos=True)
               for i in range(len(PROMPTS))]
-    want = texts(llm.generate(PROMPTS, greedy, use_tqdm=False))
+    want = plain_greedy
     with LLM(model=None, **dict(DEFAULT_LLM_KWARGS, speculative_config=spec)) as sync_llm:
         want_seeded = texts(sync_llm.generate(PROMPTS, seeded, use_tqdm=False))
     with LLM(model=None, **dict(DEFAULT_LLM_KWARGS, async_scheduling=True, speculative_config=spec)) as spec_llm:
         assert spec_llm.engine.executor.async_scheduling
-        assert texts(spec_llm.generate(PROMPTS, greedy, use_tqdm=False)) == want
+        assert texts(spec_llm.generate(PROMPTS, GREEDY_24, use_tqdm=False)) == want
         assert texts(spec_llm.generate(PROMPTS, seeded, use_tqdm=False)) == want_seeded
         stats = spec_llm.engine.stats()
         assert stats["num_carried_rows"] > 0 and stats["spec_decode"]["num_accepted_tokens"] > 0, stats
         assert_engine_clean(spec_llm)
 
 
-def test_with_drafts_stops_and_aborts_end_where_the_sync_engine_ends(llm):
+def test_with_drafts_stops_and_aborts_end_where_the_sync_engine_ends(llm, plain_greedy):
     """K = 3 with steps continued before the verify step ahead returns: a stop token (at three places,
     so a step may bring it among accepted drafts, with tokens after it) or a stop string ends the
     request where plain decoding does (the continued step's rows are dropped); an abort while its
     next step is out leaves the others untouched; nothing leaks."""
     spec = {"method": "mtp", "num_speculative_tokens": 3}
-    ref = llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
-                       use_tqdm=False)[0].outputs[0]
-    stops = [SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[ref.token_ids[i]], ignore_eos=True)
+    ref_ids, ref_text, _ = plain_greedy[0]
+    stops = [SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[ref_ids[i]], ignore_eos=True)
              for i in (5, 9, 14)]
-    stops.append(SamplingParams(temperature=0.0, max_tokens=24, stop=[ref.text[len(ref.text) // 2:][:3]],
+    stops.append(SamplingParams(temperature=0.0, max_tokens=24, stop=[ref_text[len(ref_text) // 2:][:3]],
                                 ignore_eos=True))
     with LLM(model=None, **dict(DEFAULT_LLM_KWARGS, async_scheduling=True, speculative_config=spec)) as spec_llm:
         for sp in stops:

@@ -245,7 +245,7 @@ def test_stage_parameter_counts(llm, smol_pp2, smol_pp3):
 def test_each_stage_reads_only_its_tensors(tiny_llama, monkeypatch):
     from pipespec.config import EngineConfig
     from pipespec.stage import Stage
-    from pipespec.model.source import resolve_model
+    from pipespec.checkpoint.source import resolve_model
     from pipespec.model.weights import SafetensorsSource
 
     read: list[str] = []

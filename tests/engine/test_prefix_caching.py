@@ -50,20 +50,19 @@ def _two_turns(llm: LLM, first_turn, tokenizer) -> tuple[list[list[int]], list[l
     return first, second
 
 
-_REFERENCES: dict[int, tuple] = {}
-
-
 @pytest.fixture(scope="module")
 def reference(first_turn, tokenizer):
-    """Per K, the outputs with the cache off at PP = 1 (seeded sampling under speculation depends on K)."""
+    """Per K, the outputs with the cache off at PP = 1 (seeded sampling under speculation depends on K),
+    each computed once a module."""
+    done: dict[int, tuple] = {}
+
     def get(k: int):
-        if k not in _REFERENCES:
+        if k not in done:
             with LLM(**DEFAULT_LLM_KWARGS, enable_prefix_caching=False, speculative_config=_spec(k)) as llm:
-                _REFERENCES[k] = _two_turns(llm, first_turn, tokenizer)
+                done[k] = _two_turns(llm, first_turn, tokenizer)
                 assert "prefix_cache" not in llm.stats()
-        return _REFERENCES[k]
-    yield get
-    _REFERENCES.clear()
+        return done[k]
+    return get
 
 
 @pytest.mark.parametrize("pp,k,overlap", [(1, 0, False), (2, 2, False), (3, 3, False), (1, 2, True)])

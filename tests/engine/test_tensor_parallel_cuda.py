@@ -13,8 +13,7 @@ from pipespec import LLM, SamplingParams
 from tests.model import hybrid_tiny as ht
 from tests.model.deepseek import tiny as ds
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")]
+pytestmark = pytest.mark.gpu(devices=2)
 
 KW = dict(dtype="float32", device="cuda", distributed_backend="nccl", gpu_memory_utilization=0.2,
           max_model_len=128, block_size=16, max_num_seqs=8, max_num_batched_tokens=64)

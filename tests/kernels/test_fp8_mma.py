@@ -11,7 +11,7 @@ import torch
 from tests.kernels import rel, rows_reaching, shape_id
 from tests.model.quant import writers
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = pytest.mark.gpu
 # the widened weights are exact, products and sums float32: the output's rounding
 TOL = {torch.bfloat16: 5e-3, torch.float16: 1e-3}
 # 2 rows a lane at the default, then 4 (256 columns), 2 warps, 8 warps (1 tile each) and a 64-wide

@@ -103,7 +103,7 @@ def test_a_split_tile_s_last_program_sums_the_partials_as_the_sum_kernel_does(nk
     assert counts is not None and int(counts.count_nonzero()) == 0
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu             # CUDA graphs: a device, compiled kernels
 def test_split_k_products_replayed_from_a_graph_stay_exact():
     """Many split products in a row, each reading the last one's output, replayed from a CUDA graph:
     every replay gives the eager chain's bits (a sum that read partials before they were written

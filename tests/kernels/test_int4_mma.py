@@ -9,7 +9,7 @@ import torch
 from tests.kernels import rel, rows_reaching, shape_id
 from tests.model.quant import writers
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = pytest.mark.gpu
 # products and sums are exact in float32 ((q - z) is an integer, x a 16-bit float): the output's rounding
 TOL = {torch.bfloat16: 5e-3, torch.float16: 1e-3}
 # a lane's adjacent columns (`_column`): 2 at the default, 4, 2 and 1; split K summed by `_sum_splits`
@@ -113,7 +113,7 @@ def test_rows_the_tensor_core_kernel_does_not_take_go_elsewhere(mma_calls):
             int4_mma_matmul(x, packed.qweight, packed.zeros, packed.scales, 16, DEFAULT_TILES.int4_mma)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9, reason="needs sm_90+")
+@pytest.mark.gpu(capability=9)
 def test_a_pdl_chain_of_int4_products_replayed_from_a_graph_equals_the_plain_one(monkeypatch, mma_calls):
     """Each product's input is the one before's output (split K, so a sum kernel between): with PDL
     on, a kernel that read x before its wait would see the last replay's rows."""

@@ -11,8 +11,6 @@ from pipespec.model.quant.packed import Fp8Weight
 from tests.kernels import rel
 from tests.model.quant import writers
 
-# the compiled launch path exists only on a GPU (the interpreter takes the JIT's path)
-ON_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled launch path needs a CUDA device")
 
 
 def test_the_key_separates_alignment_dtype_and_integer_classes():
@@ -46,8 +44,7 @@ def _weights(device):
     return [(int4.to(device), ref4.to(device)), (fp8.to(device), ref8.to(device))]
 
 
-@pytest.mark.gpu
-@ON_GPU
+@pytest.mark.gpu             # the compiled launch path exists only there (the interpreter takes the JIT's)
 @pytest.mark.parametrize("m", [1, 16])
 def test_a_cached_launch_computes_what_the_jit_launch_does(m):
     from pipespec.kernels import fp8_mma, gemv, int4_mma
@@ -67,8 +64,7 @@ def test_a_cached_launch_computes_what_the_jit_launch_does(m):
                         assert sum(k.hits for k in kernels) > hits
 
 
-@pytest.mark.gpu
-@ON_GPU
+@pytest.mark.gpu             # the compiled launch path exists only there (the interpreter takes the JIT's)
 def test_a_profilers_launch_hook_sees_every_launch():
     """With a launch hook set (proton's, say) launches take the JIT's path, which calls the hook."""
     from triton import knobs

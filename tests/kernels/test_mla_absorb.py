@@ -30,7 +30,7 @@ def test_products_equal_the_einsums(heads, dn, dv, rank, rows):
     assert not torch.allclose(absorb_query(q, w.roll(1, 0), dn, dv), want_q, atol=1e-2)
 
 
-@pytest.mark.skipif(INTERPRET, reason="bf16 on the GPU")
+@pytest.mark.gpu             # bf16 on the GPU (not under the interpreter)
 def test_bf16_within_rounding():
     from pipespec.kernels.mla_absorb import absorb_output, absorb_query
     w = torch.randn(20 * 448, 512, device=DEVICE, dtype=torch.bfloat16) * 0.05

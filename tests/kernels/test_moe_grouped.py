@@ -71,7 +71,7 @@ def test_many_fp8_pairs_take_the_grouped_kernels(monkeypatch):
         _close(got, want)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.gpu             # CUDA graphs: a device, compiled kernels
 def test_grouped_fp8_experts_capture_in_a_cuda_graph():
     """Nothing reads the routing back to the host: a replay with new ids equals an eager call."""
     from pipespec.kernels.moe_grouped import grouped_fp8_experts

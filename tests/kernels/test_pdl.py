@@ -52,8 +52,7 @@ def _chain(x, weights, norm):
     return x
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not SM90, reason="needs an sm_90+ GPU")
+@pytest.mark.gpu(capability=9)
 def test_a_pdl_chain_replayed_from_a_graph_equals_the_plain_one(monkeypatch):
     from pipespec.stage.cuda_graphs import capture_graph
     pdl_on = _pdl_on()

@@ -4,8 +4,7 @@ import torch
 
 from pipespec import LLM, SamplingParams
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [pytest.mark.gpu, pytest.mark.default_model]
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 

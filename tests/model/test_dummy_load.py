@@ -38,7 +38,7 @@ def test_missing_weights_without_dummy_is_a_clear_error(tmp_path, tokenizer):
 def test_dummy_weights_are_the_same_at_every_pipeline_split(tmp_path, tokenizer):
     """Keyed by tensor name, so PP = 2's stages hold exactly PP = 1's layers (benchmarks compare them)."""
     from pipespec.config import EngineConfig
-    from pipespec.model.source import resolve_model
+    from pipespec.checkpoint.source import resolve_model
     from pipespec.stage import Stage
     folder = _config_only_folder(tmp_path, tokenizer)
     source = resolve_model(str(folder))
@@ -52,7 +52,7 @@ def test_dummy_weights_are_the_same_at_every_pipeline_split(tmp_path, tokenizer)
 def test_a_tied_head_on_a_later_stage_draws_the_embedding(tmp_path, tokenizer):
     """A tied model split at PP = 2: the last stage's own head copy holds stage 0's embedding values."""
     from pipespec.config import EngineConfig
-    from pipespec.model.source import resolve_model
+    from pipespec.checkpoint.source import resolve_model
     from pipespec.stage import Stage
     from tests.conftest import _tiny_config, write_tokenizer_files
     cfg = _tiny_config("llama")

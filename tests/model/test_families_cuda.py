@@ -13,8 +13,7 @@ from tests.helpers import engine_logits
 from tests.model import hybrid_tiny as ht
 from tests.model.deepseek import tiny as ds
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = pytest.mark.gpu
 
 KW = dict(dtype="float32", max_model_len=128, block_size=16, max_num_seqs=8, max_num_batched_tokens=64)
 CASES = ("qwen3_5_moe", "qwen3_next", "lora_yarn", "v32")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pipespec.model.linear import linear
-from tests.kernels import DEVICE, INTERPRET
+from tests.kernels import DEVICE
 
 
 
@@ -21,9 +21,7 @@ def test_gated_product_is_silu_of_the_gate_times_up_then_the_projection():
     torch.testing.assert_close(linear(gate_up[:, :40], w, b), gate_up[:, :40] @ w.t() + b)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRET),
-                    reason="needs a CUDA device (or TRITON_INTERPRET=1 with triton)")
+@pytest.mark.gpu(interpret=True)
 @pytest.mark.parametrize("gated", [False, True])
 def test_decode_rows_take_the_gemv_kernel_and_prefill_rows_do_not(monkeypatch, gated):
     from pipespec.kernels import gemv
@@ -44,9 +42,7 @@ def test_decode_rows_take_the_gemv_kernel_and_prefill_rows_do_not(monkeypatch, g
             assert calls == taken
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRET),
-                    reason="needs a CUDA device (or TRITON_INTERPRET=1 with triton)")
+@pytest.mark.gpu(interpret=True)
 def test_a_float32_weight_widens_a_narrower_input_on_every_path(monkeypatch):
     """A router's float32 weight against a bf16 row: float32 products and a float32 result, the
     decode kernel reading the bf16 row itself (no converted copy), the same as converting first."""

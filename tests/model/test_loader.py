@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pipespec.model import source as source_mod
+from pipespec.checkpoint import source as source_mod
 from pipespec.model.arch import ArchConfig
 from pipespec.model.llama import LlamaForCausalLM
-from pipespec.model.source import resolve_model
+from pipespec.checkpoint.source import resolve_model
 from pipespec.model.weights import SafetensorsSource, load_weights
 
 

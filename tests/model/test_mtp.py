@@ -165,7 +165,7 @@ def test_a_head_with_a_wider_mlp_serves_lossless_speculation(tiny_models, tmp_pa
     import dataclasses
     from pipespec import LLM, SamplingParams
     from pipespec.model.mtp import save_mtp
-    from pipespec.model.source import resolve_model
+    from pipespec.checkpoint.source import resolve_model
     from tests.speculative.mtp_tiny import randomize
     folder = tiny_models["llama"][0]
     arch = resolve_model(str(folder)).arch

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pipespec import LLM, SamplingParams
-from pipespec.model.source import resolve_model
+from pipespec.checkpoint.source import resolve_model
 from tests.conftest import assert_engine_clean
 from tests.helpers import engine_logits, hf_greedy, hf_logits
 from tests.model import hybrid_tiny as ht

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pipespec.model.llama import LlamaForCausalLM
-from pipespec.model.source import resolve_model
+from pipespec.checkpoint.source import resolve_model
 from pipespec.model.tp_layers import kv_head_range
 from pipespec.model.weights import load_weights
 from pipespec.parallel import TensorParallel

@@ -7,7 +7,7 @@ import pytest
 
 from pipespec.config import EngineConfig
 from pipespec.engine.scheduler import Scheduler
-from pipespec.model.source import resolve_model
+from pipespec.checkpoint.source import resolve_model
 from pipespec.runtime.executor import LocalExecutor
 from pipespec.runtime.transport import StageError
 from pipespec.stage import Stage

@@ -14,8 +14,7 @@ from pipespec.runtime import launch
 from pipespec.runtime.one_host_all_reduce import MAX_BYTES, OneHostAllReduce
 from tests.runtime.two_ranks import run_two_ranks
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")]
+pytestmark = pytest.mark.gpu(devices=2)
 
 
 class _Lines(logging.Handler):

@@ -12,7 +12,7 @@ import pytest
 
 from pipespec.config import EngineConfig
 from pipespec.engine.scheduler import Scheduler
-from pipespec.model.source import resolve_model
+from pipespec.checkpoint.source import resolve_model
 from pipespec.runtime.launch import pid_alive
 from pipespec.runtime.pipeline_executor import PipelineExecutor
 from pipespec.runtime.transport import StageError

@@ -164,7 +164,7 @@ def test_list_of_prompts_gets_one_choice_per_prompt(client, model):
 
 
 def test_token_id_prompts(client, model):
-    from pipespec.model.source import resolve_model
+    from pipespec.checkpoint.source import resolve_model
     tok = resolve_model(None).tokenizer()
     a, b = tok.encode("The capital of France is"), tok.encode("Hello")
     single = client.completions.create(model=model, prompt=a, max_tokens=6, temperature=0,

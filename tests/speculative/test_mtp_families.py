@@ -117,7 +117,7 @@ def test_no_mtp_layer_reads_a_kv_slot_nobody_wrote(family, budget, echo_models, 
 def test_untied_last_stage_proposer_owns_its_embedding_copy(echo_models):
     from pipespec.config import EngineConfig
     from pipespec.stage import Stage
-    from pipespec.model.source import resolve_model
+    from pipespec.checkpoint.source import resolve_model
 
     folder = echo_models["mimo"]
     source = resolve_model(folder)

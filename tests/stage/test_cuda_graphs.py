@@ -1,11 +1,9 @@
 """CUDA-graph replay against eager execution, and the GPU path against the CPU (GPU only)."""
 import pytest
-import torch
 
 from pipespec import LLM, SamplingParams
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [pytest.mark.gpu, pytest.mark.default_model]
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
            "List three colours:", "Translate 'cat' to French:"]
@@ -89,7 +87,7 @@ def _greedy_one(llm, prompt, n=48):
     return llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.gpu(devices=2)
 @pytest.mark.parametrize("k", [0, 2])
 def test_pp2_replays_graphs_on_two_devices(k):
     """Stage 1 on cuda:1 captures and replays its graphs there (it used to launch on cuda:0 and

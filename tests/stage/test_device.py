@@ -33,7 +33,7 @@ def test_a_stage_holding_a_tensor_on_another_device_is_named(tiny_models):
     """The check `allocate_kv_cache` runs: every tensor a stage holds is on the stage's device (on
     CPU a 'meta' tensor stands in for another GPU)."""
     from pipespec.config import EngineConfig
-    from pipespec.model.source import resolve_model
+    from pipespec.checkpoint.source import resolve_model
     from pipespec.stage import Stage
     from pipespec.stage.device import tensors_off_device
 
@@ -97,7 +97,7 @@ def test_close_destroys_the_cuda_graphs_before_shutting_the_tp_group_down(tiny_m
     destroyed, and an NCCL group left to its destructor was seen to hang 30 s and more on two
     H200s: the stage destroys its graphs, then shuts its group down, explicitly and in that order."""
     from pipespec.config import EngineConfig
-    from pipespec.model.source import resolve_model
+    from pipespec.checkpoint.source import resolve_model
     from pipespec.parallel import TensorParallel
     from pipespec.stage import Stage
 

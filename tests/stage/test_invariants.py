@@ -11,7 +11,7 @@ import torch
 from pipespec import LLM, SamplingParams
 from pipespec.config import EngineConfig
 from pipespec.engine.scheduler import Scheduler
-from pipespec.model.source import resolve_model
+from pipespec.checkpoint.source import resolve_model
 from pipespec.plan import StepResult
 from pipespec.runtime.symmetry import compare_draft_traces
 from pipespec.stage import Stage

@@ -219,7 +219,7 @@ def test_vocabulary_prompts_mention_no_heldout_subject():
     """Prompts on the default model's vocabulary: thousands of subjects, none a word of a held-out
     subject (checked against the held-out prompts themselves), the same list for the same seed."""
     import re
-    from pipespec.model.source import resolve_model
+    from pipespec.checkpoint.source import resolve_model
     tok = resolve_model(None).tokenizer()
     prompts = mp.vocabulary_prompts(tok, 20000)
     assert len(prompts) == 20000 and prompts == mp.vocabulary_prompts(tok, 20000)

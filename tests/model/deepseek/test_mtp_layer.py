@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from pipespec.model.attention import ForwardContext, TorchReferenceBackend, allocate_caches
 from pipespec.model.mtp import load_mtp_layers
-from pipespec.model.source import resolve_model
+from pipespec.checkpoint.source import resolve_model
 from tests.model.deepseek import tiny
 
 

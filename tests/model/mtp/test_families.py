@@ -14,7 +14,7 @@ from pipespec.model.layers import RMSNorm
 from pipespec.model.llama import LlamaForCausalLM
 from pipespec.model.mtp import declared_mtp_layers, detect_mtp, load_mtp_layers
 from pipespec.model.norms import ZeroCentredRMSNorm
-from pipespec.model.source import resolve_model
+from pipespec.checkpoint.source import resolve_model
 from pipespec.model.weights import SafetensorsSource
 from tests.model.mtp import tiny_families as tf
 

@@ -5,8 +5,6 @@ output equal transformers on the dequantized reference weights. The swap itself 
 (its dense fallback); the engine runs the kernels on a GPU, or on CPU under TRITON_INTERPRET=1."""
 from __future__ import annotations
 
-import importlib.util
-import os
 
 import pytest
 import torch
@@ -14,12 +12,11 @@ import torch
 from pipespec import LLM, SamplingParams
 from pipespec.model.quant.linear import QuantLinear, use_quantized_linears
 from pipespec.model.registry import build_target
-from pipespec.model.source import resolve_model
-from tests.helpers import engine_logits, hf_logits
+from pipespec.checkpoint.source import resolve_model
+from tests.helpers import INTERPRET, engine_logits, hf_logits
 from tests.model.quant.test_quantized_checkpoints import LAYOUTS, PROMPT, _write
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
-KERNELS = torch.cuda.is_available() or INTERPRET
+KERNELS = torch.cuda.is_available() or INTERPRET        # where the quantized kernels run
 FUSED = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
@@ -46,8 +43,7 @@ def test_quantized_linears_replace_every_fused_projection(layout, tiny_models, t
     assert not isinstance(model.lm_head, QuantLinear)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not KERNELS, reason="needs a CUDA device (or TRITON_INTERPRET=1 with triton)")
+@pytest.mark.gpu(interpret=True)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_engine_on_the_kernels_matches_the_dequantized_reference(layout, tiny_models, tmp_path):
     folder, ref = _write(tmp_path / layout, tiny_models["llama"], layout)
@@ -118,9 +114,7 @@ def test_tensor_parallel_shards_of_the_packed_weights_equal_the_dense_shards(lay
         assert not any(name.endswith(("o_proj", "down_proj")) for name in swapped)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not (torch.cuda.device_count() >= 2 or (INTERPRET and not torch.cuda.is_available())),
-                    reason="needs two CUDA devices (or TRITON_INTERPRET=1 with triton on CPU)")
+@pytest.mark.gpu(devices=2, interpret=True)
 def test_engine_on_the_kernels_at_tp2_equals_tp1(tiny_models, tmp_path):
     """AWQ, split over two ranks on the kernels (row-parallel layers all-reduce their partial sums):
     greedy output equals one rank's."""

@@ -10,9 +10,7 @@ Where the kernels serve (a GPU, or CPU under TRITON_INTERPRET=1) the routed expe
 checked on CPU, the engine on the kernels."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 
 import pytest
 import torch
@@ -23,11 +21,10 @@ from pipespec.model.quant.experts import Fp8Stack, Int4Stack, use_quantized_expe
 from pipespec.model.quant.linear import QuantLinear
 from pipespec.model.registry import build_target
 from pipespec.model.routed_experts import routed_experts
-from pipespec.model.source import resolve_model
+from pipespec.checkpoint.source import resolve_model
 from tests.model.deepseek import tiny
 from tests.model.quant import writers
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
 
 BLOCK = (16, 16)
 KW = dict(dtype="float32", device="cpu", max_model_len=128, block_size=16, num_kv_blocks=64, max_num_seqs=8,
@@ -150,8 +147,7 @@ def test_quantized_experts_stay_quantized_and_multiply_like_their_dequantized_st
                                    routed_experts(x, ids + 4, w, up, down, first=8), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRET), reason="needs a CUDA device (or TRITON_INTERPRET=1)")
+@pytest.mark.gpu(interpret=True)
 def test_engine_on_quantized_experts_equals_its_dequantized_reference(experts_quantized):
     method, folder, ref = experts_quantized
     want = _greedy(ref, **ON_KERNELS)
@@ -170,8 +166,7 @@ def test_engine_on_quantized_experts_equals_its_dequantized_reference(experts_qu
         assert _outputs(llm) == want
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRET), reason="needs a CUDA device (or TRITON_INTERPRET=1)")
+@pytest.mark.gpu(interpret=True)
 def test_engine_on_quantized_experts_at_tp2_equals_its_dequantized_reference(experts_quantized):
     """Each rank keeps its 4 of the 8 experts quantized (pairs routed to the other rank's add nothing
     on this one; the all-reduce sums the two): greedy output equals the dequantized reference's."""

@@ -25,9 +25,9 @@ import torch
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
+from pipespec.checkpoint.hub import hub_snapshot, looks_like_repo_id
+from pipespec.checkpoint.tokenizer import Tokenizer
 from pipespec.model.arch import ArchConfig, RopeScaling
-from pipespec.model.hub import hub_snapshot, looks_like_repo_id
-from pipespec.model.tokenizer import Tokenizer
 from pipespec.model.quant import QuantConfig, QuantizedSource, read_quant_config, refuse_unrecognised_quantization
 from pipespec.model.weights import SafetensorsSource
 
@@ -74,7 +74,7 @@ class ModelSource:
 def engine_tokenizer(source: ModelSource, model_config) -> Tokenizer:
     """The model's tokenizer, or the one --tokenizer names (a folder, GGUF file or Hub id), with the
     chat template --chat-template gives (a file or the template itself) in place of its own."""
-    from pipespec.model.tokenizer import read_chat_template
+    from pipespec.checkpoint.tokenizer import read_chat_template
     cfg = model_config
     if cfg.tokenizer is None:
         tok = source.tokenizer()

@@ -8,8 +8,8 @@ import os
 import torch
 from safetensors import safe_open
 
-from pipespec.model import source as source_mod
-from pipespec.model.source import resolve_model
+from pipespec.checkpoint import source as source_mod
+from pipespec.checkpoint.source import resolve_model
 
 
 def _dtypes(folder) -> set[torch.dtype]:

@@ -82,7 +82,7 @@ def test_llm_chat_uses_the_template(llm, hf_tokenizer):
 
 
 def test_chat_template_inline_file_and_errors(tmp_path):
-    from pipespec.model.tokenizer import read_chat_template
+    from pipespec.checkpoint.tokenizer import read_chat_template
     inline = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
     assert read_chat_template(inline) == inline
     path = tmp_path / "t.jinja"

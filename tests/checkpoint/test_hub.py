@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from pipespec import LLM, SamplingParams
-from pipespec.model.hub import looks_like_repo_id
-from pipespec.model.source import resolve_model
+from pipespec.checkpoint.hub import looks_like_repo_id
+from pipespec.checkpoint.source import resolve_model
 
 REPO = Path(__file__).resolve().parents[2]
 REPO_ID = "tiny-org/tiny-qwen2"
