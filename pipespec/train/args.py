@@ -61,7 +61,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     d.add_argument("--gen-temperatures", default="0.0,0.7",
                    help="one pass over the prompts per temperature, in order, while time remains")
     d.add_argument("--gen-max-tokens", type=int, default=256)
-    d.add_argument("--gen-batch", type=int, default=None, help="answers generated at once (default: 256; 16 on a CPU)")
+    d.add_argument("--gen-batch", type=int, default=None, help="answers generated at once (default: 256; 8 on a CPU)")
     d.add_argument("--gen-time", type=float, default=None,
                    help="seconds of all generation at most, a hard bound (answers under way are cut): the "
                         f"held-out answers get the first {round(100 * HELDOUT_SHARE)}%%, the training answers the rest; 0: none "

@@ -24,7 +24,7 @@ CPU_SEQ_LEN = 128                    # a chat answer's first ~90 tokens after it
 # a CPU core pair's training throughput on the default model (48 x 320 tokens took ~100 s on the
 # 24 GB machine of issue 48); only the step's size follows from it, the run measures its own speed
 CPU_TOKENS_PER_SECOND = 150.0
-CPU_TARGET_STEPS = 20                # optimizer steps a CPU time budget should hold at least
+CPU_TARGET_STEPS = 30                # optimizer steps a CPU time budget should hold at least
 CPU_STEP_TOKENS = (256, 1024)        # a CPU step's tokens: at least, at most
 WARMUP_SHARE = 0.1
 MAX_WARMUP = 50                      # the accelerator recipe's warm-up, reached by runs of 500+ steps
@@ -94,8 +94,8 @@ def expected_steps(total_steps: int, max_time: float | None, step_seconds: float
 
 # generation on a CPU: a round small enough that its answers finish (or get far) within a budget of
 # a minute, and an engine step of at most this many tokens, so a deadline is kept within seconds
-CPU_GEN_BATCH, ACCELERATOR_GEN_BATCH = 16, 256
-CPU_GEN_STEP_TOKENS = 512
+CPU_GEN_BATCH, ACCELERATOR_GEN_BATCH = 8, 256
+CPU_GEN_STEP_TOKENS = 256
 DEFAULT_TEXT_TOKENS = 2_000_000
 # text windows drawn per training token a CPU budget can take (the text share of each batch is
 # 25%: a window is seen at most about once)

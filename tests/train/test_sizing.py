@@ -11,8 +11,8 @@ TARGET, HEAD, VOCAB = 134_515_008, 4_205_376, 49_152
 def test_cpu_step_fits_a_minute_budget_many_times_over_and_in_4_gb():
     step = default_step("cpu", 60.0)
     assert step.seq_len == 128 and step.tokens < 48 * 320 // 10
-    # at the pace of issue 48's machine (48 x 320 tokens in ~100 s) the budget holds 20 steps
-    assert 60.0 / (step.tokens / CPU_TOKENS_PER_SECOND) >= 20
+    # at the pace of issue 48's machine (48 x 320 tokens in ~100 s) the budget holds 30 steps
+    assert 60.0 / (step.tokens / CPU_TOKENS_PER_SECOND) >= 30
     assert expected_memory_bytes(TARGET, HEAD, step.tokens, VOCAB, 3) < 4e9
     # the largest CPU step (no time budget, or a long one) also stays under 4 GB
     for budget in (None, 3600.0):
