@@ -1,7 +1,6 @@
 """`pipespec train-mtp` and `pipespec eval-mtp`: data, target, training, evaluation, files."""
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
@@ -176,14 +175,12 @@ def resolve_sizes(args, device: torch.device) -> None:
 
 def memory_plan(args, source, device: torch.device, train_dtype: torch.dtype) -> tuple[int, str]:
     """(expected peak bytes, the plan's words for the training step and its memory)."""
-    from pipespec.model.mtp import DeepSeekMTP as _Head     # shapes only: built on the meta device
-
     arch = source.arch
     head_arch = dataclasses.replace(arch, intermediate_size=args.block_intermediate) if args.block_intermediate \
         else arch
-    with torch.device("meta"):
+    with torch.device("meta"):                              # shapes only
         target_params = sum(p.numel() for p in LlamaForCausalLM(arch).parameters())
-        head_params = sum(p.numel() for p in _Head(head_arch).parameters())
+        head_params = sum(p.numel() for p in DeepSeekMTP(head_arch).parameters())
     step = StepSize(args.batch_size, args.seq_len)
     peak = expected_memory_bytes(target_params, head_params, step.tokens, arch.vocab_size, args.steps,
                                  torch.finfo(train_dtype).bits // 8)
