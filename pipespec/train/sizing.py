@@ -35,6 +35,8 @@ LOGIT_COPIES_PER_STEP, LOGIT_COPIES_BASE = 2, 5
 # the interpreter, torch, the tokenizer, the data and the allocator's slack, measured with the
 # default model (benchmarks/RESULTS.md, issue 48)
 RUNTIME_BYTES = 700 << 20
+# an evaluation batch's tokens at least (~400 MB of logits with the default model's vocabulary)
+EVAL_MIN_TOKENS = 1024
 
 
 @dataclass(frozen=True)
@@ -70,9 +72,11 @@ def step_memory_bytes(tokens: int, vocab_size: int, num_steps: int) -> int:
 
 
 def eval_batch_tokens(train_tokens: int, num_steps: int) -> int:
-    """Tokens per teacher-forced evaluation batch that take no more memory than a training step: an
-    evaluation batch holds the target's logits and one step's logits at a time."""
-    return max(train_tokens, train_tokens * (LOGIT_COPIES_BASE + LOGIT_COPIES_PER_STEP * num_steps) // 3)
+    """Tokens per teacher-forced evaluation batch that take no more memory than a training step (an
+    evaluation batch holds one [tokens, V] logits tensor at a time, two at its peak), and at least
+    `EVAL_MIN_TOKENS`: a few samples a batch, not one (small steps are no reason for slow evaluation)."""
+    copies = LOGIT_COPIES_BASE + LOGIT_COPIES_PER_STEP * num_steps
+    return max(EVAL_MIN_TOKENS, train_tokens * copies // 2)
 
 
 def expected_memory_bytes(target_params: int, head_params: int, tokens: int, vocab_size: int,
