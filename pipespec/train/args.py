@@ -30,7 +30,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--weight-decay", type=float, default=0.0)
     t.add_argument("--log-every", type=int, default=50)
     t.add_argument("--log-interval", type=float, default=30.0,
-                   help="seconds: when stderr is no terminal (no progress bar), log progress at least this often")
+                   help="seconds: when stderr is no terminal (no progress bar), log progress at least this often "
+                        "(0: only every --log-every steps)")
     t.add_argument("--eval-every", type=int, default=0,
                    help="log the agreement on 64 held-out answers every N steps (0: only at the end)")
     t.add_argument("--checkpoint", default=None, help="resumable state (default: OUT.ckpt)")

@@ -241,7 +241,7 @@ def _train_command(args, status) -> int:
     cfg = TrainConfig(num_steps=args.steps, tokens=args.tokens, batch_size=args.batch_size, seq_len=args.seq_len,
                       lr=args.lr, warmup=args.warmup, step_weight=args.step_weight, seed=args.seed,
                       max_time=args.max_time, log_every=args.log_every,
-                      log_interval=None if sys.stderr.isatty() else args.log_interval,
+                      log_interval=None if sys.stderr.isatty() or not args.log_interval else args.log_interval,
                       checkpoint=args.checkpoint or f"{out}.ckpt", checkpoint_every=args.checkpoint_every,
                       eval_every=args.eval_every, weight_decay=args.weight_decay)
     pad = (source.tokenizer().eos_token_id or 0)
