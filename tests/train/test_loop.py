@@ -36,13 +36,13 @@ def test_no_step_starts_that_would_end_past_max_time(caplog):
     # the pace of a step on this machine now
     pace, _ = _run(None, tokens_steps=3, warmup=1)
     step = pace["seconds"] / 3
-    # a budget of 1.6 steps: the old loop started a second step at 1 step's time and ended at ~2
-    budget = 1.6 * step
+    # a budget of 1.5 steps: the old loop started a second step at 1 step's time and ended at ~2
+    # (now one step, or two where the first ran fast enough that two fit)
+    budget = 1.5 * step
     with caplog.at_level(logging.INFO, logger="pipespec.train.loop"):
         summary, _ = _run(budget, warmup=1)
-    assert summary["steps"] == 1, (summary, step)
-    assert summary["seconds"] <= budget + 0.3 * step, (summary, step)
-    assert re.search(r"training ended after 1 steps .*: the next step would end past --max-time", caplog.text)
+    assert summary["seconds"] <= budget + 0.25 * step, (summary, step)
+    assert re.search(r"training ended after \d+ steps .*: the next step would end past --max-time", caplog.text)
     # a budget of 4.5 steps: ended within it, give or take how much the last step ran slower
     summary, _ = _run(4.5 * step, warmup=1)
     assert summary["steps"] >= 3 and summary["seconds"] <= 4.5 * step + 0.5 * step, (summary, step)
