@@ -32,6 +32,7 @@ from pipespec.train.payoff import draft_cost_ratio, payoff
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+EVAL_LOG_INTERVAL = 30.0        # seconds: eval-mtp's heartbeat without a terminal
 
 
 def load_target(source, device, dtype) -> LlamaForCausalLM:
@@ -380,6 +381,15 @@ def draft_vocab_command(args) -> int:
 
 
 def eval_command(args) -> int:
+    """Runs `eval-mtp`; without a terminal a heartbeat logs what it is doing at least every 30 s
+    (generating the answers to score can take minutes on a CPU)."""
+    if sys.stderr.isatty():
+        return _eval_command(args, lambda text: None)
+    with Heartbeat(EVAL_LOG_INTERVAL) as beat:
+        return _eval_command(args, beat.status)
+
+
+def _eval_command(args, status) -> int:
     device = resolve_device(args.device)
     dtype = _DTYPES[args.dtype]
     head_path = args.head or bundled_head_path(args.model)
@@ -391,13 +401,16 @@ def eval_command(args) -> int:
     if args.data:
         samples = load_samples(args.data)
     else:
+        status(f"generating {args.prompts} held-out answers")
         samples = generate_heldout(args.model, source.arch, device, args.prompts, args.max_tokens, args.gen_batch)
+    status("loading the target")
     target = load_target(source, device, dtype)
     head, _ = load_mtp_file(head_path, source.arch, dtype, device)
     vocab = None
     if args.draft_vocab or args.draft_vocab_size:
         vocab = DraftVocab.from_file(args.draft_vocab or head_path, args.draft_vocab_size, source.arch.vocab_size,
                                      device)
+    status(f"scoring the head on {len(samples)} answers")
     results = agreement(head, target, samples, steps, device, args.batch_size, vocab=vocab)
     over = f", drafting over {vocab.ids.numel()} tokens" if vocab is not None else ""
     print(report(f"head {head_path} on {source.name}: {len(samples)} samples, teacher-forced, {args.dtype}{over}",
