@@ -16,16 +16,22 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=3, help="K: chained MTP steps to train")
     p.add_argument("--seed", type=int, default=0)
     t = p.add_argument_group("training")
-    t.add_argument("--batch-size", type=int, default=48)
-    t.add_argument("--seq-len", type=int, default=320)
+    t.add_argument("--batch-size", type=int, default=None,
+                   help="sequences a step (default: 48 on an accelerator; on a CPU, sized to --max-time so that it "
+                        "holds a few dozen steps, 2-8 x 128 tokens)")
+    t.add_argument("--seq-len", type=int, default=None, help="tokens a sequence (default: 320; 128 on a CPU)")
     t.add_argument("--lr", type=float, default=1e-3)
-    t.add_argument("--warmup", type=int, default=50)
+    t.add_argument("--warmup", type=int, default=None,
+                   help="warm-up steps (default: 10%% of the steps the run is expected to take, at most 50)")
     t.add_argument("--step-weight", type=float, default=0.8, help="loss weight ratio of step k+1 to step k")
     t.add_argument("--max-time", type=float, default=None,
                    help="seconds of training at most (the loop; loading and the final evaluation come on top); "
                         "default: until --tokens")
     t.add_argument("--weight-decay", type=float, default=0.0)
     t.add_argument("--log-every", type=int, default=50)
+    t.add_argument("--log-interval", type=float, default=30.0,
+                   help="seconds: when stderr is no terminal (no progress bar), log progress at least this often "
+                        "(0: only every --log-every steps)")
     t.add_argument("--eval-every", type=int, default=0,
                    help="log the agreement on 64 held-out answers every N steps (0: only at the end)")
     t.add_argument("--checkpoint", default=None, help="resumable state (default: OUT.ckpt)")
@@ -56,13 +62,14 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     d.add_argument("--gen-temperatures", default="0.0,0.7",
                    help="one pass over the prompts per temperature, in order, while time remains")
     d.add_argument("--gen-max-tokens", type=int, default=256)
-    d.add_argument("--gen-batch", type=int, default=256, help="answers generated at once")
+    d.add_argument("--gen-batch", type=int, default=None, help="answers generated at once (default: 256; 8 on a CPU)")
     d.add_argument("--gen-time", type=float, default=None,
                    help="seconds of all generation at most, a hard bound (answers under way are cut): the "
                         f"held-out answers get the first {round(100 * HELDOUT_SHARE)}%%, the training answers the rest; 0: none "
                         "(text windows only, nothing measured); default: unbounded")
-    d.add_argument("--text-tokens", type=int, default=2_000_000,
-                   help="plain text/code tokens from the Python installation (0: none)")
+    d.add_argument("--text-tokens", type=int, default=None,
+                   help="plain text/code tokens from the Python installation (0: none; default: 2,000,000, on a CPU "
+                        "with --max-time 10x what the budget can train on)")
     d.add_argument("--text-fraction", type=float, default=0.25)
     e = p.add_argument_group("evaluation")
     e.add_argument("--heldout-prompts", type=int, default=128)

@@ -15,6 +15,9 @@ from dataclasses import dataclass
 HELDOUT_SHARE = 0.25
 # loading the engine and the target, and the final evaluation of a few hundred answers, on a CPU
 LOAD_AND_EVAL_SECONDS = 15.0
+# the final evaluation re-reads the held-out answers and as many training answers with the target
+# and K head steps: seconds of it per second of held-out generation (measured on a CPU, issue 48)
+EVAL_PER_HELDOUT_SECOND = 2.0
 
 
 @dataclass(frozen=True)
@@ -32,9 +35,9 @@ class GenBudget:
         return start + self.heldout, start + self.total
 
 
-def plan_text(args, cached: str | None = None) -> str:
+def plan_text(args, cached: str | None = None, step: str | None = None) -> str:
     """One paragraph: every phase of the command with the flag that bounds it (`cached`: the data
-    file that replaces generation, if any)."""
+    file that replaces generation, if any; `step`: the training step's size and memory)."""
     g = GenBudget(args.gen_time)
     if cached is not None:
         gen = f"generation: none (reading {cached})"
@@ -49,19 +52,29 @@ def plan_text(args, cached: str | None = None) -> str:
         train = f"training <= {args.max_time:g} s (--max-time; or {args.tokens:,} tokens, if sooner)"
     else:
         train = f"training: {args.tokens:,} tokens, no time limit (--max-time sets one)"
+    if step:
+        train += f" in {step}"
     if args.eval_every:
         train += f", plus a 64-answer evaluation every {args.eval_every} steps (--eval-every; not in --max-time)"
-    text = (f"text windows: {args.text_tokens:,} tokens from this machine's Python (--text-tokens; ~3 s per "
+    text = (f"text windows: {args.text_tokens:,} tokens from this machine's Python (--text-tokens; ~10 s per "
             f"million on a CPU core)" if args.text_tokens else "text windows: none")
     bounded = (cached is not None or g.total is not None) and args.max_time is not None
     total = (f"expect about {expected_seconds(args, cached is not None):.0f} s in all" if bounded
              else "no bound on the total: set --gen-time and --max-time for one")
     return (f"plan: {gen}; {text}; {train}; then a teacher-forced evaluation over the held-out answers and as "
-            f"many training answers; plus model loading: {total} (~{LOAD_AND_EVAL_SECONDS:.0f} s of it loading and evaluating)")
+            f"many training answers; plus model loading: {total} (~{eval_seconds(args, cached is not None):.0f} s "
+            f"of it loading and evaluating)")
+
+
+def eval_seconds(args, cached: bool = False) -> float:
+    """Loading and the final evaluation: a fixed allowance, plus time in proportion to the held-out
+    answers' generation (the evaluation re-reads them and as many training answers)."""
+    heldout = 0.0 if cached else (GenBudget(args.gen_time).heldout or 0.0)
+    return LOAD_AND_EVAL_SECONDS + EVAL_PER_HELDOUT_SECOND * heldout
 
 
 def expected_seconds(args, cached: bool = False) -> float:
     """The bounded phases summed, plus an allowance for loading and evaluation."""
     gen = 0.0 if cached else (args.gen_time or 0.0)
-    text = 3.0 * args.text_tokens / 1e6
-    return gen + text + (args.max_time or 0.0) + LOAD_AND_EVAL_SECONDS
+    text = 10.0 * (args.text_tokens or 0) / 1e6
+    return gen + text + (args.max_time or 0.0) + eval_seconds(args, cached)

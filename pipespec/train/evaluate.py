@@ -63,27 +63,46 @@ def walk(runs: list[int], start: int, length: int, k: int) -> tuple[int, int]:
     return steps, tokens
 
 
+def batches(samples: list[Sample], batch_size: int, max_tokens: int | None = None) -> list[list[Sample]]:
+    """The samples by length (little padding), at most `batch_size` a batch and, with `max_tokens`,
+    at most that many padded tokens (but at least one sample): memory follows from the tokens,
+    every [tokens, V] logits tensor being the largest thing a batch holds."""
+    order = sorted(samples, key=lambda s: len(s.ids))
+    out: list[list[Sample]] = []
+    for s in order:
+        last = out[-1] if out else None
+        if last is not None and len(last) < batch_size and (
+                max_tokens is None or (len(last) + 1) * len(s.ids) <= max_tokens):
+            last.append(s)
+        else:
+            out.append([s])
+    return out
+
+
 @torch.no_grad()
 def agreement(mtp, target, samples: list[Sample], num_steps: int, device, batch_size: int = 16,
-              answer_only: bool = True, vocab: DraftVocab | None = None) -> list[StepAgreement]:
-    """Per step k = 1..num_steps; `vocab`: the head drafts over a draft vocabulary's tokens only."""
+              answer_only: bool = True, vocab: DraftVocab | None = None,
+              max_tokens: int | None = None) -> list[StepAgreement]:
+    """Per step k = 1..num_steps; `vocab`: the head drafts over a draft vocabulary's tokens only;
+    `max_tokens`: padded tokens a batch at most (bounds memory, see `batches`)."""
     device = torch.device(device)
     results = [StepAgreement(k, 0, 0) for k in range(1, num_steps + 1)]
-    order = sorted(samples, key=lambda s: len(s.ids))            # little padding per batch
     head = target.head_weight()
-    for i in range(0, len(order), batch_size):
-        ids, lens, starts = (x.to(device) for x in collate(order[i:i + batch_size]))
+    for group in batches(samples, batch_size, max_tokens):
+        ids, lens, starts = (x.to(device) for x in collate(group))
         n = ids.shape[1]
         if n < 3:
             continue
         hidden, logits = target_pass(target, ids)
+        top = logits.argmax(-1)                   # the logits themselves are not needed past here
+        del logits
         outs = chained_mtp(mtp, target, ids, hidden, num_steps)
         chain_ok = None
         runs = torch.zeros(ids.shape[0], n - 1, dtype=torch.int64, device=device)
         for k, out in enumerate(outs, 1):
             mask = step_mask(lens, starts if answer_only else None, n, k)
             teacher = torch.zeros_like(mask, dtype=torch.int64)
-            teacher[:, :n - k] = logits[:, k:].argmax(-1)
+            teacher[:, :n - k] = top[:, k:]
             student = mtp.compute_logits(out, head, vocab=vocab).argmax(-1)
             if vocab is not None:
                 student = vocab.tokens(student)

@@ -19,6 +19,9 @@ from pipespec.model.weights import load_weights
 from pipespec.placement import resolve_device, resolve_dtype
 from pipespec.speculative.draft_vocab import DRAFT_VOCAB_TENSOR, DraftVocab, write_draft_vocab
 from pipespec.train.budget import GenBudget, plan_text
+from pipespec.train.progress import Heartbeat, peak_rss_bytes
+from pipespec.train.sizing import (CPU_GEN_STEP_TOKENS, StepSize, default_gen_batch, default_step, default_text_tokens,
+                                   eval_batch_tokens, expected_memory_bytes)
 from pipespec.train.data import (Batcher, Sample, load_data, load_samples, most_frequent_tokens, plain_text_samples,
                                  save_data, save_samples, self_generate)
 from pipespec.train.evaluate import agreement, as_dict, report
@@ -29,6 +32,7 @@ from pipespec.train.payoff import draft_cost_ratio, payoff
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+EVAL_LOG_INTERVAL = 30.0        # seconds: eval-mtp's heartbeat without a terminal
 
 
 def load_target(source, device, dtype) -> LlamaForCausalLM:
@@ -41,8 +45,11 @@ def _engine(model, arch, device: torch.device, round_size: int, max_tokens: int)
     from pipespec import LLM
 
     max_len = 128 + max_tokens + 64
+    # on a CPU an engine step of thousands of prompt tokens takes tens of seconds, and a deadline is
+    # only checked between steps
+    step_tokens = CPU_GEN_STEP_TOKENS if device.type == "cpu" else max(4096, min(32768, 64 * round_size))
     kwargs = dict(model=model, device=str(device), max_model_len=max_len, max_num_seqs=round_size,
-                  max_num_batched_tokens=max(4096, min(32768, 64 * round_size)))
+                  max_num_batched_tokens=step_tokens)
     if device.type == "cuda":   # room for a whole round at full length, not the whole card
         per_token = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * 2
         kwargs["kv_cache_memory"] = 2 * round_size * max_len * per_token + (256 << 20)
@@ -153,7 +160,50 @@ def initial_head(args, init_path: Path | None, source, target, device) -> tuple[
     return mtp.to(device=device, dtype=torch.float32), "random" if args.no_init_from_last_layer else "target last layer"
 
 
+def resolve_sizes(args, device: torch.device) -> None:
+    """Fill in the sizes left to the device and the time budget (sizing.py): the step's batch and
+    sequence length, generation's round, the text tokens."""
+    step = default_step(device.type, args.max_time, args.seq_len)
+    if args.seq_len is None:
+        args.seq_len = step.seq_len
+    if args.batch_size is None:
+        args.batch_size = step.batch_size
+    if args.gen_batch is None:
+        args.gen_batch = default_gen_batch(device.type)
+    if args.text_tokens is None:
+        args.text_tokens = default_text_tokens(device.type, args.max_time)
+
+
+def memory_plan(args, source, device: torch.device, train_dtype: torch.dtype) -> tuple[int, str]:
+    """(expected peak bytes, the plan's words for the training step and its memory)."""
+    arch = source.arch
+    head_arch = dataclasses.replace(arch, intermediate_size=args.block_intermediate) if args.block_intermediate \
+        else arch
+    with torch.device("meta"):                              # shapes only
+        target_params = sum(p.numel() for p in LlamaForCausalLM(arch).parameters())
+        head_params = sum(p.numel() for p in DeepSeekMTP(head_arch).parameters())
+    step = StepSize(args.batch_size, args.seq_len)
+    peak = expected_memory_bytes(target_params, head_params, step.tokens, arch.vocab_size, args.steps,
+                                 torch.finfo(train_dtype).bits // 8)
+    where = "RAM" if device.type == "cpu" else f"{device.type} memory"
+    warm = f"warm-up {args.warmup} steps" if args.warmup is not None else \
+        "warm-up 10% of the steps the first step's time says fit"
+    text = (f"steps of {args.batch_size} x {args.seq_len} tokens on {device.type} (--batch-size, --seq-len), {warm}; "
+            f"memory: about {peak / 1e9:.1f} GB of {where} at the peak (the target in {train_dtype}, the head with its "
+            f"optimizer state, a step's {arch.vocab_size:,}-wide logits)")
+    return peak, text
+
+
 def train_command(args) -> int:
+    """Runs the command; without a terminal (no progress bar) a heartbeat logs what it is doing at
+    least every --log-interval seconds."""
+    if sys.stderr.isatty() or not args.log_interval:
+        return _train_command(args, lambda text: None)
+    with Heartbeat(args.log_interval) as beat:
+        return _train_command(args, beat.status)
+
+
+def _train_command(args, status) -> int:
     t_start = time.perf_counter()
     out = Path(args.out)
     device = resolve_device(args.device)
@@ -164,12 +214,15 @@ def train_command(args) -> int:
     if args.draft_vocab and not 0 < args.draft_vocab <= source.arch.vocab_size:
         raise ValueError(f"--draft-vocab must be in 1..{source.arch.vocab_size} (the target's vocabulary), "
                          f"got {args.draft_vocab}")
+    resolve_sizes(args, device)
+    peak, step_text = memory_plan(args, source, device, train_dtype)
     cache = Path(args.data_cache or f"{out}.data.json")
-    logger.info("%s", plan_text(args, str(cache) if cache.exists() else None))
+    logger.info("%s", plan_text(args, str(cache) if cache.exists() else None, step_text))
     if cache.exists():
         data = load_data(cache)
         logger.info("read the training data from %s", cache)
     else:
+        status("generating data")
         data = build_data(args, source, device)
         cache.parent.mkdir(parents=True, exist_ok=True)
         save_data(cache, data)
@@ -183,11 +236,13 @@ def train_command(args) -> int:
         return 0
 
     torch.manual_seed(args.seed)
+    status("loading the target")
     target = load_target(source, device, train_dtype)
     mtp, init = initial_head(args, init_path, source, target, device)
     cfg = TrainConfig(num_steps=args.steps, tokens=args.tokens, batch_size=args.batch_size, seq_len=args.seq_len,
                       lr=args.lr, warmup=args.warmup, step_weight=args.step_weight, seed=args.seed,
                       max_time=args.max_time, log_every=args.log_every,
+                      log_interval=None if sys.stderr.isatty() or not args.log_interval else args.log_interval,
                       checkpoint=args.checkpoint or f"{out}.ckpt", checkpoint_every=args.checkpoint_every,
                       eval_every=args.eval_every, weight_decay=args.weight_decay)
     pad = (source.tokenizer().eos_token_id or 0)
@@ -198,6 +253,7 @@ def train_command(args) -> int:
             "text_samples": len(data["text"]), "text_tokens": sum(len(s.ids) for s in data["text"]),
             "heldout_samples": len(data["heldout"]), "config": dataclasses.asdict(cfg),
             "init": init}
+    eval_tokens = eval_batch_tokens(cfg.batch_size * cfg.seq_len, cfg.num_steps)
 
     def write_head(step: int) -> None:
         save_mtp(out, mtp, source.name, out_dtype, {"pipespec.train": dict(info, steps_done=step)},
@@ -206,39 +262,46 @@ def train_command(args) -> int:
     curve = []
 
     def evaluate(step: int) -> None:
-        result = agreement(mtp, target, data["heldout"][:64], cfg.num_steps, device)
+        result = agreement(mtp, target, data["heldout"][:64], cfg.num_steps, device, max_tokens=eval_tokens)
         curve.append({"step": step, "agreement": [round(r.rate, 4) for r in result]})
         logger.info("step %d held-out agreement (64 answers, %s): %s", step, train_dtype,
                     " ".join(f"{100 * r.rate:.1f}%" for r in result))
 
     summary = train(mtp, target, batcher, cfg, device, resume=args.resume, on_checkpoint=write_head,
-                    evaluate=evaluate if args.eval_every and data["heldout"] else None)
+                    evaluate=evaluate if args.eval_every and data["heldout"] else None, status=status)
     info["heldout_curve"] = curve
     info.update(summary, data_seconds=round(t_data, 1))
     write_head(summary["steps"])
-    del target, mtp
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    del mtp
+    if eval_dtype != train_dtype:
+        del target
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        target = load_target(source, device, eval_dtype)
 
     # evaluate the file as written (out_dtype weights), in eval_dtype
-    target = load_target(source, device, eval_dtype)
     head, _ = load_mtp_file(out, source.arch, eval_dtype, device)
-    heldout = agreement(head, target, data["heldout"], cfg.num_steps, device)
     seen_samples = data["chat"][:len(data["heldout"]) or 64]       # as many as held out, to compare
-    seen = agreement(head, target, seen_samples, cfg.num_steps, device)
+    status(f"evaluating the head on {len(data['heldout'])} held-out answers and {len(seen_samples)} training answers")
+    t_eval = time.perf_counter()
+    heldout = agreement(head, target, data["heldout"], cfg.num_steps, device, max_tokens=eval_tokens)
+    seen = agreement(head, target, seen_samples, cfg.num_steps, device, max_tokens=eval_tokens)
     extra = {"pipespec.train": info, "pipespec.eval_heldout": as_dict(heldout),
              "pipespec.eval_train_sample": as_dict(seen), "pipespec.num_spec_steps": cfg.num_steps}
     if args.check_set:
         check = [Sample(s.ids[:args.check_len], s.start) for s in data["heldout"][:args.check_size]]
         save_samples(args.check_set, check)
-        extra["pipespec.eval_check"] = as_dict(agreement(head, target, check, cfg.num_steps, device))
+        extra["pipespec.eval_check"] = as_dict(agreement(head, target, check, cfg.num_steps, device,
+                                                         max_tokens=eval_tokens))
     tensors = None
     if args.draft_vocab:
         ids = most_frequent_tokens(data["chat"], source.arch.vocab_size, args.draft_vocab)
         tensors = {DRAFT_VOCAB_TENSOR: ids}
         vocab = DraftVocab(ids.to(device))
-        with_vocab = agreement(head, target, data["heldout"], cfg.num_steps, device, vocab=vocab)
+        with_vocab = agreement(head, target, data["heldout"], cfg.num_steps, device, vocab=vocab,
+                               max_tokens=eval_tokens)
         extra["pipespec.eval_heldout_draft_vocab"] = as_dict(with_vocab)
+    t_eval = time.perf_counter() - t_eval
     save_mtp(out, head, source.name, out_dtype, extra, base_arch=source.arch, tensors=tensors)
     print(report(f"held-out ({len(data['heldout'])} self-generated answers to unseen prompts)", heldout,
                  _why_empty(data["heldout"], "held-out answers")))
@@ -249,9 +312,12 @@ def train_command(args) -> int:
                      f"tokens, written to the head file)", with_vocab, "no held-out answers"))
     if args.check_set:
         print(f"\ncheck set ({args.check_set}): {extra['pipespec.eval_check']}")
-    warn_if_slower(heldout, target, head, args, summary)
+    warn_if_slower(heldout, target, head, f"Train longer (--max-time, now {args.max_time} s; trained "
+                   f"{summary['seconds']:.0f} s) on more of the target's answers (--gen-time, now {args.gen_time} s)")
+    used = peak_rss_bytes()
     print(f"\nwrote {out} in {time.perf_counter() - t_start:.0f} s "
-          f"(data {t_data:.0f} s, training {summary['seconds']:.0f} s, {summary['tokens']} tokens)")
+          f"(data {t_data:.0f} s, training {summary['seconds']:.0f} s, {summary['tokens']} tokens, evaluation "
+          f"{t_eval:.0f} s); peak RSS {used / 1e9:.2f} GB (planned {peak / 1e9:.1f} GB)")
     return 0
 
 
@@ -262,16 +328,24 @@ def _why_empty(samples: list[Sample], what: str) -> str:
     return f"the {len(samples)} {what} hold {tokens} answer tokens, too few to score; raise --gen-time"
 
 
-def warn_if_slower(heldout, target, head, args, summary) -> None:
-    """Say so, with what to change, when the measured held-out agreement would make speculative
-    decoding slower than plain decoding (payoff.py's cost model)."""
+def head_payoff(heldout, target, head):
+    """payoff.py's cost model over measured held-out agreement (None: nothing was measured)."""
     if not any(r.positions for r in heldout):
-        return                            # nothing measured: report() said why
+        return None
     arch = target.arch
-    head_params = arch.vocab_size * arch.hidden_size
     d = draft_cost_ratio(sum(p.numel() for p in target.model.layers.parameters()),
-                         sum(p.numel() for p in head.parameters()), head_params)
-    p = payoff([r.walk_length for r in heldout], d)
+                         sum(p.numel() for p in head.parameters()), arch.vocab_size * arch.hidden_size)
+    return payoff([r.walk_length for r in heldout], d)
+
+
+def warn_if_slower(heldout, target, head, advice: str) -> None:
+    """Say so, with what to change (`advice`), when the measured held-out agreement would make
+    speculative decoding slower than plain decoding (train-mtp and eval-mtp say it in the same
+    words); else print the expected speedup."""
+    p = head_payoff(heldout, target, head)
+    if p is None:
+        return                            # nothing measured: report() said why
+    d = p.draft_cost
     if p.pays:
         print(f"\nexpected decode speedup at batch 1: {p.speedup:.2f}x with K={p.best_k} (a draft step costs "
               f"~{d:.2f} of a target step by weights read)")
@@ -280,8 +354,7 @@ def warn_if_slower(heldout, target, head, args, summary) -> None:
                f"{100 * heldout[0].rate:.1f}%, and a draft step costs ~{d:.2f} of a target step (the MTP layer and "
                f"the LM head against the target's layers and LM head, by weights read at batch 1), so at best "
                f"(K={p.best_k}) speculation runs at {p.speedup:.2f}x; step-1 agreement must exceed "
-               f"{100 * d:.0f}% to pay. Train longer (--max-time, now {args.max_time} s; trained "
-               f"{summary['seconds']:.0f} s) on more of the target's answers (--gen-time, now {args.gen_time} s)")
+               f"{100 * d:.0f}% to pay. {advice}")
     logger.warning("%s", message)
     print(f"\nWARNING: {message}")
 
@@ -308,6 +381,15 @@ def draft_vocab_command(args) -> int:
 
 
 def eval_command(args) -> int:
+    """Runs `eval-mtp`; without a terminal a heartbeat logs what it is doing at least every 30 s
+    (generating the answers to score can take minutes on a CPU)."""
+    if sys.stderr.isatty():
+        return _eval_command(args, lambda text: None)
+    with Heartbeat(EVAL_LOG_INTERVAL) as beat:
+        return _eval_command(args, beat.status)
+
+
+def _eval_command(args, status) -> int:
     device = resolve_device(args.device)
     dtype = _DTYPES[args.dtype]
     head_path = args.head or bundled_head_path(args.model)
@@ -319,16 +401,21 @@ def eval_command(args) -> int:
     if args.data:
         samples = load_samples(args.data)
     else:
+        status(f"generating {args.prompts} held-out answers")
         samples = generate_heldout(args.model, source.arch, device, args.prompts, args.max_tokens, args.gen_batch)
+    status("loading the target")
     target = load_target(source, device, dtype)
     head, _ = load_mtp_file(head_path, source.arch, dtype, device)
     vocab = None
     if args.draft_vocab or args.draft_vocab_size:
         vocab = DraftVocab.from_file(args.draft_vocab or head_path, args.draft_vocab_size, source.arch.vocab_size,
                                      device)
+    status(f"scoring the head on {len(samples)} answers")
     results = agreement(head, target, samples, steps, device, args.batch_size, vocab=vocab)
     over = f", drafting over {vocab.ids.numel()} tokens" if vocab is not None else ""
     print(report(f"head {head_path} on {source.name}: {len(samples)} samples, teacher-forced, {args.dtype}{over}",
                  results, "no sample has an answer long enough to score; give --data with longer answers "
                  "or raise --max-tokens"))
+    warn_if_slower(results, target, head, "Train it longer (pipespec train-mtp --init-head FILE continues from it) "
+                   "or on more of the target's answers (--gen-time)")
     return 0

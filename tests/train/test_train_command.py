@@ -129,3 +129,64 @@ def test_payoff_model_on_synthetic_tables():
     good = payoff([1.8, 2.4, 2.85], d)
     assert good.pays and good.best_k == 3 and good.speedup == pytest.approx(2.85 / (1 + 3 * d))
     assert not payoff([1 + d * 0.99], d).pays and payoff([1 + d * 1.01], d).pays   # the K = 1 threshold is d
+
+
+def _limit_memory():
+    import resource
+    resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))      # the issue's defaults took 19.7 GB
+
+
+@pytest.mark.serial
+def test_cpu_defaults_fit_the_budget_the_memory_planned_and_log_without_a_terminal(tmp_path):
+    # issue 48: the accelerator's defaults on a CPU (one 100 s step of 48 x 320 tokens, 19.7 GB) ran
+    # --max-time 60 for 103 s and logged nothing for minutes. No --batch-size/--seq-len/--warmup here:
+    # the CPU's defaults, under a 6 GB address-space limit, stderr a pipe (no terminal)
+    check = json.loads(CHECK_SET.read_text())
+    heldout = [{"ids": h["ids"][:64], "start": h["start"]} for h in check[:2]]    # a short final evaluation
+    cache = tmp_path / "data.json"
+    cache.write_text(json.dumps({"chat": check, "text": [{"ids": h["ids"][:48], "start": 0} for h in check],
+                                 "heldout": heldout}))
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[2]), TQDM_DISABLE="1")
+    budget, interval = 15, 5
+    proc = subprocess.run([sys.executable, "-m", "pipespec", "train-mtp", "--out", str(tmp_path / "head.safetensors"),
+                           "--device", "cpu", "--data-cache", str(cache), "--max-time", str(budget),
+                           "--log-interval", str(interval), "--checkpoint-every", "100000"],
+                          capture_output=True, text=True, env=env, timeout=150, preexec_fn=_limit_memory)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = proc.stderr
+    plan = re.search(r"plan: .*steps of (\d+) x (\d+) tokens on cpu .*memory: about ([\d.]+) GB of RAM", log)
+    assert plan and int(plan.group(1)) * int(plan.group(2)) <= 1024, log
+    planned = float(plan.group(3))
+    # the budget: no step started that would end past it (within one step's length of it at worst)
+    first = float(re.search(r"the first step took ([\d.]+) s: about \d+ steps fit", log).group(1))
+    ended = re.search(rf"training ended after (\d+) steps in ([\d.]+) s of {budget} s: .*warm-up was (\d+) steps", log)
+    assert ended and float(ended.group(2)) <= budget + first, log
+    assert int(ended.group(1)) > int(ended.group(3)) or int(ended.group(1)) == 1, log    # past its warm-up
+    # memory: under what the plan said, and under 4 GB
+    peak = re.search(r"peak RSS ([\d.]+) GB \(planned ([\d.]+) GB\)", proc.stdout)
+    assert peak and float(peak.group(1)) <= planned < 4.0, (proc.stdout, planned)
+    # a log line at least every `interval` seconds (give or take the heartbeat's wake-up), plan to end
+    stamps = [time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) + int(m.group(2)) / 1000
+              for m in re.finditer(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) ", log, re.M)]
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    assert len(stamps) > 5 and max(gaps) <= interval + 2.0, (gaps, log)
+    assert "still running: training: step" in log
+
+
+def test_eval_mtp_warns_about_a_head_that_would_slow_decoding(tmp_path, default_source):
+    # an untrained head (random weights): train-mtp's warning, in the same words
+    from pipespec.model.mtp import DeepSeekMTP, save_mtp
+
+    torch.manual_seed(0)
+    save_mtp(tmp_path / "random.safetensors", DeepSeekMTP(default_source.arch), default_source.name,
+             torch.bfloat16, base_arch=default_source.arch)
+    samples = tmp_path / "samples.json"
+    samples.write_text(json.dumps([{"ids": h["ids"][:80], "start": h["start"]}
+                                   for h in json.loads(CHECK_SET.read_text())[:4]]))
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[2]), TQDM_DISABLE="1")
+    proc = subprocess.run([sys.executable, "-m", "pipespec", "eval-mtp", "--head", str(tmp_path / "random.safetensors"),
+                           "--device", "cpu", "--data", str(samples), "--steps", "2"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"WARNING: this head would make decoding slower: its held-out step-1 agreement is "
+                     r"[\d.]+%, .*must exceed \d+% to pay\. Train it longer", proc.stdout), proc.stdout
