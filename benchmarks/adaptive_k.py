@@ -14,6 +14,8 @@ stays in the timed runs: it is part of its cost).
 
 Usage (GPU machine): python benchmarks/adaptive_k.py [--batch 1 8 64] [--new-tokens 128]
        [--repeats 5] [--max-k 3] [--json out.json]
+CPU (issue 48: adaptive K never below 0.98x of K = 0; the default model, float32):
+       python benchmarks/adaptive_k.py --device cpu --batch 2 --new-tokens 200 --repeats 3
 """
 from __future__ import annotations
 
@@ -32,19 +34,24 @@ from spec_decode import chat_ids, print_table  # noqa: E402  (the same held-out-
 from pipespec import LLM, SamplingParams  # noqa: E402
 
 
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
 class Runner:
-    def __init__(self, name: str, spec: dict | None, **kw):
-        self.name, self.spec = name, spec
-        self.llm = LLM(device="cuda", speculative_config=spec, **kw)
+    def __init__(self, name: str, spec: dict | None, device: str = "cuda", **kw):
+        self.name, self.spec, self.device = name, spec, device
+        self.llm = LLM(device=device, speculative_config=spec, **kw)
 
     def run(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, int, int]:
         """(seconds, drafts, accepted draft tokens) of one generate call."""
         params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
         before = dict(self.llm.stats().get("spec_decode", {}))
-        torch.cuda.synchronize()
+        _sync(self.device)
         t = time.perf_counter()
         self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        torch.cuda.synchronize()
+        _sync(self.device)
         secs = time.perf_counter() - t
         after = self.llm.stats().get("spec_decode")
         if not after:
@@ -62,7 +69,8 @@ class Runner:
     def close(self):
         self.llm.shutdown()
         self.llm = None
-        torch.cuda.empty_cache()
+        if self.device == "cuda":
+            torch.cuda.empty_cache()
 
 
 def measure(runners: list[Runner], groups, new_tokens: int, repeats: int, batch: int) -> list[dict]:
@@ -104,8 +112,11 @@ def main():
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--max-k", type=int, default=3)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
-    share = dict(gpu_memory_utilization=0.12, max_num_seqs=max(args.batch))
+    share = dict(max_num_seqs=max(args.batch), device=args.device)
+    if args.device == "cuda":
+        share["gpu_memory_utilization"] = 0.12
     runners = [Runner("K=0", None, **share)]
     runners += [Runner(f"K={k}", {"method": "mtp", "num_speculative_tokens": k}, **share)
                 for k in range(1, args.max_k + 1)]
@@ -120,8 +131,9 @@ def main():
         rows += measure(runners, groups, args.new_tokens, args.repeats, batch)
     for r in runners:
         r.close()
-    out = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-           "model": "SmolLM2-135M-Instruct (bf16, bundled MTP head)", "new_tokens": args.new_tokens,
+    device = torch.cuda.get_device_name(0) if args.device == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
+    out = {"date": time.strftime("%Y-%m-%d"), "device": device, "torch": torch.__version__,
+           "model": "SmolLM2-135M-Instruct (bundled MTP head)", "new_tokens": args.new_tokens,
            "repeats": args.repeats, "rows": rows}
     print_table(rows, {"batch": lambda r: r["batch"], "engine": lambda r: r["engine"],
                        "tokens/s": lambda r: r["tokens_per_s"], "vs K=0": lambda r: f"{r['vs_k0']}x",

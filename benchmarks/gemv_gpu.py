@@ -23,7 +23,7 @@ from spec_decode import print_table  # noqa: E402
 
 from pipespec.kernels.fused_ops import silu_mul  # noqa: E402
 from pipespec.kernels.gemv import DENSE_GEMV, Gemv, rowmajor_gemv  # noqa: E402
-from pipespec.stage.cuda_graphs import graph_ms  # noqa: E402
+from gpu_timing import graph_ms  # noqa: E402
 
 # (model, projection): (N, K)
 PROJECTIONS = {

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from gpu_timing import time_replay  # noqa: E402
 from spec_decode import chat_ids, print_table  # noqa: E402  (the same held-out-style chat prompts)
 
 from pipespec import LLM, SamplingParams  # noqa: E402
@@ -146,7 +147,7 @@ def measure(runners, groups, new_tokens, repeats, table, model, peer_name):
                "vs_" + peer_name: round(tps / peer, 2)}
         graphs = getattr(r, "graphs", None)
         if graphs is not None:         # the device's share of a step: graph replays alone
-            row.update(graphs.time_replay(batch))
+            row.update(time_replay(r.llm.engine.executor.stage, batch))
         table.append(row)
         print(json.dumps(row), flush=True)
 

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from spec_decode import print_table  # noqa: E402
 
 from pipespec.kernels.moe_experts import FEW_PAIR, few_pair_experts  # noqa: E402
-from pipespec.stage.cuda_graphs import graph_ms  # noqa: E402
+from gpu_timing import graph_ms  # noqa: E402
 
 # name: (experts held, hidden, expert intermediate, top-k, shared expert shaped like a routed one).
 # DeepSeek-V3 holds 256 experts; 32 of them (2.8 GB) are enough to route every call elsewhere.

@@ -43,7 +43,7 @@ from pipespec.kernels.fused_ops import silu_mul  # noqa: E402
 from pipespec.kernels.gemv import rowmajor_gemv  # noqa: E402
 from pipespec.kernels.quant_matmul import Gemv, Tiles, fp8_block_matmul, int4_matmul  # noqa: E402
 from pipespec.model.quant.packed import Fp8Weight, Int4Weight  # noqa: E402
-from pipespec.stage.cuda_graphs import graph_ms  # noqa: E402
+from gpu_timing import graph_ms  # noqa: E402
 
 PROJECTIONS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 

@@ -5,7 +5,7 @@ SmolLM2-135M-Instruct with its bundled head, greedy chat answers to held-out-sty
 17's acceptance goal is measured there).
 Usage: python benchmarks/spec_decode.py [--device cpu|cuda] [--pp 1 2] [--batch 1 8] [--k 1 2 3]
        [--max-tokens 64] [--repeats 3] [--dtype auto] [--prompts bench|heldout] [--stop-at-eos] [--rounds 1]
-       [--draft-vocab-size N]
+       [--draft-vocab FILE|full] [--draft-vocab-size N]
 `--rounds R` runs R batches of distinct prompts in turn in each timed run (at batch 1: R prompts, one
 at a time), so a batch-1 figure is not one prompt's.
 Each cell is the median over --repeats; configurations are interleaved per repeat so drift hits all.
@@ -73,6 +73,9 @@ def main():
                     help="this file's prompts, or the trainer's held-out split (pipespec.train.prompts)")
     ap.add_argument("--stop-at-eos", action="store_true",
                     help="answers end at EOS (tokens/s counts the tokens generated) instead of max-tokens each")
+    ap.add_argument("--draft-vocab", default=None,
+                    help="speculative_config.draft_vocab of every speculative engine (default: the head's own "
+                         "list; 'full': every token)")
     ap.add_argument("--draft-vocab-size", type=int, default=None,
                     help="speculative_config.draft_vocab_size of every speculative engine (default: none)")
     ap.add_argument("--rounds", type=int, default=1,
@@ -85,6 +88,7 @@ def main():
         share = {"gpu_memory_utilization": 0.2} if args.device.startswith("cuda") else {}
         engines = {k: LLM(device=args.device, dtype=args.dtype, pipeline_parallel_size=pp, max_num_seqs=64, **share,
                           speculative_config={"method": "mtp", "num_speculative_tokens": k,
+                                              "draft_vocab": args.draft_vocab,
                                               "draft_vocab_size": args.draft_vocab_size} if k else None)
                    for k in [0] + args.k}
         tok = engines[0].get_tokenizer()
@@ -126,7 +130,7 @@ def main():
     print(json.dumps({"date": time.strftime("%Y-%m-%d"), "device": dev, "torch": torch.__version__,
                       "max_tokens": args.max_tokens, "repeats": args.repeats,
                       "prompts": args.prompts, "stop_at_eos": args.stop_at_eos, "rounds": args.rounds,
-                      "draft_vocab_size": args.draft_vocab_size, "rows": rows}, indent=1))
+                      "draft_vocab": args.draft_vocab, "draft_vocab_size": args.draft_vocab_size, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

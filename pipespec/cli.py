@@ -70,10 +70,28 @@ def build_parser() -> argparse.ArgumentParser:
     dv.set_defaults(func=_draft_vocab)
     from pipespec.server.serve import add_serve_parser
     add_serve_parser(sub, add_engine_args)
-    from pipespec.bench.cli import add_bench_parser
-    add_bench_parser(sub, add_engine_args)
+    _add_bench_parser(sub, add_engine_args)
     _use_formatter(parser)
     return parser
+
+
+def _add_bench_parser(sub, add_engine_args) -> None:
+    """`pipespec bench latency | throughput | serve`."""
+    import pipespec.bench
+    from pipespec.bench import latency, serve, throughput
+
+    bench = sub.add_parser("bench", help="measure latency, throughput or a server under load",
+                           description=pipespec.bench.__doc__)
+    kinds = bench.add_subparsers(dest="bench_command", required=True, metavar="{latency,throughput,serve}")
+    for name, module, text, engine in (
+            ("latency", latency, "time one batch of fixed-length requests, over iterations", True),
+            ("throughput", throughput, "tokens per second over many requests at once", True),
+            ("serve", serve, "load a running OpenAI-compatible server: TTFT, TPOT, ITL", False)):
+        p = kinds.add_parser(name, help=text, description=module.__doc__)
+        if engine:
+            add_engine_args(p)
+        module.add_args(p)
+        p.set_defaults(func=module.run)
 
 
 def _use_formatter(parser: argparse.ArgumentParser) -> None:

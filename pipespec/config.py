@@ -133,8 +133,8 @@ class ParallelConfig:
     startup_timeout: float = 600.0       # seconds the stages may take to start and load their weights
     distributed_backend: str = "auto"    # activations between stages: auto = nccl on CUDA, gloo on CPU
     # TP on GPUs: small sums through the one-host symmetric-memory all-reduce, NCCL's otherwise
-    # (runtime/one_host_all_reduce.py). Opt-in: on two H200s a second TP engine in one process hung
-    # in its set-up (RESULTS.md, 2026-12-01)
+    # (runtime/one_host_all_reduce.py). Opt-in: a second TP engine in one process has hung in its
+    # set-up (RESULTS.md, TP = 2)
     custom_all_reduce: bool = False
     threads_per_stage: int | None = None  # CPU threads of each stage; None: torch's default for PP = 1,
                                           # cores / PP for PP > 1
@@ -203,7 +203,8 @@ class SpeculativeConfig:
     model: str | None = None          # a head file; None: the checkpoint's own MTP layers or the bundled head
     adaptive: bool = False
     # drafting over a draft vocabulary (speculative/draft_vocab.py): a file holding one (a head file, or
-    # one `pipespec draft-vocab` wrote; None: the head file's own), and how many of its tokens (None: all)
+    # one `pipespec draft-vocab` wrote; None: the head file's own where it holds one, TP = 1; "full": the
+    # whole vocabulary), and how many of its tokens (None: all)
     draft_vocab: str | None = None
     draft_vocab_size: int | None = None
     # adaptive only, for tests and benchmarks: the steps' K in turn (repeating) instead of measuring
@@ -222,6 +223,9 @@ class SpeculativeConfig:
         _require(self.draft_vocab is None or (isinstance(self.draft_vocab, str) and self.draft_vocab),
                  f"speculative_config.draft_vocab must be a file's path, got {self.draft_vocab!r}")
         n = self.draft_vocab_size
+        _require(not (self.draft_vocab == "full" and n is not None),
+                 "speculative_config.draft_vocab 'full' drafts over the whole vocabulary; draft_vocab_size "
+                 "takes the first tokens of a draft vocabulary, so give one or the other")
         _require(n is None or (isinstance(n, int) and not isinstance(n, bool) and n >= 1),
                  f"speculative_config.draft_vocab_size must be a positive integer (or absent: the whole "
                  f"vocabulary), got {n!r}")
@@ -236,7 +240,8 @@ class SpeculativeConfig:
 
     @property
     def drafts_over_a_vocabulary(self) -> bool:
-        return self.draft_vocab is not None or self.draft_vocab_size is not None
+        """A draft vocabulary asked for by name or size (the head's own is also used by default)."""
+        return self.draft_vocab not in (None, "full") or self.draft_vocab_size is not None
 
     @classmethod
     def parse(cls, value) -> "SpeculativeConfig | None":
@@ -280,7 +285,7 @@ class EngineConfig:
     def num_spec_tokens(self) -> int:
         return self.speculative.num_speculative_tokens if self.speculative else 0
 
-    def overlaps_steps(self, device_type: str) -> bool:
+    def async_scheduling_on(self, device_type: str) -> bool:
         """Whether the driver schedules step n + 1 while a stage on a `device_type` device runs step n: asked for,
         or by default on a GPU (where the step runs asynchronously to the host), where it applies."""
         asked = self.scheduler.async_scheduling

@@ -17,6 +17,7 @@ the current stream is captured by CUDA graphs like any kernel (`stage/cuda_graph
 """
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import torch
@@ -56,10 +57,28 @@ class TensorParallel:
             except Exception:   # noqa: BLE001 - best effort on a path that is failing anyway
                 pass
 
+    def finish_within(self, timeout: float, what: str) -> None:
+        """Wait, at most `timeout` seconds, for the work enqueued on the current CUDA stream.
+
+        A collective captured in a CUDA graph is not watched by NCCL's watchdog: if a TP peer dies
+        during a replay, the replay never ends, and a plain host sync (the result's copy to the host)
+        would block for ever. So a TP stage on CUDA polls an event instead; past the timeout it aborts
+        the communicator (which ends the stuck kernel) and raises, and the runtime reports the stage.
+        """
+        done = torch.cuda.Event()
+        done.record()
+        deadline = time.monotonic() + timeout
+        while not done.query():
+            if time.monotonic() > deadline:
+                self.abort()
+                raise TimeoutError(f"{what} did not finish on the GPU within {timeout:g}s (a tensor-parallel peer "
+                                   "died or stopped?)")
+            time.sleep(0)
+
     def close(self) -> None:
         """Shut the group down now (NCCL: destroys its communicator), rather than in its destructor
-        at some later garbage collection, where an NCCL group's implicit abort was seen to hang
-        30 s and more on two H200s. Destroy the CUDA graphs that captured its collectives first
+        at some later garbage collection, where an NCCL group's implicit abort was seen to hang for
+        tens of seconds. Destroy the CUDA graphs that captured its collectives first
         (`Stage.close` keeps the order): a communicator is not freed while captured work holds it."""
         group, self._group, self._record = self._group, None, None
         if self._fast is not None:

@@ -2,7 +2,7 @@
 and the shapes every message of a step has.
 
 A plan carries everything any stage needs for one step and nothing else; a result has a shape that
-depends only on the plan and the config (DESIGN.md, I2), never on what was sampled.
+depends only on the plan and the config (docs/architecture.md, I2), never on what was sampled.
 
 K (`num_spec_tokens`) is the number of draft tokens per request; each plan says its step's K (the
 config's, or with adaptive K one in 0..config K), and every shape of the step follows from it. A verifying request runs 1 + K query
@@ -30,12 +30,12 @@ class StepPlan:
     query_start_loc: torch.Tensor  # int64 [B+1] row boundaries of each request
     seq_lens: torch.Tensor        # int64 [B] KV length of each request after this step
     block_tables: torch.Tensor    # int64 [B, W] block ids, padded with 0
-    sample_rows: torch.Tensor     # int64 [S] requests (indices into B) that sample this step
+    sampling_reqs: torch.Tensor     # int64 [S] requests (indices into B) that sample this step
     sampling: SamplingTensors     # parameters of the S sampling requests
-    num_drafts: torch.Tensor | None = None  # int64 [B] draft rows ending each request's query (None: 0)
+    num_draft_rows: torch.Tensor | None = None  # int64 [B] draft rows ending each request's query (None: 0)
     # int64 [B] how many of those rows are real drafts; the rest are dummy rows padding a line to the
     # step's K (so it keeps the shape a CUDA graph replays), which verification never accepts
-    real_drafts: torch.Tensor | None = None
+    num_drafts: torch.Tensor | None = None
     # int64 [B] the known token after each request's last row (a prefill chunk that does not end the
     # prompt), -1 where it is still to be sampled; the MTP drafter's shifted input needs it
     next_token_ids: torch.Tensor | None = None
@@ -52,13 +52,16 @@ class StepPlan:
     # last stage drafts K tokens after verifying, and the result row is result_width(K) wide. The
     # config's K unless adaptive K picked a smaller one (0: plain decoding, the MTP KV still written)
     num_spec_tokens: int = 0
+    # False once adaptive K has retired speculation (no K paid): the last stage then runs no drafter,
+    # and no MTP KV is kept from this step on
+    drafting: bool = True
 
     def __post_init__(self):
         b, device = self.seq_lens.shape[0], self.seq_lens.device
+        if self.num_draft_rows is None:
+            self.num_draft_rows = torch.zeros(b, dtype=torch.int64, device=device)
         if self.num_drafts is None:
-            self.num_drafts = torch.zeros(b, dtype=torch.int64, device=device)
-        if self.real_drafts is None:
-            self.real_drafts = self.num_drafts
+            self.num_drafts = self.num_draft_rows
         if self.next_token_ids is None:
             self.next_token_ids = torch.full((b,), -1, dtype=torch.int64, device=device)
         if self.state_slots is None:
@@ -123,17 +126,17 @@ class StepResult:
         return cls(step_id, data, num_spec_tokens)
 
     @classmethod
-    def from_verification(cls, step_id: int, num_reqs: int, num_spec_tokens: int, sample_rows: torch.Tensor,
+    def from_verification(cls, step_id: int, num_reqs: int, num_spec_tokens: int, sampling_reqs: torch.Tensor,
                           tokens: torch.Tensor, num_sampled: torch.Tensor,
                           drafts: torch.Tensor | None = None) -> "StepResult":
         """tokens [S, <=K+1] (-1 padded), num_sampled [S], drafts [S, K] for the sampling requests."""
         k = num_spec_tokens
         data = torch.full((num_reqs, result_width(k)), -1, dtype=torch.int64, device=tokens.device)
         data[:, k + 1] = 0
-        data[sample_rows, :tokens.shape[1]] = tokens
-        data[sample_rows, k + 1] = num_sampled
+        data[sampling_reqs, :tokens.shape[1]] = tokens
+        data[sampling_reqs, k + 1] = num_sampled
         if drafts is not None and k:
-            data[sample_rows, k + 2:] = drafts
+            data[sampling_reqs, k + 2:] = drafts
         return cls(step_id, data, k)     # on the stage's device: the runtime moves it to the host
 
     @cached_property

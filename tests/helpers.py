@@ -48,9 +48,9 @@ def engine_logits(llm, token_ids: list[int], chunk: int | None = None) -> torch.
         plan = batch.plan
         assert plan.positions.tolist() == list(range(req.num_computed_tokens,
                                                      req.num_computed_tokens + plan.num_tokens))
-        fwd = stage.forward(plan)
-        assert fwd.residual is None
-        rows.append(stage.model.compute_logits(fwd.hidden).float())
+        hidden, residual = stage.forward(plan)
+        assert residual is None
+        rows.append(stage.model.compute_logits(hidden).float())
         sched.complete(batch)
         num_plans += 1
     expected_plans = -(-len(token_ids) // (chunk or len(token_ids)))

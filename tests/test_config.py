@@ -111,9 +111,9 @@ def test_prefill_chunk_limit_and_step_overlap_defaults():
     assert EngineConfig.from_kwargs(max_num_batched_tokens=64).scheduler.prefill_chunk_limit == 16
     assert EngineConfig.from_kwargs(long_prefill_token_threshold=0).scheduler.prefill_chunk_limit == 0     # no limit
     one, two = EngineConfig(), EngineConfig.from_kwargs(pipeline_parallel_size=2)
-    assert one.overlaps_steps("cuda") and not one.overlaps_steps("cpu")
-    assert not two.overlaps_steps("cuda")
-    assert EngineConfig.from_kwargs(async_scheduling=True).overlaps_steps("cpu")
+    assert one.async_scheduling_on("cuda") and not one.async_scheduling_on("cpu")
+    assert not two.async_scheduling_on("cuda")
+    assert EngineConfig.from_kwargs(async_scheduling=True).async_scheduling_on("cpu")
 
 
 def test_check_collectives_defaults_from_the_environment(monkeypatch):

@@ -1,4 +1,4 @@
-"""Imports go one way (DESIGN.md, Layout): cli/server/train -> engine -> runtime -> stage ->
+"""Imports go one way (docs/architecture.md, Package layout): cli/server/train -> engine -> runtime -> stage ->
 {speculative, model} -> plan/config. MAY_IMPORT lists, for each top-level package, the pipespec
 packages it may import; the test reads every module's import statements (function-level ones
 included) and fails on an import the map does not allow, on a map that is not a layering (a cycle),
@@ -13,14 +13,13 @@ import pipespec
 ROOT = Path(pipespec.__file__).parent
 
 # The data everything passes around, and the small helpers beside it: any package may import these
-# (among themselves: config, sampling, parallel <- placement, plan <- layout).
-DATA = {"config", "sampling", "parallel", "placement", "plan", "layout"}
+# (among themselves: config, sampling, parallel <- placement, plan).
+DATA = {"config", "sampling", "parallel", "placement", "plan"}
 
 MAY_IMPORT = {
     "config": set(), "sampling": set(), "parallel": set(),
     "placement": {"config"},                     # device and dtype, resolved from the config
     "plan": {"config", "sampling"},
-    "layout": {"config", "sampling", "plan"},
     "kernels": DATA,
     "model": DATA | {"kernels"},
     # finding a checkpoint and reading its config and tokenizer; its weights through model's readers

@@ -23,8 +23,8 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from pipespec.bench.output import report
-from pipespec.bench.prompts import random_token_prompts
+from pipespec.bench import report
+from pipespec.bench import random_token_prompts
 from pipespec.bench.stats import describe, parse_percentiles
 
 # ids of random prompts: below the vocabulary of any supported model, above byte/special tokens

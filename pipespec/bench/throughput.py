@@ -8,8 +8,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from pipespec.bench.output import report
-from pipespec.bench.prompts import random_token_prompts
+from pipespec.bench import report
+from pipespec.bench import random_token_prompts
 from pipespec.bench.stats import speculation, speculation_line
 
 

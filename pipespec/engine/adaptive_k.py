@@ -18,16 +18,28 @@ choice follows; a figure taken while the engine warmed up does not stand for goo
 costs little. A chosen exploration k is held for a few steps, so that some of them are steady (the
 first one after a change is a transition).
 
+A step at k = 0 still runs the MTP layer over its rows, for the KV later drafts attend to, so k = 0
+costs more than plain decoding. When no k has paid for RETIRE_AFTER decisions in a row at the
+smallest batch size measured, with every k measured there (on a CPU, where verifying more rows
+costs about as much as it saves), the policy retires speculation for good: k = 0 from then on, and the plans say `drafting=False`, so
+the last stage stops running the MTP layer. Drafts pay most at the smallest batch, so where they do
+not pay there they pay nowhere; a larger batch that finds k = 0 best (a busy server) never retires
+what a small one still gains from. The MTP KV of the positions that follow is never written, so
+drafting could not resume well: retirement is final for the engine's life.
+
 The cost of a step is the time between its result and the previous one: the driver's work and the
 device's, overlapped or not (with PP the pipeline's throughput; async scheduling overlaps the steps
 of one stage), so each K is charged its host time too; or since its submission after the engine was idle.
 """
 from __future__ import annotations
 
+import logging
 import random
 import statistics
 from collections import deque
 from typing import Sequence
+
+logger = logging.getLogger(__name__)
 
 MIN_SAMPLES = 3          # steady-step costs of a (bucket, k) before best_k trusts it
 SWEEP_AFTER = 16         # steps at a batch size before all its k are measured (before: a neighbour's)
@@ -37,6 +49,7 @@ HYSTERESIS = 0.03        # a k replaces the one in use only if expected this muc
                          # would flip on noise, and every change costs a transition step
 ACCEPT_DECAY = 0.995     # per observation: acceptance follows the last few hundred drafts
 ACCEPT_PRIOR = (0.5, 2.0)   # (rate, weight in observations) before anything is measured
+RETIRE_AFTER = 32        # decisions in a row that k = 0 was best at the smallest batch measured, before retiring
 
 
 def expected_tokens(accept: Sequence[float], k: int) -> float:
@@ -78,6 +91,8 @@ class AdaptiveK:
         self._rng = random.Random(seed)
         self._held, self._hold_left = 0, 0
         self._in_use: int | None = None           # the last k chosen as the best (not explored)
+        self._zero_run = 0                        # decisions in a row, on measured costs, that k = 0 was best
+        self.retired = False                      # speculation retired for good (module docstring)
         self.k_steps = [0] * (max_k + 1)          # how often each k was chosen (stats, /metrics)
 
     # -- what it measures ----------------------------------------------------------------------
@@ -108,9 +123,24 @@ class AdaptiveK:
     # -- the choice ----------------------------------------------------------------------------
 
     def choose(self, num_reqs: int) -> int:
-        k = self._choose(bucket(num_reqs))
+        k = 0 if self.retired else self._choose(bucket(num_reqs))
         self.k_steps[k] += 1
         return k
+
+    def drafting(self) -> bool:
+        """Whether the step about to be planned runs the drafter (`StepPlan.drafting`)."""
+        return not self.retired
+
+    def _note_best(self, b: int, best: int, measured: bool) -> None:
+        """Count the decisions in a row that found k = 0 best on the smallest measured batch size's
+        own costs; retire speculation after RETIRE_AFTER of them."""
+        smallest = measured and b == min(m for m in self._costs if None not in self.costs(m))
+        self._zero_run = self._zero_run + 1 if best == 0 and smallest else 0
+        if self._zero_run >= RETIRE_AFTER and not self.retired:
+            self.retired = True
+            logger.info("adaptive K: no K > 0 paid in %d decisions in a row (acceptance %s); speculation is "
+                        "off for the rest of this engine's life and the MTP layer stops running", RETIRE_AFTER,
+                        [round(a, 2) for a in self.acceptance()])
 
     def _choose(self, b: int) -> int:
         if self._hold_left > 0:
@@ -126,6 +156,7 @@ class AdaptiveK:
                 return self._hold_k(unmeasured[-1])
             costs = self.costs(near)       # a batch size met in passing borrows its neighbour's figures
         best = self._in_use = best_k(self.acceptance(), costs, self._in_use)
+        self._note_best(b, best, measured=not unmeasured)
         if self._rng.random() < EXPLORE / self.hold:     # each exploration holds its k `hold` steps
             at = self._measured_at.get(b, [-1] * (self.max_k + 1))
             return self._hold_k(min((k for k in range(self.max_k + 1) if k != best), key=lambda k: at[k]))
@@ -141,7 +172,7 @@ class AdaptiveK:
         return k
 
     def as_dict(self) -> dict:
-        return {"k_steps": list(self.k_steps), "acceptance": [round(a, 4) for a in self.acceptance()],
+        return {"k_steps": list(self.k_steps), "retired": self.retired, "acceptance": [round(a, 4) for a in self.acceptance()],
                 "step_seconds": {b: [None if c is None else round(c, 6) for c in self.costs(b)]
                                  for b in sorted(self._costs)}}
 

@@ -13,7 +13,8 @@ class IncrementalDetokenizer:
     """A token's text is the decoded window [prefix, new) less the decoded [prefix, read): decoding
     the tokens alone would lose a word's leading space and split characters that span tokens. The
     window bookkeeping runs in the tokenizers library (`DecodeStream`: one call a token, where two
-    decodes of Python-sliced windows cost ~4x more host time at every step of every request)."""
+    decodes of Python-sliced windows cost several times more host time at every step of every
+    request)."""
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool):
         self._tokenizer, self._skip_special = tokenizer, skip_special_tokens

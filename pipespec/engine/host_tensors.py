@@ -1,9 +1,9 @@
 """Host tensors from Python lists, built the cheap way.
 
-`torch.tensor(list)` inspects every element in Python (~5 us a call for a short list, ~0.05 us an
-element); an `array` of one C type converts the list in C, and `torch.frombuffer` shares its memory
-(the tensor holds a reference to the array). The driver builds ~17 such tensors a step, the block
-table of thousands of ids among them: at batch 64 this took a third of the scheduler's time.
+`torch.tensor(list)` inspects every element in Python; an `array` of one C type converts the list
+in C, and `torch.frombuffer` shares its memory (the tensor holds a reference to the array). The
+driver builds ~17 such tensors a step, the block table of thousands of ids among them, so at large
+batches the Python path was a large share of the scheduler's time (RESULTS.md).
 """
 from __future__ import annotations
 

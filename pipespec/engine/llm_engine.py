@@ -90,8 +90,8 @@ class LLMEngine:
         except BaseException:
             self.executor.shutdown()
             raise
-        overlaps = self.executor.overlaps
-        micro_batches = 1 if overlaps else self.executor.max_in_flight
+        async_scheduling = self.executor.async_scheduling
+        micro_batches = 1 if async_scheduling else self.executor.max_in_flight
         # adaptive K (speculative_config.adaptive): the policy picks each step's K; None: K is fixed
         self.k_policy = make_policy(config.speculative, micro_batches)
         caching = config.cache.enable_prefix_caching
@@ -105,7 +105,8 @@ class LLMEngine:
                                    num_micro_batches=micro_batches,
                                    num_spec_tokens=config.num_spec_tokens,
                                    choose_k=self.k_policy.choose if self.k_policy else None,
-                                   async_scheduling=overlaps, enable_prefix_caching=caching)
+                                   drafting=self.k_policy.drafting if self.k_policy else None,
+                                   async_scheduling=async_scheduling, enable_prefix_caching=caching)
         self.spec_stats = SpecDecodeStats(config.num_spec_tokens, self.k_policy)
         self._last_result_at = 0.0
         self.requests: dict[str, Request] = {}
@@ -114,7 +115,7 @@ class LLMEngine:
         self._seed_base = engine_seed_base(config.model.seed)
         logger.info("engine ready: %s, %d layers, max_model_len=%d, %d KV blocks, async scheduling %s, "
                     "prefix caching %s, in %.1fs", self.model_name, source.arch.num_layers, self.max_model_len,
-                    num_blocks, "on" if overlaps else "off", "on" if caching else "off", time.perf_counter() - t0)
+                    num_blocks, "on" if async_scheduling else "off", "on" if caching else "off", time.perf_counter() - t0)
 
     # -- admission --------------------------------------------------------------------------
 

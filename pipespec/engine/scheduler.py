@@ -26,12 +26,12 @@ With P pipeline stages up to P micro-batches are in flight, and a request is in 
 (its next plan needs its last result). So that every stage has work, a micro-batch then takes at
 most ceil(n / P) requests, n being those that could run now (running plus admissible waiting).
 
-Async scheduling (one stage; no speculation, or adaptive K after a step of K = 0) is the exception:
-a request in the one step in flight may be scheduled again before that step returns. Its next rows
-are then either the rest of its prompt, known here, or the one token that step samples, which the
-plan marks as carried (`StepPlan.carried`) and the stage takes from its previous result. Positions
-and KV slots follow from the counts alone (`num_scheduled_tokens`, `num_expected_tokens`), so only
-token ids travel late.
+Async scheduling (one stage) is the exception: a request in the one step in flight may be scheduled
+again before that step returns. Its next rows are then either the rest of its prompt, known here, or
+the token that step samples and the drafts it proposes (`_continues`), which the plan marks as
+carried (`StepPlan.carried`) and the stage fills in from its previous result (`stage/carry.py`).
+Positions and KV slots follow from the counts the driver knows and move on, on the device, by the
+drafts accepted, so only token ids travel late.
 """
 from __future__ import annotations
 
@@ -58,8 +58,8 @@ class _Line(NamedTuple):
     rows (real, then dummy: `_pad_lines`), and whether it samples."""
     req: Request
     rows: int
-    drafts: int
-    draft_rows: int
+    num_drafts: int
+    num_draft_rows: int
     samples: bool
 
 
@@ -69,7 +69,7 @@ class ScheduledBatch:
     requests: list[Request]
     num_new_tokens: list[int]     # query rows of each request, draft rows included
     num_drafts: list[int]         # real drafts each request verifies
-    draft_rows: list[int]         # its draft rows: the real drafts, then dummy ones (`_pad_lines`)
+    num_draft_rows: list[int]     # its draft rows: the real drafts, then dummy ones (`_pad_lines`)
     samples: list[bool]           # whether each request samples this step
     k_changed: bool = False       # the step before it had another K
     submitted_at: float = 0.0     # when the driver handed it to the executor (adaptive K's step cost)
@@ -88,9 +88,10 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, block_size: int, num_blocks: int, max_model_len: int,
                  num_micro_batches: int = 1, num_spec_tokens: int = 0,
                  choose_k: Callable[[int], int] | None = None, async_scheduling: bool = False,
-                 enable_prefix_caching: bool = False):
+                 enable_prefix_caching: bool = False, drafting: Callable[[], bool] | None = None):
         """`choose_k(num_reqs)`: the K of a step of that many requests (adaptive K); None: always
-        `num_spec_tokens`, the config's K (which also sizes the KV room drafts need).
+        `num_spec_tokens`, the config's K (which also sizes the KV room drafts need). `drafting()`:
+        False once adaptive K retired speculation (`StepPlan.drafting`); None: always True.
         `async_scheduling`: a request of the step in flight may be scheduled again (`_continues`).
         `enable_prefix_caching`: reuse cached full KV blocks of a prompt's prefix (module docstring)."""
         if async_scheduling and num_micro_batches > 1:
@@ -101,6 +102,7 @@ class Scheduler:
         self.config = config
         self.num_spec_tokens = num_spec_tokens
         self.choose_k = choose_k
+        self.drafting = drafting
         self.num_micro_batches = num_micro_batches
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -247,19 +249,19 @@ class Scheduler:
         k_changed, self._last_k = k != self._last_k, k
         plan = self._build_plan(lines, k)
         for row, line in enumerate(lines):
-            line.req.num_pending_tokens += line.rows - line.draft_rows
+            line.req.num_pending_tokens += line.rows - line.num_draft_rows
             line.req.num_pending_samples += line.samples
             line.req.carry_row = row
             # until its result says which: a line with draft rows leaves a candidate state to commit
             # (a plan continuing it names one; the device puts the right one in, `carry_in`)
-            line.req.state_commit = 0 if line.draft_rows else -1
+            line.req.state_commit = 0 if line.num_draft_rows else -1
         requests, rows, drafts, draft_rows, samples = map(list, zip(*lines))
         return ScheduledBatch(plan, requests, rows, drafts, draft_rows, samples, k_changed)
 
     def _pad_lines(self, picked: list[tuple[Request, int, int]], k: int) -> list[_Line]:
         """The lines of the picked (request, rows, drafts). A decoding request with fewer drafts than
         K (the step after a smaller K, near max_model_len) gets dummy draft rows up to K, within the
-        step's budget: verification masks them (`StepPlan.real_drafts`), they write KV where rejected
+        step's budget: verification masks them (`StepPlan.num_drafts` counts only the real ones), they write KV where rejected
         drafts would, and the step keeps the shape a CUDA graph replays."""
         spare = self.config.max_num_batched_tokens - sum(n for _, n, _ in picked)
         lines = []
@@ -321,7 +323,7 @@ class Scheduler:
 
     def _build_plan(self, lines: list[_Line], k: int) -> StepPlan:
         bs = self.block_size
-        input_ids, positions, slots, qsl, seq_lens, sample_rows, samplers = [], [], [], [0], [], [], []
+        input_ids, positions, slots, qsl, seq_lens, sampling_reqs, samplers = [], [], [], [0], [], [], []
         carried, next_ids = [], []
         width = max(len(line.req.block_ids) for line in lines)
         tables = array("q")                    # [B, width], each request's blocks padded with 0
@@ -350,7 +352,7 @@ class Scheduler:
             tables.frombytes(bytes(8 * (width - len(blocks))))
             next_ids.append(req.token_ids[end] if end < len(req.token_ids) else -1)
             if samples:
-                sample_rows.append(b)
+                sampling_reqs.append(b)
                 samplers.append(req)
         num_carried = sum(c >= 0 for c in carried)
         self.num_carried_rows += num_carried
@@ -362,15 +364,16 @@ class Scheduler:
             query_start_loc=int64_tensor(qsl),
             seq_lens=int64_tensor(seq_lens),
             block_tables=torch.frombuffer(tables, dtype=torch.int64).view(len(lines), width),
-            sample_rows=int64_tensor(sample_rows),
+            sampling_reqs=int64_tensor(sampling_reqs),
             sampling=sampling_tensors(samplers),
-            num_drafts=int64_tensor([line.draft_rows for line in lines]),
-            real_drafts=int64_tensor([line.drafts for line in lines]),
+            num_draft_rows=int64_tensor([line.num_draft_rows for line in lines]),
+            num_drafts=int64_tensor([line.num_drafts for line in lines]),
             next_token_ids=int64_tensor(next_ids),
             state_slots=int64_tensor([line.req.state_slot for line in lines]),
             state_commit=int64_tensor([line.req.state_commit for line in lines]),
             carried=int64_tensor(carried) if num_carried else None,
             num_spec_tokens=k,
+            drafting=self.drafting is None or self.drafting(),
         )
 
     def complete(self, batch: ScheduledBatch, result: StepResult | None = None) -> None:
@@ -378,7 +381,7 @@ class Scheduler:
         are rolled back by position; their slots get overwritten); free the blocks of requests that
         finished meanwhile. `result` is needed only when a line had draft rows."""
         caching, bs = self.enable_prefix_caching, self.block_size
-        for row, (req, n, rows, sampled) in enumerate(zip(batch.requests, batch.num_new_tokens, batch.draft_rows,
+        for row, (req, n, rows, sampled) in enumerate(zip(batch.requests, batch.num_new_tokens, batch.num_draft_rows,
                                                            batch.samples)):
             req.in_flight -= 1
             req.num_pending_tokens -= n - rows
@@ -405,7 +408,7 @@ class Scheduler:
 
         The target's KV at position t depends on tokens 0..t only. The MTP layer's does not: at
         position t it takes the target's hidden state h_t and the embedding of token t + 1 (its
-        inputs are shifted left by one, DESIGN "MTP alignment"), so the MTP entry in a block's last
+        inputs are shifted left by one, docs/architecture.md, "MTP alignment"), so the MTP entry in a block's last
         slot was computed with the first token of the next block. Two prompts that agree on a block
         but not on the token after it hold different MTP entries there; a block reused with another
         next token would feed the drafter a stale entry (no effect on greedy output, which the target

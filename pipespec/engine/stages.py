@@ -68,7 +68,7 @@ def _worker_settings(config: EngineConfig, hidden_size: int, env: launch.Torchru
     par = config.parallel
     on_cpu = config.model.device == "cpu" or (config.model.device == "auto" and not torch.cuda.is_available())
     threads = stage_threads(par.threads_per_stage, on_cpu, env.local_world_size if env is not None else par.world_size)
-    return WorkerSettings(world_size=par.pipeline_parallel_size, hidden_size=hidden_size,
+    return WorkerSettings(num_stages=par.pipeline_parallel_size, hidden_size=hidden_size,
                           num_spec_tokens=config.num_spec_tokens, stage_timeout=par.stage_timeout,
                           startup_timeout=par.startup_timeout, backend=par.distributed_backend,
                           threads=threads, check=par.check_collectives,

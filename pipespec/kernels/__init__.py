@@ -55,7 +55,7 @@ def fused_routing_supported(num_experts: int, n_group: int = 1) -> bool:
 
 
 def cdiv(a: int, b: int) -> int:
-    """ceil(a / b) for launch sizes on the host: triton.cdiv is a constexpr function there, ~1 us a call."""
+    """ceil(a / b) for launch sizes on the host: triton.cdiv is a constexpr function there, costly to call."""
     return -(-a // b)
 
 
@@ -71,7 +71,7 @@ def _sms(index: int) -> int:
 
 def sm_count(device: torch.device) -> int:
     """SMs of `device`, read once per device (the kernels size their grids by it at every call of an
-    eager step); 132, an H200's, for the interpreter on CPU."""
+    eager step); 132, a Hopper GPU's (sm_90), for the interpreter on CPU."""
     if device.type != "cuda":
         return 132
     return _sms(device.index if device.index is not None else torch.cuda.current_device())
@@ -81,7 +81,7 @@ def sm_count(device: torch.device) -> int:
 class SMLimits:
     """What one SM holds at once, which bounds how many programs of a kernel it runs together:
     registers, shared memory bytes (per block 1 KiB of it is the system's), threads, blocks. The
-    defaults are an H200's (sm_90), for the interpreter on CPU."""
+    defaults are a Hopper GPU's (sm_90), for the interpreter on CPU."""
     registers: int = 65536
     shared: int = 233472
     threads: int = 2048
@@ -96,7 +96,7 @@ def _limits(index: int) -> SMLimits:
 
 
 def sm_limits(device: torch.device) -> SMLimits:
-    """`SMLimits` of `device`, read once per device; an H200's for the interpreter on CPU."""
+    """`SMLimits` of `device`, read once per device; sm_90's defaults for the interpreter on CPU."""
     if device.type != "cuda":
         return SMLimits()
     return _limits(device.index if device.index is not None else torch.cuda.current_device())

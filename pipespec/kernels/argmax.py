@@ -1,8 +1,8 @@
 """The greedy token of each row: argmax over the vocabulary, in two passes over chunks of it.
 
 torch's reduction gives each row one thread block, so at batch 1 one SM reads a whole row of
-logits: 13.7 us over SmolLM2's 49,152 and 36 us over Llama-3's 128,256 on an H200 (RESULTS.md),
-and a K = 3 speculative step takes four of them. Here every (row, chunk of 4,096 logits) is a
+logits, slowly for a large vocabulary (RESULTS.md), and a K = 3 speculative step takes four of
+them. Here every (row, chunk of 4,096 logits) is a
 program that keeps its maximum and the first index holding it; a second pass takes, per row, the
 first chunk holding the row's maximum. So the index is the first one of the maximum, as torch's
 argmax returns it, and the result does not depend on the chunking. (A NaN logit is not the

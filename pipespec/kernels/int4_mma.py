@@ -2,8 +2,8 @@
 of one), W in the `Int4Weight` layout (qweight int32 [K / 8, N], zeros and scales [K / group, N] in
 fp16, bf16 or float32).
 
-The CUDA-core GEMV (`quant_matmul._int4_gemv_kernel`) spends ~3.75 issue slots a weight (unpack,
-then one FMA per weight and row), which keeps it near 60% issue and ~2 TB/s on an H200, and its
+The CUDA-core GEMV (`quant_matmul._int4_gemv_kernel`) spends several issue slots a weight (unpack,
+then one FMA per weight and row), which keeps it issue-bound below the memory's bandwidth, and its
 FMAs grow with the rows. Here the weights are the A operand of `mma.m16n8k16` (swap-AB: 16 output
 columns by 16 of K a fragment) and x^T its B operand, 8 columns: all M <= 8 rows cost the same
 (more rows: 16, 32 or 64 columns, B fragments side by side, shorter K steps for their registers).
@@ -11,9 +11,8 @@ A word's nibbles are unpacked straight into A's registers, two a 32-bit register
 movement between lanes: `lop3` masks nibbles i and i + 4 under the exponent of 128 (bf16 0x4300;
 fp16 1024, 0x6400), which reads as the pair (128 + q_i, 128 + q_{i+4}), and one packed subtract
 of (128 + z, 128 + z) leaves q - z exactly (both are small integers: AWQ's and GPTQ's zeros are
-integers, 0..16). The unpack is ~1.4 slots a weight; with x, the MMA and the loop ~2.3 in the
-sm_90 SASS at the default shape (290 instructions a warp in each 128 x 128 step; RESULTS.md, fourteenth
-session).
+integers, 0..16). The unpack is about half the GEMV's slots a weight (counted in the sm_90 SASS;
+RESULTS.md).
 
 That needs explicit layouts, hence Gluon (Triton >= 3.6): the MMA's A fragment gives lane
 (c = lane % 4) four K pairs a 32-wide chunk of K; the dot's K order is chosen so that those eight
@@ -114,7 +113,7 @@ def _int4_mma_kernel(x_ptr, q_ptr, z_ptr, s_ptr, y_ptr, p_ptr, count_ptr, M, str
     k_start = gl.program_id(1) * k_per_split
     k_end = gl.minimum(k_start + k_per_split, K)
     # one step ahead in registers: the next step's loads are in flight while this one computes (a
-    # cp.async ring in shared memory, 3-6 steps ahead, was slower: RESULTS.md, fourteenth session)
+    # cp.async ring in shared memory, 3-6 steps ahead, was slower: RESULTS.md)
     words, z, s, x = _load_step(q_ptrs, z_ptr, s_ptr, x_ptrs, k_start, rn_w, rn, w_mask, N, GROUP, MASKED)
     for k0 in range(k_start, k_end, BLOCK_K):
         # the last step loads itself again (cache hits) rather than masking the loads

@@ -4,9 +4,8 @@ of its own, then calls its launcher directly.
 
 Why: an eager step (prefill, or any step not replayed from a CUDA graph) launches every kernel from
 Python, and the JIT's own launch path binds and specializes every argument and hashes every
-constexpr (Gluon layouts rebuild tuples to hash) at each call: 21-44 us a launch on the H200 host,
-against 6-11 us for the compiled launcher alone (RESULTS.md, sixteenth session). A 32-layer prefill
-makes ~500 such launches.
+constexpr (Gluon layouts rebuild tuples to hash) at each call, several times the compiled
+launcher's own host time (RESULTS.md), and a 32-layer prefill makes ~500 such launches.
 
 The key holds what the JIT specializes on, read cheaply: each tensor's dtype and 16-byte alignment,
 each integer's 1 / multiple-of-16 / width class, and the constexprs and launch options (plain values

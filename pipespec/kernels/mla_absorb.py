@@ -6,8 +6,8 @@ R wide. The absorbed form needs, for the few query rows of a step,
     q_lat[t, h, :] = q_nope[t, h, :] @ W_uk[h]          (sum over dn: a column-wise product)
     out[t, h, :]   = W_uv[h] @ o_lat[t, h, :]            (sum over R: a row-wise product)
 
-Inside the GLM-4.7-Flash engine's decode graph the batched cuBLAS GEMMs took 6.6 us a call (20
-heads, two calls a layer; ~0.7 TB/s of these weights). Here each program takes one head's tile of
+Batched cuBLAS GEMMs stream these small per-head weights far below the memory's bandwidth at a
+row or two (RESULTS.md). Here each program takes one head's tile of
 the weight, the row against it, and sums on CUDA cores in float32 (a row is far too few for
 tensor-core tiles); nothing is copied or transposed first.
 """
@@ -22,8 +22,8 @@ from pipespec.kernels.launch import cached_launch
 from pipespec.kernels.pdl import pdl_args, pdl_signal, pdl_wait
 
 MAX_ROWS = 8          # query rows the kernels take
-# Rows up to which the layer takes them: one (batch-1 decode). On an H200 (`benchmarks/mla_kernel.py`)
-# their CUDA-core FMAs per weight grow with the rows, and at 2 rows they took 1.6-2x the einsum's time.
+# Rows up to which the layer takes them: one (batch-1 decode). Their CUDA-core FMAs per weight grow
+# with the rows, and from 2 rows the einsum is faster (`benchmarks/mla_kernel.py`).
 FAST_ROWS = 1
 
 

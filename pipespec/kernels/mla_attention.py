@@ -12,8 +12,8 @@ The causal rule and the online softmax follow `paged_attention`: a request's que
 last q_len positions and row t sees keys 0 .. seq_len - q_len + t.
 
 Split KV, as `paged_attention` does it: at batch 1 a request's 16-32 head rows are one or two
-programs, which read the whole context one key tile after another (13 us a layer at ~100 keys on
-an H200, GLM-4.7-Flash's shape; far more at thousands). So each tile's keys are also split over
+programs, which read the whole context one key tile after another, leaving most of the GPU idle
+(the longer the context, the worse). So each tile's keys are also split over
 `num_splits` programs (a host number: a captured graph fixes it), each taking at least MIN_CHUNK
 keys from the device's sequence length, and `paged_attention.combine_splits` merges the partials;
 splits past a short context store one float each and are skipped by the merge.
@@ -39,8 +39,7 @@ MIN_CHUNK = 64        # keys a split takes at least: its 512-value partial a hea
 class MLALaunch:
     """The kernel's launch shape (`benchmarks/mla_kernel.py --sweep` times others). block_m 0: 16
     rows a tile when a request's rows fit, else 32. 64 keys a step with 8 warps: the best swept at
-    GLM-4.7-Flash's heads, batch 1, on an H200 (8.8 us at 96 keys and 13.6 at 4,096, against 12.6
-    and 17.7 at 32 keys a step; RESULTS.md)."""
+    GLM-4.7-Flash's heads, batch 1 (RESULTS.md)."""
     block_m: int = 0
     block_n: int = 64
     num_warps: int = 8

@@ -229,10 +229,10 @@ def few_pair_int4_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Ten
 class FewPairShape:
     """Launch shapes of the two dense/FP8 kernels: output rows a program, the K elements a step
     (down: shared by the token's slots, each taking block_k / slots of it, at least 64), warps.
-    Chosen by `benchmarks/moe_experts_gpu.py --sweep` on an H200 at one token (GLM-4.7-Flash: 64
-    experts, top-4 and a shared one; Qwen3.5-35B-A3B: 256, top-8): 2 rows a program, 4 warps, so
+    Chosen by `benchmarks/moe_experts_gpu.py --sweep` at one token (GLM-4.7-Flash: 64 experts,
+    top-4 and a shared one; Qwen3.5-35B-A3B: 256, top-8; RESULTS.md): 2 rows a program, 4 warps, so
     that at one token there are thousands of small programs (k * I / 2, H / 2) keeping loads in
-    flight. The down kernel at the old 4 rows and 8 warps was the slowest of the shapes tried."""
+    flight."""
     gate_up_n: int = 2
     gate_up_k: int = 1024
     gate_up_warps: int = 4

@@ -2,8 +2,8 @@
 on the tensor cores that read each picked expert's FP8 weights once.
 
 The few-pair GEMVs (`moe_experts.py`) read an expert once per pair that picks it and scale every
-element on CUDA cores: right at one token, but at a decode batch of 64 (256 pairs at top-4) they
-spent 4x the bf16 grouped GEMMs' time on GLM-4.7-Flash's shape. Here the pairs are sorted by expert on
+element on CUDA cores: right at one token, but at a decode batch of 64 (256 pairs at top-4) far
+slower than bf16 grouped GEMMs (RESULTS.md). Here the pairs are sorted by expert on
 the device and each expert's group is padded to whole tiles of BM rows (`_tiles`), so a program owns
 one expert's tile: it gathers its rows of x, loads [BK, BN] FP8 weight tiles, widens them to x's
 dtype and multiplies on the tensor cores, applying the tile's one block scale to each BK step's

@@ -171,7 +171,7 @@ def _block_m(rows_per_request: int) -> int:
 class Launch:
     """The kernel's launch shape: the defaults, or a benchmark's candidates (`attention_kernel.py
     --sweep`). 0 picks by the query tile: for tiles of <= 32 rows (decode, verify) 128 keys a step,
-    3 stages, 4 warps, as measured best on an H200 (RESULTS.md); for prefill tiles 64 keys, 2 stages,
+    3 stages, 4 warps, the best of a sweep (RESULTS.md); for prefill tiles 64 keys, 2 stages,
     8 warps (their K and V tiles would not fit three stages in shared memory at 128 keys).
     fixed_tiles, max_splits: the split rule's cost of a program beyond its key tiles and its cap
     (`wave_splits`)."""
@@ -221,8 +221,8 @@ def kv_splits(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tenso
               launch: Launch = DEFAULT_LAUNCH) -> int:
     """The KV splits `paged_attention` takes by default for these inputs: `wave_splits` for the
     block table's width over the GPU's slots for this kernel, SMs x the programs of its split
-    variant one SM runs at once (from the compiled registers and shared memory: on an H200 3 for
-    64-dim heads, 2 for 128-dim ones, both bound by registers; 1 under the interpreter)."""
+    variant one SM runs at once (from the compiled registers and shared memory; 1 under the
+    interpreter)."""
     heads, dim = q.shape[1:]
     tiles, block_m, block_n, num_stages, num_warps = _tile(q, key_cache, max_query_len, launch)
     key = (q.device, q.dtype, key_cache.dtype, heads, key_cache.shape[1], dim, page_size, block_m, block_n,

@@ -2,7 +2,7 @@
 
 A batch-1 decode step is hundreds of kernels in a row, each depending on the one before for its
 activations. Without PDL a kernel is launched only once the one before has completed. With PDL
-(inside CUDA graphs too: a captured launch keeps its programmatic edge, measured on an H200) a
+(inside CUDA graphs too: a captured launch keeps its programmatic edge) a
 kernel is launched as soon as every program of the one before has signalled
 `griddepcontrol.launch_dependents` (or exited); its programs become resident and set up, then
 `griddepcontrol.wait` until the kernel before has completed and its writes are visible. The launch
@@ -21,9 +21,8 @@ without PDL (cuBLAS, PyTorch's, fla-core's) waits for everything before it as us
 On only for kernels launched inside `pdl_scope()` (`kernels/__init__.py`), which the CUDA-graph
 capture opens, its warm-up run included (so the variants it captures are compiled outside the
 capture). An eager step has nothing to gain (its host launches are slower than the GPU), and with
-every launch on PDL the first token of a Qwen3.5-2B request (an eager prefill) took 28 ms against
-15 ms without, in one H200 call. Off before sm_90, under the Triton interpreter and with
-`PIPESPEC_PDL=0`; then the constexpr `PDL` compiles the instructions out and the launch is a plain one.
+every launch on PDL an eager prefill was slower (RESULTS.md). Off before sm_90, under the Triton
+interpreter and with `PIPESPEC_PDL=0`; then the constexpr `PDL` compiles the instructions out and the launch is a plain one.
 """
 from __future__ import annotations
 

@@ -206,27 +206,19 @@ class Tiles:
     """Launch shape of one product: the defaults, or a benchmark's candidates (`quant_gpu.py`).
     0 for block_n / block_k: the largest power of two <= 64 dividing the group or scale block.
     split_k: programs sharing one output tile's K range (0: `split_k_for` picks).
-    int4_gemv / fp8_gemv: the decode kernels' shapes (M <= max_m), chosen from the sm_90 SASS at
-    M = 1. int4: one warp of 256 columns (8 a lane: each x value it loads serves 8 weights), 32 rows
-    of K a step: 4 KB a step, ~3.75 instructions a weight on 16-bit rows (~4.5 on float32 ones, the
-    EXACT conversion), 128 registers (167) with the prefetched step; the best or within 7% of it on the 8B
-    projections in the H200 sweep after the conversion changed (RESULTS.md, eleventh session).
+    int4_gemv / fp8_gemv: the CUDA-core decode kernels' shapes (M <= max_m), chosen from the sm_90
+    SASS at M = 1. int4: one warp of 256 columns (8 a lane: each x value it loads serves 8 weights),
+    32 rows of K a step, the next step prefetched. fp8: 16 rows by 512 bytes (16 bytes a lane, a
+    warp per 4 rows); wider steps gain little and narrower ones cost more instructions a weight.
     int4_mma: the tensor-core decode kernel's shape (`kernels/int4_mma.py`), which serves bf16 / fp16
     rows on a GPU ahead of int4_gemv (None: int4_gemv does): 128 columns by 128 of K a program of 4
     warps, split K summed by `_sum_splits`; int4_mma_wide: its shape for outputs of WIDE_N columns
-    or more while int4_mma is set (None: int4_mma's), 256 columns. The best of 16-20 shapes on the 8B projections at one
-    row in two H200 sweeps (qkv, o, down at 128 columns; gate/up, 28,672, at 256: 23 us against
-    26-29; RESULTS.md, fourteenth session). The kernel takes up to 64 rows (`int4_mma.MAX_ROWS`);
-    max_m = 32: on the 8B projections it took 9-47 us at 16 rows against the tl.dot kernels' 19-87,
-    and 22-90 at 32 against 21-103 (64 rows: 86-258 against 23-106; fifteenth session).
-    fp8: 16 rows by 512 bytes (16 bytes a lane, a warp per 4 rows): 8 KB a step, ~3.4 instructions
-    a weight, 56 registers; wider steps gain little and narrower ones lose (~3.8 at 256).
+    or more while int4_mma is set (None: int4_mma's), 256 columns. The kernel takes up to 64 rows
+    (`int4_mma.MAX_ROWS`), but max_m = 32: at 64 rows the tl.dot kernels are faster.
     fp8_mma: the FP8 tensor-core decode kernel's shape (`kernels/fp8_mma.py`; None: fp8_gemv serves
-    every decode row), 128 rows by 128 of K a program of 4 warps, from 2 to 32 rows: at one row the
-    CUDA-core GEMV is faster (8B projections 7.6-32.5 us against 8.3-37.2), from 4 rows the MMA
-    kernel (4 rows 8.4-38.3 against 11.2-49.7, 8 rows 8.7-38.6 against 16.5-85.0, 16 and 32 rows
-    10.3-72.7 against the tl.dot kernels' 17.3-82.1); of 9 shapes swept at one row none was more
-    than ~10% faster on every projection (fifteenth session)."""
+    every decode row), 128 rows by 128 of K a program of 4 warps, from 2 to 32 rows: a single row is
+    faster on the CUDA-core GEMV. Each default is the best (or near it) of a sweep over the 8B
+    shape's projections (benchmarks/RESULTS.md, "Moved from code comments")."""
     block_n: int = 64
     block_k: int = 0
     num_warps: int = 4
@@ -315,8 +307,8 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, sca
     in_features, out_features = qweight.shape[0] * 8, qweight.shape[1]
     lead = x.shape[:-1]
     x = x.reshape(-1, x.shape[-1])
-    if gated:       # activated first: inside the decode kernel each lane would redo it (H200: 28.6 us
-        from pipespec.kernels.fused_ops import silu_mul     # against 24.8 for the 8B down projection)
+    if gated:       # activated first: inside the decode kernel each lane would redo it, which was slower
+        from pipespec.kernels.fused_ops import silu_mul
         x = silu_mul(x)
     if perm is not None:
         x = x.index_select(1, perm)                        # act-order: rows in group order

@@ -36,9 +36,9 @@ from pipespec.model.tp_layers import SINGLE, RowParallelLinear, Shard
 from pipespec.parallel import TensorParallel
 
 
-# Lines of fewer rows take the fused recurrence even in prefill: fla-core's chunked rule costs ~1.2
-# ms of host time a layer (its Python and ~10 launches; H200 profile of a 32-token Qwen3.5-2B prefill:
-# 21 ms of an 85 ms step), where the recurrence walks ~2 us a row on the GPU, all requests at once.
+# Lines of fewer rows take the fused recurrence even in prefill: fla-core's chunked rule costs far
+# more host time a layer (its Python and ~10 launches) than the recurrence takes to walk a few rows
+# on the GPU, all requests at once (RESULTS.md).
 CHUNKED_FROM_ROWS = 64
 
 

@@ -67,6 +67,3 @@ class HybridConfig:
             moe_layers=moe_layers,
         )
 
-    @property
-    def linear_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR)

@@ -17,7 +17,7 @@ from pipespec.parallel import TensorParallel
 def head_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight.T for an LM head [V, H]. On CPU, MKL computes few rows against a row-major head
     fastest as weight @ x.T (one row padded to two: one row alone takes a slower matrix-vector
-    path); measured on SmolLM2's 49152 x 576 head, RESULTS.md."""
+    path; RESULTS.md)."""
     if x.device.type != "cpu" or x.dim() != 2 or weight.stride(1) != 1:
         return linear(x, weight)
     rows = x if x.shape[0] > 1 else x.expand(2, -1).contiguous()   # a real second row: BLAS needs it
@@ -143,3 +143,15 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj(x), gated=True)
+
+
+def prefer_column_major(module: torch.nn.Module) -> None:
+    """Store every layer's [out, in] matrix transposed in memory (same values, same shape).
+
+    On CPU, MKL's matrix-vector product reads such a layout faster, and batch-1 decode is made of
+    them (RESULTS.md). Embeddings and LM heads stay row-major: lookups want rows, and `head_logits`
+    is fastest on a row-major head at any row count.
+    """
+    for m in module.modules():
+        if isinstance(m, torch.nn.Linear) and not isinstance(m, LMHead):
+            m.weight.data = m.weight.data.t().contiguous().t()

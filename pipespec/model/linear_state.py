@@ -26,7 +26,6 @@ from dataclasses import dataclass
 
 import torch
 
-from pipespec.layout import row_lines
 
 
 @dataclass(frozen=True)
@@ -153,3 +152,10 @@ class LinearMeta:
             windows = inputs[c].unfold(1, w, 1)[:, 1:n + 1].transpose(-1, -2)   # after row j: inputs j+1 .. j+w
             state.cand_conv[self.slots[c], :n] = windows
             state.cand_rec[self.slots[c], :n] = after[c][:, :n]
+
+
+def row_lines(query_start_loc: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """int64 [num_rows]: each flat row's request (line), from the lines' start offsets; no host read."""
+    lengths = query_start_loc[1:] - query_start_loc[:-1]
+    return torch.repeat_interleave(torch.arange(lengths.shape[0], device=lengths.device), lengths,
+                                   output_size=num_rows)

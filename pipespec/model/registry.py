@@ -15,7 +15,7 @@ from pipespec.model.deepseek.model import DeepseekV3ForCausalLM
 from pipespec.model.glm4_moe import Glm4MoeForCausalLM
 from pipespec.model.llama import LlamaForCausalLM
 from pipespec.model.qwen3_next import Qwen3NextForCausalLM
-from pipespec.model.tp_layers import SINGLE, refuse_tp
+from pipespec.model.tp_layers import SINGLE
 from pipespec.parallel import TensorParallel
 
 TARGETS: dict[str, Callable[..., nn.Module]] = {
@@ -33,10 +33,6 @@ TARGETS: dict[str, Callable[..., nn.Module]] = {
 }
 
 
-# families whose slices split over a tensor-parallel group (take `tp=`)
-TENSOR_PARALLEL = {LlamaForCausalLM, DeepseekV3ForCausalLM, Glm4MoeForCausalLM, Qwen3NextForCausalLM}
-
-
 def build_target(arch: ArchConfig, layer_range: tuple[int, int], max_position: int,
                  tp: TensorParallel = SINGLE) -> nn.Module:
     try:
@@ -44,7 +40,4 @@ def build_target(arch: ArchConfig, layer_range: tuple[int, int], max_position: i
     except KeyError:
         raise ValueError(f"unsupported model_type {arch.model_type!r}; pipespec supports "
                          f"{', '.join(sorted(TARGETS))}") from None
-    if family in TENSOR_PARALLEL:
-        return family(arch, layer_range, max_position=max_position, tp=tp)
-    refuse_tp(tp, f"model_type {arch.model_type!r}")
-    return family(arch, layer_range, max_position=max_position)
+    return family(arch, layer_range, max_position=max_position, tp=tp)      # every family splits over TP

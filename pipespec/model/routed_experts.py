@@ -28,13 +28,11 @@ from pipespec.model.quant.experts import STACKS, quantized_routed_experts
 # At most this many (token, slot) pairs run as per-pair GEMVs (kernels/moe_experts.py). They read an
 # expert once per pair that picks it, the grouped GEMMs once per expert picked, so the GEMVs pay
 # about pairs / distinct experts (1 at one token: its top-k differ; 32 random pairs over 64 experts:
-# 1.2; over 32 experts, top-8: 1.4) and win on rate: ~3.6 TB/s of pairs' bytes from HBM (repeats
-# mostly hit L2: pairs of one expert read a tile together) against 0.8 to 2.6 for the grouped GEMMs
-# at a few rows per expert, plus their sort and scatter. On an H200 (bf16, CUDA graphs) the GEMVs
-# were 3.9x faster at one token (GLM-4.7-Flash shape), 2x at 32 pairs, and 1.26x with 32 experts
-# top-8 at 32 pairs, which lost at 64 (pairs / distinct 2.2). Routing that repeats experts more
-# than random (similar tokens) moves the break-even down, hence 32, not the 64 that won at 64
-# experts. A test on host shapes: a captured graph keeps its path.
+# 1.2; over 32 experts, top-8: 1.4) and win on rate: they stream close to the memory's bandwidth
+# (repeats mostly hit L2: pairs of one expert read a tile together) where the grouped GEMMs at a few
+# rows per expert do not, and skip their sort and scatter. They won up to 32 pairs on every shape
+# tried and lost at 64 on some (RESULTS.md); routing that repeats experts more than random (similar
+# tokens) moves the break-even down, hence 32. A test on host shapes: a captured graph keeps its path.
 FEW_PAIRS = 32
 
 

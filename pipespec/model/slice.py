@@ -1,5 +1,5 @@
 """What every family's stage slice shares: its layer range, the embedding on the first stage, the
-final norm and the LM head on the last, and the head resolved at call time (DESIGN.md, I5). With
+final norm and the LM head on the last, and the head resolved at call time (docs/architecture.md, I5). With
 tensor parallelism the embedding and the head hold this rank's vocabulary rows and the logits are
 gathered (`tp_layers.py`); a family that splits its layers sets `self.tp` before `_init_head()`.
 
@@ -43,8 +43,17 @@ class SliceModel(nn.Module):
 
 
 class StageSlice(nn.Module):
+    """The base of every family's target slice: what `pipespec.stage.interfaces.TargetModel` asks that
+    all families share."""
+
     arch: ArchConfig
     tp: TensorParallel = SINGLE
+    # a family whose attention runs on the torch backend only (sparse attention) says so
+    reference_attention_only: bool = False
+
+    def state_shapes(self) -> list:
+        """Per-request linear-attention states of the local layers (families with such layers)."""
+        return []
 
     def _init_head(self) -> None:
         # A tied head on a stage without the embedding loads its own copy of the embedding matrix.
@@ -75,7 +84,7 @@ class StageSlice(nn.Module):
         return hidden, residual
 
     def head_weight(self) -> torch.Tensor:
-        # resolved at call time through the owner, never captured (DESIGN.md, I5)
+        # resolved at call time through the owner, never captured (docs/architecture.md, I5)
         return self.lm_head.weight if self.owns_head else self.model.embed_tokens.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -152,10 +152,3 @@ def gate_up_parallel(hidden: int, intermediate: int, tp: TensorParallel,
     """A fused gate/up projection keeping this rank's slice of each; (layer, local intermediate)."""
     s, n = tp.split(intermediate, what)
     return ColumnParallelLinear(hidden, [(s, n), (s, n)], False, [intermediate, intermediate]), n
-
-
-def refuse_tp(tp: TensorParallel, what: str) -> None:
-    """A clear error for a model part that is not split yet, rather than a wrong answer."""
-    if tp.size > 1:
-        raise ValueError(f"tensor parallelism is not implemented for {what} yet; run it with "
-                         f"tensor_parallel_size=1 (pipeline parallelism works)")

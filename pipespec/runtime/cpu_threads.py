@@ -3,8 +3,7 @@
 The cores a process may use are its CPU affinity (`os.sched_getaffinity`: taskset, cpusets), capped
 by a cgroup CPU quota (containers), not the machine's core count. Stages on one machine share those
 cores, so each gets an equal share and the threads never outnumber the cores: an OpenMP thread that
-waits for a core holds up every other thread of the same operation (measured on a busy 2-core
-machine: 47 s with two threads per stage where one took 13.5 s).
+waits for a core holds up every other thread of the same operation (RESULTS.md has the figures).
 """
 from __future__ import annotations
 

@@ -30,7 +30,7 @@ def release_device_memory() -> None:
 
 class Executor(ABC):
     max_in_flight: int = 1
-    overlaps: bool = False        # async scheduling: a step may be planned while the last one runs
+    async_scheduling: bool = False    # a step may be planned while the last one runs (`stage/carry.py`)
 
     @abstractmethod
     def available_kv_blocks(self) -> int:
@@ -60,8 +60,8 @@ class LocalExecutor(Executor):
     def __init__(self, make_stage: Callable[[], Stage], hidden_size: int, num_spec_tokens: int):
         self.stage = make_stage()
         self.hidden_size, self.num_spec_tokens = hidden_size, num_spec_tokens
-        self.overlaps = getattr(self.stage, "carry", None) is not None
-        self.max_in_flight = 2 if self.overlaps else 1
+        self.async_scheduling = self.stage.carry is not None
+        self.max_in_flight = 2 if self.async_scheduling else 1
         self._results: deque[_HostCopy] = deque()
 
     def available_kv_blocks(self) -> int:

@@ -1,8 +1,8 @@
 """An all-reduce for the TP ranks of one host that reads the peers' buffers directly (NVLink), for
 the small sums of decode steps.
 
-Why: NCCL's all-reduce of one 8 KB row costs ~16 us on two H200s, and a TP = 2 step of an 8B model
-issues 65 of them: about 1 ms, a third of what splitting the weights saves (RESULTS.md, TP = 2).
+Why: a TP = 2 decode step of an 8B model issues ~65 all-reduces of one small row, and NCCL's fixed
+cost per call adds up to a large share of what splitting the weights saves (RESULTS.md, TP = 2).
 PyTorch's symmetric memory maps every rank's buffer into every other rank, and its one-shot
 all-reduce has each rank copy its input into its own buffer, meet the others at a device-side
 barrier, and sum everyone's buffer itself: one kernel, no host, captured by CUDA graphs like any.

@@ -50,7 +50,7 @@ class PipelineExecutor(Executor):
                  torchrun: launch.TorchrunEnv | None = None):
         """`stage_factories[r]` builds stage r (picklable for r > 0 when spawning; with torchrun
         only `stage_factories[0]` is used, each rank builds its own)."""
-        p, n = settings.world_size, settings.num_ranks
+        p, n = settings.num_stages, settings.num_ranks
         if n < 2:
             raise ValueError("PipelineExecutor needs at least 2 ranks; use LocalExecutor for one")
         if len(stage_factories) != n:
@@ -180,7 +180,7 @@ class PipelineExecutor(Executor):
         except Exception as e:
             self._fail(StageError(f"pipeline startup failed: {error_text(e)}"))
         self.link = Link(0, self._ctrl, data, self.stage.device, check=s.check)
-        logger.info("pipeline of %d stages x %d TP ranks ready (backend %s, %d KV blocks each%s)", s.world_size,
+        logger.info("pipeline of %d stages x %d TP ranks ready (backend %s, %d KV blocks each%s)", s.num_stages,
                     s.tensor_parallel_size, backend, num_blocks, ", checking collectives" if s.check else "")
 
     @torch.inference_mode()
@@ -194,7 +194,7 @@ class PipelineExecutor(Executor):
                 pending.append(self.link.send(header, rank, "plan.header"))
                 pending.append(self.link.send(payload, rank, "plan.payload"))
             t0, c0 = time.perf_counter(), time.thread_time()
-            last = s.world_size == 1                  # PP = 1, TP > 1: the driver's stage is the last
+            last = s.num_stages == 1                  # PP = 1, TP > 1: the driver's stage is the last
             out = run_stage_step(self.stage, 0, last, plan, None, s.hidden_size, self.num_spec_tokens)
             if last:
                 self._ready[plan.step_id] = out.cpu()
@@ -221,7 +221,7 @@ class PipelineExecutor(Executor):
         try:
             data = self._ready.pop(step_id, None)
             if data is None:
-                last_stage = (self.settings.world_size - 1) * self.settings.tensor_parallel_size
+                last_stage = (self.settings.num_stages - 1) * self.settings.tensor_parallel_size
                 data = self.link.recv(result_shape(num_reqs, k), torch.int64,
                                       last_stage, "result", timeout)
             for p in pending:             # every message of this step has been received by now

@@ -29,7 +29,7 @@ _DTYPE_CODE = {dt: i + 1 for i, dt in enumerate(_DTYPES)}
 
 
 class CollectiveMismatch(RuntimeError):
-    """Two ranks disagree about a message: a protocol bug (DESIGN.md, I2/I3)."""
+    """Two ranks disagree about a message: a protocol bug (docs/architecture.md, I2/I3)."""
 
 
 def describe(op: str, shape, dtype) -> str:

@@ -273,8 +273,8 @@ def _wait(work, timeout: float, what: str, on_gpu: bool = False, sending: bool =
 
     An NCCL transfer is waited for on the GPU, not the host: `wait()` without a timeout only orders
     the current stream after it, so a stage enqueues its step while the activations are still on
-    their way. (Given a timeout, NCCL's wait polls from the host in millisecond sleeps: measured,
-    that put ~2 ms on every pipeline step.) Such a wait is bounded all the same: the NCCL group's
+    their way (given a timeout, NCCL's wait polls from the host in millisecond sleeps, which costs
+    every pipeline step: RESULTS.md). Such a wait is bounded all the same: the NCCL group's
     watchdog aborts a transfer older than the stage timeout (`launch.data_group`), and the host's
     next read of a result (gloo, with a timeout) fails then.
     """

@@ -36,12 +36,10 @@ import torch
 
 from pipespec.runtime import launch, symmetry
 from pipespec.plan import activation_shape
-from pipespec.runtime.idle import next_plan_header
 from pipespec.runtime.one_host_all_reduce import OneHostAllReduce
-from pipespec.runtime.spawned_worker import prepare_spawned_worker
 from pipespec.runtime.step import run_stage_step
-from pipespec.runtime.transport import (Link, Op, SendQueue, StageError, library_text, payload_len,
-                                        unpack_plan)
+from pipespec.runtime.transport import (HEADER_LEN, IDLE_TIMEOUT, Link, Op, SendQueue, StageError, library_text,
+                                        payload_len, unpack_plan)
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +48,7 @@ logger = logging.getLogger(__name__)
 class WorkerSettings:
     """What every rank must agree on; built from the engine config on each rank."""
 
-    world_size: int                 # P: pipeline stages
+    num_stages: int                 # P: pipeline stages (ranks: P x TP, `num_ranks`)
     hidden_size: int
     num_spec_tokens: int            # K of the config: the most a plan's step may use
     stage_timeout: float
@@ -64,7 +62,7 @@ class WorkerSettings:
 
     @property
     def num_ranks(self) -> int:
-        return self.world_size * self.tensor_parallel_size
+        return self.num_stages * self.tensor_parallel_size
 
     def stage_of(self, rank: int) -> int:
         return rank // self.tensor_parallel_size
@@ -160,7 +158,7 @@ def run_torchrun_worker(make_stage: Callable, settings: WorkerSettings) -> int:
         raise RuntimeError("run_torchrun_worker is for ranks > 0 of a torchrun launch")
     if env.world_size != settings.num_ranks:
         raise ValueError(f"torchrun started {env.world_size} processes, but pipeline_parallel_size x "
-                         f"tensor_parallel_size is {settings.world_size} x {settings.tensor_parallel_size}; "
+                         f"tensor_parallel_size is {settings.num_stages} x {settings.tensor_parallel_size}; "
                          "they must be equal")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     store = launch.torchrun_store(env, settings.startup_timeout)
@@ -210,7 +208,7 @@ def run_worker(rank: int, store, make_stage: Callable, settings: WorkerSettings)
 def serve(rank: int, link: Link, stage, settings: WorkerSettings, store,
           tp_recorder: symmetry.SymmetryRecorder | None = None) -> None:
     """The stage loop of rank > 0 (the driver runs stage 0's TP rank 0 itself)."""
-    p, t = settings.world_size, settings.tensor_parallel_size
+    p, t = settings.num_stages, settings.tensor_parallel_size
     first, last = settings.stage_of(rank) == 0, settings.stage_of(rank) == p - 1
     returns_result = last and settings.tp_rank_of(rank) == 0
     timeout = settings.stage_timeout
@@ -268,3 +266,29 @@ def _exit_with_parent(interval: float = 0.5) -> None:
                 os._exit(1)
 
     threading.Thread(target=watch, name="pipespec-parent-watch", daemon=True).start()
+
+
+def next_plan_header(link: Link, rank: int) -> torch.Tensor | None:
+    """The next plan header from the driver; None if the driver has gone. The wait is unbounded (idle
+    is not failure) and ends at once if the driver's connection closes: the driver going away while
+    a stage idles is how every stage ends when the driver process was killed, so the worker logs a
+    warning and leaves instead of reporting an error of its own."""
+    try:
+        return link.recv((HEADER_LEN,), torch.int64, 0, "plan.header", IDLE_TIMEOUT)
+    except StageError as e:
+        logger.warning("stage %d: the driver went away while the stage was idle (%s); leaving", rank, e)
+        return None
+
+
+def prepare_spawned_worker() -> None:
+    """Process settings of a stage worker the driver spawned (not one started by torchrun). The driver
+    owns its workers: it stops them with STOP, or kills them when they fail or it is interrupted. So
+    a worker ignores SIGINT and SIGTERM (a Ctrl-C or a `kill` of the whole process group reaches the
+    driver, which then stops the stages in order, instead of each stage dying on its own mid-step),
+    and creates no multiprocessing semaphore: tqdm would make one for its progress-bar lock, and a
+    worker killed before exiting cleanly leaves it to the resource tracker, which then warns of a
+    leaked semaphore when the program ends."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    from tqdm import tqdm
+    tqdm.set_lock(threading.RLock())     # a thread lock: this process's bars are its own

@@ -9,7 +9,8 @@ can fall, where the head's choice lies outside the N tokens (RESULTS.md measures
 The list is the tensor `draft_vocab` (token ids, most frequent first, counted in the target's own
 answers) of a head file (`train-mtp --draft-vocab N`) or of a file of its own (`pipespec draft-vocab`,
 for any MTP layers, a checkpoint's own too): `speculative_config["draft_vocab"]` names the file (default:
-the head file), `["draft_vocab_size"] = n` takes its first n.
+the head file), `["draft_vocab_size"] = n` takes its first n. A head file that holds one (the bundled
+head does) drafts over it by default at TP = 1; `["draft_vocab"] = "full"` drafts over every token.
 """
 from __future__ import annotations
 
@@ -42,6 +43,13 @@ def read_draft_vocab(path: str | Path, size: int | None, vocab_size: int) -> tor
         raise ValueError(f"{path}'s draft vocabulary holds ids up to {int(ids.max())}, outside the model's "
                          f"vocabulary of {vocab_size}: it was counted for another tokenizer")
     return ids
+
+
+def holds_draft_vocab(path: str | Path) -> bool:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return DRAFT_VOCAB_TENSOR in f.keys()
 
 
 def write_draft_vocab(path: str | Path, ids: torch.Tensor, metadata: dict[str, str]) -> None:

@@ -11,7 +11,7 @@ from pipespec.model.mtp import declared_mtp_layers, detect_mtp, dummy_mtp_layers
 from pipespec.model.tp_layers import SINGLE, VocabParallelEmbedding
 from pipespec.model.weights import init_dummy_weights, load_weights
 from pipespec.parallel import TensorParallel
-from pipespec.speculative.draft_vocab import DraftVocab
+from pipespec.speculative.draft_vocab import DraftVocab, holds_draft_vocab
 from pipespec.speculative.proposer import MTPProposer
 
 logger = logging.getLogger(__name__)
@@ -76,15 +76,19 @@ def build_proposer(target: nn.Module, source, config, dtype: torch.dtype, device
     k = config.num_spec_tokens
     logger.info("MTP drafting: %d layer(s) from %s, K=%d", len(layers), origin, k)
     draft_vocab, spec = None, config.speculative
+    path = None
     if spec.drafts_over_a_vocabulary:
         path = spec.draft_vocab or head_file
         if path is None:
             raise ValueError(f"speculative_config.draft_vocab_size: the drafts come from {origin}, which carry no "
                              f"draft vocabulary; name a file that holds one in speculative_config.draft_vocab "
                              f"(`pipespec draft-vocab` writes one)")
+    elif spec.draft_vocab is None and head_file is not None and tp.size == 1 and holds_draft_vocab(head_file):
+        path = head_file        # the head's own: a draft step reads its rows of the LM head only
+    if path is not None:
         draft_vocab = DraftVocab.from_file(path, spec.draft_vocab_size, arch.vocab_size, device)
-        logger.info("MTP drafting over a draft vocabulary of %d of %d tokens (%s)", draft_vocab.ids.numel(),
-                    arch.vocab_size, path)
+        logger.info("MTP drafting over a draft vocabulary of %d of %d tokens (%s; speculative_config "
+                    "draft_vocab='full' drafts over all)", draft_vocab.ids.numel(), arch.vocab_size, path)
 
     copy = None
     if target.model.is_first:

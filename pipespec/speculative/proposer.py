@@ -1,12 +1,12 @@
 """The MTP proposer: drafts K tokens per request on the last stage, right after verification.
 
 Step 0 runs the MTP module over the same rows as the step just verified (same positions, slots,
-block tables and attention metadata), with token ids shifted left by one (`StepLayout.mtp_input_ids`):
+block tables and attention metadata), with token ids shifted left by one (the step input's `mtp_input_ids`):
 row t takes the target's final hidden h_t and the token at t+1, which for the row of the last
 accepted token is the token just sampled. Its output at that row gives draft 1. Steps 1..K-1 run one
 row per request at the next position, feeding back the module's own output hidden; step i uses MTP
 layer i % n. Drafts are the module's argmax, so the verifier treats the draft distribution as one-hot
-(DESIGN.md I1: nothing the stage computes reaches its next step except the draft ids, through the
+(docs/architecture.md, I1: nothing the stage computes reaches its next step except the draft ids, through the
 driver).
 
 The proposer is a module owning every weight it drafts with: the MTP layers and, on a last stage
@@ -27,7 +27,6 @@ from typing import Callable
 import torch
 from torch import nn
 
-from pipespec.layout import StepLayout
 from pipespec.model.attention import ForwardContext, KVCache
 from pipespec.speculative.draft_vocab import DraftVocab
 from pipespec.speculative.rejection import greedy_tokens
@@ -62,19 +61,22 @@ class MTPProposer(nn.Module):
                               target_ctx.attn, [self.kv_caches[0]])
 
     @torch.inference_mode()
-    def propose(self, target_ctx: ForwardContext, layout: StepLayout, hidden: torch.Tensor,
-                last_rows: torch.Tensor, last_tokens: torch.Tensor, num_tokens: int | None = None) -> torch.Tensor:
+    def propose(self, target_ctx: ForwardContext, mtp_input_ids: torch.Tensor, line_tables: torch.Tensor,
+                hidden: torch.Tensor, last_rows: torch.Tensor, last_tokens: torch.Tensor,
+                num_tokens: int | None = None) -> torch.Tensor:
         """Drafts [S, k] for the S requests that sampled this step (k = num_tokens, at most K; None: K).
 
-        hidden: [T, H] the target's final hidden; last_rows: [S] flat row of each sampling request's
-        last accepted token; last_tokens: [S] the token sampled after it.
+        mtp_input_ids: [T] each row's next token (a line's last row: a placeholder); line_tables:
+        [S, W] the block table of each sampling request; hidden: [T, H] the target's final hidden;
+        last_rows: [S] flat row of each sampling request's last accepted token; last_tokens: [S] the
+        token sampled after it.
 
         k = 0 (adaptive K chose plain decoding) still runs step 0 over every row, for its KV alone: a
         later step's drafts attend to the MTP KV of every earlier position, and only this step has the
         target's hidden states for these rows. The LM head and the chained steps are what it skips.
         """
         k = self.num_spec_tokens if num_tokens is None else num_tokens
-        shifted = layout.mtp_input_ids.clone()
+        shifted = mtp_input_ids.clone()
         shifted[last_rows] = last_tokens
         embed = self._embed_weight()
         h = self._step(0, self._step0_context(target_ctx), shifted, hidden, embed)
@@ -83,7 +85,7 @@ class MTPProposer(nn.Module):
         h = h[last_rows]
         drafts = [self._argmax(self.layers[0], h)]
         pos = target_ctx.positions[last_rows]
-        tables = layout.block_tables[layout.sample_rows]
+        tables = line_tables
         qsl = torch.arange(last_rows.shape[0] + 1, device=hidden.device)
         bs, backend = self.block_size, target_ctx.backend
         for i in range(1, k):
@@ -96,10 +98,10 @@ class MTPProposer(nn.Module):
         return torch.stack(drafts, dim=1)
 
     @torch.inference_mode()
-    def write_kv(self, target_ctx: ForwardContext, layout: StepLayout, hidden: torch.Tensor) -> None:
+    def write_kv(self, target_ctx: ForwardContext, mtp_input_ids: torch.Tensor, hidden: torch.Tensor) -> None:
         """A step where no request samples (middle prefill chunks): run step 0 over its rows for the
         MTP KV alone, so later steps attend to written slots there too."""
-        self._step(0, self._step0_context(target_ctx), layout.mtp_input_ids, hidden, self._embed_weight())
+        self._step(0, self._step0_context(target_ctx), mtp_input_ids, hidden, self._embed_weight())
 
     def _step(self, i: int, ctx: ForwardContext, tokens: torch.Tensor, hidden: torch.Tensor,
               embed: torch.Tensor | None) -> torch.Tensor:

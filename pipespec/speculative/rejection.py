@@ -14,7 +14,6 @@ from __future__ import annotations
 import torch
 
 from pipespec import kernels
-from pipespec.layout import StepLayout
 from pipespec.sampling import SamplingTensors, draw, processed_probs, uniform_keyed
 
 _ACCEPT_STREAM = 1   # the plain draw uses stream 0, so a step without drafts samples like `sample`
@@ -94,9 +93,3 @@ def _repeat_rows(st: SamplingTensors, rows: int) -> SamplingTensors:
     rep = lambda t: t.repeat_interleave(rows)          # noqa: E731
     return SamplingTensors(rep(st.temperature), rep(st.top_k), rep(st.top_p), rep(st.min_p), rep(st.seed),
                            st.needs_sort, st.all_greedy)
-
-
-def verify(logits: torch.Tensor, layout: StepLayout, sampling: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
-    """The verifier: each sampling request's line of 1 + K rows (logits [S, 1 + K, V]) against the
-    drafts its rows embedded; tokens [S, 1 + K] (-1 past the end) and num_sampled [S]."""
-    return rejection_sample(logits, layout.draft_ids, layout.num_drafts, sampling, layout.first_positions + 1)

@@ -1,18 +1,7 @@
-"""Where a stage runs: its current CUDA device, its attention backend, the CPU weight layout, and
-the check that it holds nothing on another device."""
+"""Where a stage runs: its current CUDA device, and the check that it holds nothing on another device."""
 from __future__ import annotations
 
-import logging
-import time
-
 import torch
-
-from pipespec import kernels
-from pipespec.model.attention import AttentionBackend, TorchReferenceBackend
-from pipespec.model.layers import LMHead
-from pipespec.parallel import TensorParallel
-
-logger = logging.getLogger(__name__)
 
 
 def use_device(device: torch.device) -> torch.device:
@@ -29,59 +18,6 @@ def use_device(device: torch.device) -> torch.device:
         device = torch.device("cuda", torch.cuda.current_device())
     torch.cuda.set_device(device)
     return device
-
-
-def finish_within(timeout: float, tp: TensorParallel, what: str) -> None:
-    """Wait, at most `timeout` seconds, for the work enqueued on the current CUDA stream.
-
-    A collective captured in a CUDA graph is not watched by NCCL's watchdog: if a TP peer dies
-    during a replay, the replay never ends, and a plain host sync (the result's copy to the host)
-    would block for ever. So a TP stage on CUDA polls an event instead; past the timeout it aborts the
-    TP communicator (which ends the stuck kernel) and raises, and the runtime reports the stage.
-    """
-    done = torch.cuda.Event()
-    done.record()
-    deadline = time.monotonic() + timeout
-    while not done.query():
-        if time.monotonic() > deadline:
-            tp.abort()
-            raise TimeoutError(f"{what} did not finish on the GPU within {timeout:g}s (a tensor-parallel peer "
-                               "died or stopped?)")
-        time.sleep(0)
-
-
-def choose_backend(choice: str, device: torch.device, model=None) -> AttentionBackend:
-    """The attention backend for `choice` ("auto", "torch", "triton") on `device`, for `model` (a
-    family may run on the torch backend only: `reference_attention_only`)."""
-    if getattr(model, "reference_attention_only", False):
-        if choice == "triton":
-            raise ValueError(f"attention_backend='triton' does not serve {model.arch.model_type} (DeepSeek sparse "
-                             "attention runs on the torch backend); use attention_backend='auto' or 'torch'")
-        if device.type == "cuda":
-            logger.info("%s: sparse attention runs on the torch attention backend (eager, no CUDA graphs)",
-                        model.arch.model_type)
-        return TorchReferenceBackend()
-    can_triton = device.type == "cuda" and kernels.HAVE_TRITON
-    if choice == "triton" and not can_triton:
-        raise ValueError(f"attention_backend='triton' needs a CUDA device and the triton package; "
-                         f"this stage runs on {device} (triton installed: {kernels.HAVE_TRITON})")
-    if choice == "triton" or (choice == "auto" and can_triton):
-        from pipespec.model.triton_backend import TritonPagedBackend
-        return TritonPagedBackend()
-    return TorchReferenceBackend()
-
-
-def prefer_column_major(module: torch.nn.Module) -> None:
-    """Store every layer's [out, in] matrix transposed in memory (same values, same shape).
-
-    On CPU, MKL's matrix-vector product reads such a layout ~1.3x faster, which is what batch-1
-    decode is made of (measured: 18.1 -> 20.6 tok/s on SmolLM2; RESULTS.md). Embeddings and LM heads
-    stay row-major: lookups want rows, and `head_logits` is fastest on a row-major head at any row
-    count (one row 3.8 ms against 5.1 column-major, four rows 4.5 against 19-24 ms).
-    """
-    for m in module.modules():
-        if isinstance(m, torch.nn.Linear) and not isinstance(m, LMHead):
-            m.weight.data = m.weight.data.t().contiguous().t()
 
 
 def tensors_off_device(obj, device: torch.device, path: str = "stage", seen: set | None = None) -> list[str]:

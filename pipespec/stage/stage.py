@@ -3,12 +3,13 @@
 `step(plan, inbound) -> outbound` is the whole of a stage's work for one step, the same at every
 pipeline position and for PP = 1 (where the one stage is first and last):
 
-    layout = StepLayout.from_plan(plan)                 the step's geometry, worked out once
+    inp = buffers.write(plan)                           the step's inputs, laid out once in buffers
+                                                        the stage owns (`step_input.py`)
     forward                                             target slice: embed (stage 0) + layers;
                                                         replayed from a CUDA graph when steady
     not last -> [2, T, hidden] activations              for the next stage
-    last     -> logits at verify rows -> verify (rejection sampling) -> draft K (MTP proposer)
-             -> StepResult data [B, result_width(K)]    for the driver
+    last     -> logits at verify rows -> verify (`speculative/rejection.py`)
+             -> finish: draft K (MTP proposer), StepResult data [B, result_width(K)] for the driver
 
 K is the plan's (`plan.num_spec_tokens`): the config's, or with adaptive K any of 0..the config's.
 
@@ -16,34 +17,32 @@ A stage keeps weights and KV cache and nothing derived from earlier steps (I1): 
 from the plan alone. Linear-attention layers (Qwen3-Next / Qwen3.5) also keep per-request states in
 the slots the plan names, a pure function of the plans received: a verify step keeps a candidate per
 row and a later plan's `state_commit` says which one to adopt. With async scheduling (one stage) the
-stage also keeps the tokens its last step sampled, which the next plan may name (`plan.carried`):
-the driver learns the same tokens from that step's result, so what it records and what the stage
-embedded never differ.
+stage also keeps the tokens its last step sampled, which the next plan may name (`stage/carry.py`).
 """
 from __future__ import annotations
 
 import gc
+import hashlib
 import logging
 
+import numpy as np
 import torch
 
 from pipespec.checkpoint.source import ModelSource
 from pipespec.config import EngineConfig
-from pipespec.layout import Carry, StepLayout, carry_in
-from pipespec.model.attention import CacheShape, ForwardContext, allocate_caches, cache_bytes_per_block
+from pipespec.model.attention import CacheShape, ForwardContext, allocate_caches, cache_bytes_per_block, choose_backend
+from pipespec.model.layers import prefer_column_major
 from pipespec.model.linear_state import LinearFlags, LinearMeta, allocate_states, state_bytes
 from pipespec.parallel import TensorParallel
 from pipespec.placement import resolve_device, resolve_dtype
 from pipespec.plan import StepPlan, StepResult, position_margin
 from pipespec.speculative.loading import build_proposer
-from pipespec.speculative.rejection import verify
 from pipespec.stage import memory
-from pipespec.stage.cuda_graphs import CudaGraphs, Forward, GraphsByK
+from pipespec.stage.carry import Carry
+from pipespec.stage.cuda_graphs import CudaGraphs, GraphsByK
+from pipespec.stage.device import tensors_off_device, use_device
+from pipespec.stage.step_input import Padding, StepBuffers, StepInput, verify
 from pipespec.stage.target import load_target, run_target
-from pipespec.stage.device import (choose_backend, finish_within, prefer_column_major, tensors_off_device,
-                                   use_device)
-from pipespec.stage.result import finish_step
-from pipespec.stage.trace import DraftTrace
 
 logger = logging.getLogger(__name__)
 
@@ -76,12 +75,10 @@ class Stage:
         self.graphs: GraphsByK | None = None
         self.trace = DraftTrace() if config.parallel.check_collectives else None
         # async scheduling: what each row of the last sampling step leaves for the next, on the device
-        self.carry, self._fill = None, carry_in
-        if config.overlaps_steps(self.device.type):
+        self.carry = None
+        if config.async_scheduling_on(self.device.type):
             self.carry = Carry.zeros(config.scheduler.max_num_seqs, self.num_spec_tokens, self.device)
-            if self.device.type == "cuda":       # one kernel instead of ~30 small ops, in every graph
-                from pipespec.kernels.carry_in import carry_in as fill
-                self._fill = fill
+        self.buffers: StepBuffers | None = None      # sized with the KV cache (`allocate_kv_cache`)
         self._sampled_step = -1
 
     @property
@@ -121,7 +118,7 @@ class Stage:
                                           self._bytes_per_block())
 
     def _state_shapes(self) -> list:
-        return self.model.state_shapes() if hasattr(self.model, "state_shapes") else []
+        return self.model.state_shapes()
 
     def _state_slots(self) -> int:
         # one per request the scheduler may run, and one more, never handed out, that takes the
@@ -150,18 +147,21 @@ class Stage:
         self.num_blocks = num_blocks
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB) on %s", num_blocks, self.block_size,
                     num_blocks * self._bytes_per_block() / 2**20, self.device)
+        k = self.num_spec_tokens
+        sched = self.config.scheduler
+        max_blocks = -(-(self.max_model_len + position_margin(k)) // self.block_size)
+        self.buffers = StepBuffers(self.device, max(sched.max_num_batched_tokens, sched.max_num_seqs * (k + 1)),
+                                   sched.max_num_seqs, max_blocks, k,
+                                   Padding(block=num_blocks, slot=self._state_slots() - 1, block_size=self.block_size))
         if graphs:
-            max_blocks = -(-(self.max_model_len + position_margin(self.num_spec_tokens)) // self.block_size)
             # one set of graphs per K a step may use: adaptive K moves between all of 0..K and an
             # eager step costs several graph replays, which would skew the costs it measures
-            ks = range(self.num_spec_tokens + 1) if self._adaptive else [self.num_spec_tokens]
-            self.graphs = GraphsByK({k: CudaGraphs(self.model, self.drafter, self.backend, self.kv_caches,
-                                                   self.block_size, k, self.config.scheduler.max_num_seqs,
-                                                   pad_block=num_blocks, max_blocks_per_seq=max_blocks,
-                                                   linear_states=self.linear_states,
-                                                   pad_slot=self._state_slots() - 1, mixed_k=self._adaptive,
-                                                   carry=self.carry, fill=self._fill)
-                                     for k in ks})
+            ks = range(k + 1) if self._adaptive else [k]
+            self.graphs = GraphsByK({n: CudaGraphs(self.model, self.drafter, self.backend, self.kv_caches, self.buffers,
+                                                   self.block_size, n, sched.max_num_seqs, self._finish,
+                                                   linear_states=self.linear_states, mixed_k=self._adaptive,
+                                                   carry=self.carry)
+                                     for n in ks})
             self.graphs.capture()
         off = tensors_off_device(self, self.device)
         if off:   # cheap, once: a stage touching another device fails at its first kernel otherwise
@@ -186,82 +186,121 @@ class Stage:
 
     @torch.inference_mode()
     def step(self, plan: StepPlan, inbound: torch.Tensor | None = None) -> torch.Tensor:
-        """Run this stage's part of `plan` (on the host; it is moved here as needed).
+        """Run this stage's part of `plan` (on the host; its inputs are uploaded here).
 
         inbound: [2, T, hidden] (hidden, residual) from the previous stage; None on stage 0.
         Returns [2, T, hidden] activations for the next stage, or on the last stage the StepResult
         data [B, result_width(K)]; both on the stage's device (the runtime moves a result to the host).
         """
-        layout = StepLayout.from_plan(plan, plan.num_spec_tokens)
-        if layout.carried is not None and (self.carry is None or self._sampled_step != plan.step_id - 1):
+        if plan.carried is not None and (self.carry is None or self._sampled_step != plan.step_id - 1):
             raise RuntimeError(f"step {plan.step_id} carries tokens of step {plan.step_id - 1}, which this stage "
                                + ("does not keep (async scheduling is off)" if self.carry is None
                                   else f"did not sample (its last sampling step was {self._sampled_step})"))
+        bucket = self.graphs.bucket_for(plan) if self.graphs is not None else None
+        inp = self.buffers.write(plan, pad_to=bucket)
         if self.trace is not None:
-            self.trace.record(plan.step_id, layout, embeds=self.is_first, verifies=self.is_last)
-        if self.graphs is not None and self.graphs.fits(layout, self.is_last):
-            fwd = self.graphs.forward(layout, inbound)
+            self.trace.record(plan.step_id, self.buffers.embedded_drafts(), embeds=self.is_first,
+                              verifies=self.is_last)
+        if bucket is not None:
+            ctx, (hidden, residual, logits) = None, self.graphs.forward(bucket, inp, inbound)
         else:
-            fwd = self._forward(layout, inbound)
+            ctx, logits = self._context(plan, inp), None
+            hidden, residual = run_target(self.model, ctx, inp.input_ids, inbound)
         if not self.is_last:
-            out = torch.stack((fwd.hidden, fwd.residual))
+            out = torch.stack((hidden, residual))
             self._bounded_wait(f"step {plan.step_id}")
             return out
-        return self._sample(plan, fwd)
-
-    def _bounded_wait(self, what: str) -> None:
-        """TP on CUDA: the collectives may be in a replayed graph, out of NCCL's watchdog's sight;
-        wait for `what` with a bound (`finish_within`: past it, the TP communicator is aborted)."""
-        if self.tp.size > 1 and self.device.type == "cuda":
-            finish_within(self.config.parallel.stage_timeout, self.tp, f"{what} of TP rank {self.tp.rank}")
-
-    @torch.inference_mode()
-    def forward(self, plan: StepPlan, inbound: torch.Tensor | None = None) -> Forward:
-        """The target slice alone, eagerly (logit-parity checks read `hidden` and `model`)."""
-        return self._forward(StepLayout.from_plan(plan, plan.num_spec_tokens), inbound)
-
-    def _forward(self, host_layout: StepLayout, inbound: torch.Tensor | None) -> Forward:
-        layout = host_layout.to(self.device)
-        if layout.carried is not None:
-            layout = layout.carried_in(self.carry, self.block_size, self._fill)
-        attn = self.backend.prepare(layout.query_start_loc, layout.seq_lens, layout.positions,
-                                    layout.block_tables, self.block_size, max_query_len=layout.max_query_len)
-        ctx = ForwardContext(layout.positions, layout.slot_mapping, self.backend, attn, self.kv_caches)
-        if self.linear_states is not None:
-            flags = LinearFlags.of(host_layout.max_query_len, host_layout.state_commit, host_layout.req_num_drafts)
-            ctx.linear = LinearMeta.build(layout.query_start_loc, layout.positions, layout.state_slots,
-                                          layout.state_commit, layout.req_num_drafts, self.linear_states, flags)
-        hidden, residual = run_target(self.model, ctx, layout.input_ids, inbound)
-        return Forward(layout, ctx, hidden, residual)
-
-    def _sample(self, plan: StepPlan, fwd: Forward) -> torch.Tensor:
-        """Last stage: verify each sampling request's drafts (none: plain sampling), then draft anew;
-        the StepResult data. Logits are computed only at each sampling request's verify rows."""
-        layout = fwd.layout
-        k = layout.num_spec_tokens                # the plan's: adaptive K may ask for fewer than the config's
-        s = layout.num_samplers
-        if s == 0:
-            if self.drafter is not None:      # keep the MTP KV written where later steps attend
-                self.drafter.write_kv(fwd.ctx, layout, fwd.hidden)
-            return StepResult.empty(plan.step_id, plan.num_reqs, k).data
-        replayed = fwd.ctx is None
-        if replayed and plan.sampling.all_greedy:
-            data = self.graphs.finish()       # the forward graph verified greedily
-        else:
-            logits = fwd.logits
-            if logits is None:
-                logits = self.model.compute_logits(fwd.hidden[layout.verify_rows.reshape(-1)])
-            logits = logits.view(s, k + 1, -1)
-            # greedy verification reads no sampling tensor: spare their upload
-            sampling = plan.sampling if plan.sampling.all_greedy else plan.sampling.to(self.device)
-            tokens, num_sampled = verify(logits, layout, sampling)
-            if replayed:
-                data = self.graphs.finish(tokens, num_sampled)
-            else:
-                data = finish_step(self.drafter, fwd.ctx, layout, fwd.hidden, tokens, num_sampled, k,
-                                   plan.num_reqs, self.carry)
+        data = self._verify_and_finish(plan, inp, ctx, hidden, logits)
         self._bounded_wait(f"step {plan.step_id}")      # before the result's copy to the host, a sync without a bound
         if self.carry is not None:
             self._sampled_step = plan.step_id
         return data
 
+    def _bounded_wait(self, what: str) -> None:
+        """TP on CUDA: the collectives may be in a replayed graph, out of NCCL's watchdog's sight;
+        wait for `what` with a bound (`finish_within`: past it, the TP communicator is aborted)."""
+        if self.tp.size > 1 and self.device.type == "cuda":
+            self.tp.finish_within(self.config.parallel.stage_timeout, f"{what} of TP rank {self.tp.rank}")
+
+    @torch.inference_mode()
+    def forward(self, plan: StepPlan, inbound: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The target slice alone, eagerly: (hidden, residual) (logit-parity checks read them)."""
+        inp = self.buffers.write(plan)
+        return run_target(self.model, self._context(plan, inp), inp.input_ids, inbound)
+
+    def _context(self, plan: StepPlan, inp: StepInput) -> ForwardContext:
+        """An eager step's forward context, after taking in what async scheduling carries."""
+        if plan.carried is not None:
+            self.carry.fill(inp, self.block_size)
+        attn = self.backend.prepare(inp.query_start_loc, inp.seq_lens, inp.positions, inp.block_tables,
+                                    self.block_size, max_query_len=inp.max_query_len)
+        ctx = ForwardContext(inp.positions, inp.slot_mapping, self.backend, attn, self.kv_caches)
+        if self.linear_states is not None:
+            flags = LinearFlags.of(inp.max_query_len, plan.state_commit, plan.num_draft_rows)
+            ctx.linear = LinearMeta.build(inp.query_start_loc, inp.positions, inp.state_slots, inp.state_commit,
+                                          inp.num_draft_rows, self.linear_states, flags)
+        return ctx
+
+    def _verify_and_finish(self, plan: StepPlan, inp: StepInput, ctx: ForwardContext | None,
+                           hidden: torch.Tensor, logits: torch.Tensor | None) -> torch.Tensor:
+        """Last stage: verify each sampling request's line (no drafts: plain sampling), then finish;
+        the StepResult data. `ctx` None: the step was replayed from a CUDA graph, whose forward
+        computed every row's `logits` and verified greedily, and whose finish graph drafts."""
+        k, s = inp.num_spec_tokens, inp.num_lines
+        drafting = self.drafter is not None and plan.drafting
+        if s == 0:
+            if drafting:      # keep the MTP KV written where later steps attend
+                self.drafter.write_kv(ctx, inp.mtp_input_ids, hidden)
+            return StepResult.empty(plan.step_id, plan.num_reqs, k).data
+        if ctx is None and plan.sampling.all_greedy:
+            return self.graphs.finish(drafting=drafting)
+        if logits is None:     # eager: the LM head at verify rows only
+            logits = self.model.compute_logits(hidden[inp.verify_rows.reshape(-1)])
+        # greedy verification reads no sampling tensor: spare their upload
+        sampling = None if plan.sampling.all_greedy else plan.sampling.to(self.device)
+        tokens, num_sampled = verify(logits.view(s, k + 1, -1), inp, sampling)
+        if ctx is None:
+            return self.graphs.finish(tokens, num_sampled, drafting)
+        return self._finish(ctx, inp, hidden, tokens, num_sampled, drafting)
+
+    def _finish(self, ctx: ForwardContext, inp: StepInput, hidden: torch.Tensor, tokens: torch.Tensor,
+                num_sampled: torch.Tensor, drafting: bool) -> torch.Tensor:
+        """The end of a last stage's step, eager or captured as a CUDA graph's finish: the next step's
+        drafts (from each line's last accepted row; `drafting` False: none, the drafter retired), the
+        StepResult data, what async scheduling carries. tokens [S, 1 + K] (-1 past the end) and
+        num_sampled [S]; no host sync."""
+        k, drafts = inp.num_spec_tokens, None
+        if drafting:
+            last = num_sampled - 1
+            last_tokens = tokens.gather(1, last[:, None]).squeeze(1)
+            drafts = self.drafter.propose(ctx, inp.mtp_input_ids, inp.block_tables[inp.sampling_reqs], hidden,
+                                          inp.verify_rows[:, 0] + last, last_tokens, k)
+        data = StepResult.from_verification(0, inp.num_reqs, k, inp.sampling_reqs, tokens, num_sampled, drafts).data
+        if self.carry is not None:
+            self.carry.keep(data, k, inp.num_draft_rows)
+        return data
+
+
+class DraftTrace:
+    """The I4 debug trace (on with the collective check, `check_collectives`): per step, a digest of
+    the draft ids the first stage embedded and the last stage verified. The driver compares them
+    (`runtime.symmetry`), so a plan whose drafts did not reach stage 0 (the original PP + MTP bug: it
+    embedded zeros) is caught by name, not only through lossless output."""
+
+    def __init__(self):
+        self.embedded: dict[int, str] = {}
+        self.verified: dict[int, str] = {}
+
+    def record(self, step_id: int, drafts: np.ndarray | None, embeds: bool, verifies: bool) -> None:
+        """`drafts` [S, K]: the draft rows' ids, -1 where no draft (None: the step has none)."""
+        if drafts is None:
+            return
+        digest = hashlib.sha1(drafts.tobytes()).hexdigest()[:16] + f"/{int((drafts >= 0).sum())}"
+        if embeds:
+            self.embedded[step_id] = digest
+        if verifies:
+            self.verified[step_id] = digest
+
+    def report(self) -> dict:
+        return {"embedded": {str(k): v for k, v in self.embedded.items()},
+                "verified": {str(k): v for k, v in self.verified.items()}}

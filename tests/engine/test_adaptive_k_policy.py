@@ -158,3 +158,28 @@ def test_config_is_validated(value, match):
 def test_config_parses_the_cli_form():
     spec = SpeculativeConfig.parse('{"method": "mtp", "num_speculative_tokens": 3, "adaptive": true}')
     assert spec.adaptive and spec.num_speculative_tokens == 3 and spec.k_sequence is None
+
+
+def test_drafts_that_never_pay_at_the_smallest_batch_retire_speculation():
+    policy = AdaptiveK(max_k=2)
+    chosen = _simulate(policy, 0.3, lambda k: 1 + 0.6 * k, 200, batch=1)
+    assert policy.retired and not policy.drafting() and policy.as_dict()["retired"]
+    first_retired = next(i for i in range(len(chosen)) if all(k == 0 for k in chosen[i:]))
+    assert first_retired < 100, policy.as_dict()             # measured every k, then 32 decisions at 0
+    assert _simulate(policy, 0.99, lambda k: 1 + 0.01 * k, 50, batch=1) == [0] * 50   # final
+    assert sum(policy.k_steps) == 250
+
+
+def test_a_busy_batch_that_finds_no_drafts_best_does_not_retire_what_a_small_one_gains():
+    policy = AdaptiveK(max_k=2)
+    cost = {1: lambda k: 1 + 0.05 * k, 64: lambda k: 1 + 0.9 * k}
+    _simulate(policy, 0.7, cost[1], 100, batch=1)
+    late = _simulate(policy, 0.7, cost[64], 300, batch=64)[150:]
+    assert late.count(0) / len(late) > 0.85 and not policy.retired, policy.as_dict()
+    assert _simulate(policy, 0.7, cost[1], 100, batch=1)[50:].count(2) > 40      # batch 1 drafts again
+
+
+def test_only_a_measured_policy_retires():
+    seq = KSequence([0], max_k=2)
+    _simulate(seq, 0.0, lambda k: 1 + k, 100, batch=1)
+    assert not seq.retired and seq.drafting()

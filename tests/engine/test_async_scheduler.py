@@ -47,14 +47,14 @@ def play(plan, requests, carry):
     StepResult and this step's carry."""
     k = plan.num_spec_tokens
     ids, pos = plan.input_ids.tolist(), plan.positions.tolist()
-    qsl, real, rows_of = plan.query_start_loc.tolist(), plan.real_drafts.tolist(), plan.num_drafts.tolist()
+    qsl, real, rows_of = plan.query_start_loc.tolist(), plan.num_drafts.tolist(), plan.num_draft_rows.tolist()
     for row, c in enumerate([] if plan.carried is None else plan.carried.tolist()):
         if c >= 0:
             token, drafts, shift = carry[c]
             assert token >= 0, "carried from a row that did not sample"
             ids[qsl[row]:qsl[row] + 1 + real[row]] = [token] + drafts[:real[row]]
             pos[qsl[row]:qsl[row + 1]] = [p + shift for p in pos[qsl[row]:qsl[row + 1]]]
-    samplers = plan.sample_rows.tolist()
+    samplers = plan.sampling_reqs.tolist()
     computed, tokens, new_carry, drafts = [], [], [], []
     for row, req in enumerate(requests):
         lo, hi = qsl[row], qsl[row + 1]
@@ -162,7 +162,7 @@ def test_a_decoding_request_continues_in_the_next_step_with_its_token_carried():
     assert second.plan.carried.tolist() == [0, 1]        # the first step's rows
     assert second.plan.positions.tolist() == [3, 2]      # one past each prompt
     assert second.plan.seq_lens.tolist() == [4, 3]
-    assert second.plan.sample_rows.tolist() == [0, 1]
+    assert second.plan.sampling_reqs.tolist() == [0, 1]
     assert second.plan.next_token_ids.tolist() == [-1, -1]
     assert sched.schedule() is None              # a request is never two steps ahead
     assert a.in_flight == 2 and a.num_scheduled_tokens == 4 and a.num_expected_tokens == 5
@@ -232,9 +232,9 @@ def test_after_a_verify_step_a_request_continues_with_its_drafts_from_the_device
     sched.add(req)
     sched.schedule()                                  # the prefill: samples one, drafts two
     step = sched.schedule()
-    assert step.plan.carried.tolist() == [0] and step.num_drafts == [2] and step.draft_rows == [2]
+    assert step.plan.carried.tolist() == [0] and step.num_drafts == [2] and step.num_draft_rows == [2]
     assert step.plan.input_ids.tolist() == [0, 0, 0] and step.plan.positions.tolist() == [3, 4, 5]
-    assert step.plan.real_drafts.tolist() == [2] and step.plan.next_token_ids.tolist() == [-1]
+    assert step.plan.num_drafts.tolist() == [2] and step.plan.next_token_ids.tolist() == [-1]
     # KV room: up to position 5 + 2 (the drafts the first step may accept) + 1 (the MTP chain past it)
     assert len(req.block_ids) * BS >= 5 + 2 + 1 + 1
     assert sched.schedule() is None                   # a request is never two steps ahead

@@ -44,7 +44,7 @@ def texts(outs):
 
 
 def test_async_engine_equals_the_sync_one_and_carries_tokens(llm, async_llm):
-    assert async_llm.engine.executor.overlaps and not llm.engine.executor.overlaps
+    assert async_llm.engine.executor.async_scheduling and not llm.engine.executor.async_scheduling
     want = texts(llm.generate(PROMPTS, params(), use_tqdm=False))
     got = texts(async_llm.generate(PROMPTS, params(), use_tqdm=False))
     assert got == want
@@ -101,7 +101,7 @@ def test_adaptive_k_overlaps_its_k0_steps_and_stays_lossless(llm):
     sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     want = texts(llm.generate(PROMPTS[:2], sp, use_tqdm=False))
     with LLM(model=None, **dict(DEFAULT_LLM_KWARGS, async_scheduling=True, speculative_config=spec)) as spec_llm:
-        assert spec_llm.engine.executor.overlaps
+        assert spec_llm.engine.executor.async_scheduling
         assert texts(spec_llm.generate(PROMPTS[:2], sp, use_tqdm=False)) == want
         stats = spec_llm.engine.stats()
         assert stats["num_carried_rows"] > 0 and stats["spec_decode"]["num_drafts"] > 0, stats
@@ -120,7 +120,7 @@ def test_fixed_k_speculation_continues_verify_steps_and_stays_lossless(llm, plai
     with LLM(model=None, **dict(DEFAULT_LLM_KWARGS, speculative_config=spec)) as sync_llm:
         want_seeded = texts(sync_llm.generate(PROMPTS, seeded, use_tqdm=False))
     with LLM(model=None, **dict(DEFAULT_LLM_KWARGS, async_scheduling=True, speculative_config=spec)) as spec_llm:
-        assert spec_llm.engine.executor.overlaps
+        assert spec_llm.engine.executor.async_scheduling
         assert texts(spec_llm.generate(PROMPTS, GREEDY_24, use_tqdm=False)) == want
         assert texts(spec_llm.generate(PROMPTS, seeded, use_tqdm=False)) == want_seeded
         stats = spec_llm.engine.stats()

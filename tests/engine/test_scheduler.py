@@ -50,7 +50,7 @@ def check_plan(batch, sched: Scheduler) -> None:
     assert plan.block_tables.shape[1] == max(len(r.block_ids) for r in batch.requests)
     samplers = [b for b, (req, n) in enumerate(zip(batch.requests, batch.num_new_tokens))
                 if req.num_computed_tokens + n == req.num_tokens]
-    assert plan.sample_rows.tolist() == samplers
+    assert plan.sampling_reqs.tolist() == samplers
     assert plan.sampling.temperature.shape[0] == len(samplers)
 
 
@@ -60,7 +60,7 @@ def step(sched: Scheduler, token: int = 7):
     if batch is None:
         return None
     check_plan(batch, sched)
-    sampled = [batch.requests[b] for b in batch.plan.sample_rows.tolist()]
+    sampled = [batch.requests[b] for b in batch.plan.sampling_reqs.tolist()]
     sched.complete(batch)
     for req in sampled:
         req.token_ids.append(token)
@@ -89,7 +89,7 @@ def test_token_budget_is_respected_and_prefills_are_chunked():
     assert first.plan.num_tokens == 25
     assert [r.request_id for r in first.requests] == ["r0", "r1", "r2"]
     assert first.num_new_tokens == [10, 10, 5]
-    assert first.plan.sample_rows.tolist() == [0, 1]     # r2's prompt is not done: no sample
+    assert first.plan.sampling_reqs.tolist() == [0, 1]     # r2's prompt is not done: no sample
     assert reqs[2].num_computed_tokens == 5 and reqs[2].num_output_tokens == 0
     batches = [first] + run_to_completion(sched)
     assert all(b.plan.num_tokens <= 25 for b in batches)
@@ -104,7 +104,7 @@ def test_chunked_prefill_splits_long_prompt_over_steps():
     chunks = []
     while req.num_output_tokens == 0:
         b = step(sched)
-        chunks.append((b.num_new_tokens[0], b.plan.sample_rows.tolist()))
+        chunks.append((b.num_new_tokens[0], b.plan.sampling_reqs.tolist()))
     assert chunks == [(16, []), (16, []), (8, [0])]
     b = step(sched)   # the decode step
     assert b.num_new_tokens == [1] and b.plan.positions.tolist() == [40]
@@ -307,8 +307,8 @@ def test_a_line_short_of_drafts_is_padded_to_the_steps_k_within_the_budget():
         assert step.plan.num_spec_tokens == 2 and step.num_drafts == [0, 0]
         if padded:
             # a transition: the same shape as a steady K = 2 step, but not K = 2's cost
-            assert step.draft_rows == [2, 2] and not step.steady
-            assert step.plan.num_drafts.tolist() == [2, 2] and step.plan.real_drafts.tolist() == [0, 0]
+            assert step.num_draft_rows == [2, 2] and not step.steady
+            assert step.plan.num_draft_rows.tolist() == [2, 2] and step.plan.num_drafts.tolist() == [0, 0]
             assert step.plan.positions.tolist() == [2, 3, 4, 2, 3, 4]
             assert all(len(r.block_ids) * BS >= 5 for r in (a, b))
             # its result brings two drafts each: the next K = 2 step verifies them, the one K costs
@@ -331,4 +331,4 @@ def test_a_line_short_of_drafts_is_padded_to_the_steps_k_within_the_budget():
                 step = sched.schedule()
                 assert step.plan.num_spec_tokens == 0 and step.steady is steady
         else:                     # 2 rows of budget left after the two real rows: one line padded
-            assert step.draft_rows == [2, 0] and not step.steady
+            assert step.num_draft_rows == [2, 0] and not step.steady

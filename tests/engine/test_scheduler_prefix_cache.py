@@ -21,7 +21,7 @@ def cached_sched(num_blocks=64, budget=32, max_seqs=8, k=0) -> Scheduler:
 def spec_step(sched: Scheduler, token: int = 7):
     """One step under MTP with no drafts accepted: each sampling request gets one token."""
     batch = sched.schedule()
-    k, rows = batch.plan.num_spec_tokens, batch.plan.sample_rows
+    k, rows = batch.plan.num_spec_tokens, batch.plan.sampling_reqs
     result = StepResult.from_verification(batch.plan.step_id, batch.plan.num_reqs, k, rows,
                                           torch.full((len(rows), 1), token), torch.ones(len(rows), dtype=torch.int64))
     sched.complete(batch, result)
@@ -76,7 +76,7 @@ def test_a_whole_cached_prompt_still_computes_its_last_token_in_its_own_block():
     sched.add(b)
     batch = sched.schedule()
     assert batch.plan.positions.tolist() == list(range(4, 8)), "the block holding the last token is recomputed"
-    assert batch.plan.sample_rows.tolist() == [0]
+    assert batch.plan.sampling_reqs.tolist() == [0]
     shared = b.block_ids[0]
     assert sched.allocator.ref_count(shared) == 1 and b.block_ids[1] not in sched.allocator._cached.values()
     sched.complete(batch)

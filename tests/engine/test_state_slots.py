@@ -40,7 +40,7 @@ def test_preemption_frees_the_slot_and_the_request_restarts_at_position_zero():
     while not sched.num_preemptions:
         batch = sched.schedule()
         sched.complete(batch)
-        for row in batch.plan.sample_rows.tolist():
+        for row in batch.plan.sampling_reqs.tolist():
             batch.requests[row].token_ids.append(11)
     assert b.state_slot is None and b.num_computed_tokens == 0 and a.state_slot is not None
     assert sched.state_slots.num_free == sched.state_slots.num_blocks - 1
@@ -74,7 +74,7 @@ def test_the_next_plan_carries_the_accepted_count_of_a_verify_step():
     batch = sched.schedule()
     assert batch.plan.state_commit.tolist() == [1]      # the state after row 1 (the accepted draft)
     # no drafts held: dummy rows pad the line to K (a verify line still, whose row 0 is the real one)
-    assert batch.num_drafts == [0] and batch.draft_rows == [2] and batch.plan.real_drafts.tolist() == [0]
+    assert batch.num_drafts == [0] and batch.num_draft_rows == [2] and batch.plan.num_drafts.tolist() == [0]
     sched.complete(batch, StepResult.from_verification(batch.plan.step_id, 1, 2, torch.tensor([0]),
                                                        torch.tensor([[40, -1, -1]]), torch.tensor([1])))
     req.token_ids.append(40)

@@ -15,7 +15,7 @@ def test_head_logits_equals_linear_for_any_row_count():
 
 
 def test_cpu_layout_keeps_heads_and_embeddings_row_major():
-    from pipespec.stage.device import prefer_column_major
+    from pipespec.model.layers import prefer_column_major
     model = torch.nn.ModuleDict({"embed": torch.nn.Embedding(100, 8), "proj": torch.nn.Linear(8, 8),
                                  "head": LMHead(8, 100, bias=False)})
     prefer_column_major(model)

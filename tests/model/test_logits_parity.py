@@ -1,4 +1,4 @@
-"""The model's logits equal transformers' at every position, in float32 (DESIGN.md, Testing).
+"""The model's logits equal transformers' at every position, in float32 (docs/architecture.md, Testing).
 
 SmolLM2 is read by both from the same GGUF; the tiny random Llama / Qwen2 / Qwen3 checkpoints are
 written by transformers' save_pretrained and compared with the very model objects that wrote them.

@@ -34,7 +34,7 @@ def test_symmetry_check_catches_mismatched_stages(tiny_models):
     f32, bf16 = _config(folder, "float32"), _config(folder, "bfloat16")
     factories = [functools.partial(Stage, source, f32, (0, 2), MAX_LEN),
                  functools.partial(Stage, source, bf16, (2, 3), MAX_LEN)]
-    settings = WorkerSettings(world_size=2, hidden_size=source.arch.hidden_size, num_spec_tokens=0, stage_timeout=20,
+    settings = WorkerSettings(num_stages=2, hidden_size=source.arch.hidden_size, num_spec_tokens=0, stage_timeout=20,
                               startup_timeout=120, backend="gloo", threads=1, check=True)
     executor = PipelineExecutor(factories, settings)
     pids = executor.worker_pids

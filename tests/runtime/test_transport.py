@@ -30,7 +30,7 @@ def _plan(step_id=7, lens=(5, 1, 3), width=4, sample=(0, 2)) -> StepPlan:
         input_ids=torch.randint(0, 50000, (t,), generator=g), positions=torch.randint(0, 500, (t,), generator=g),
         slot_mapping=torch.randint(0, 4096, (t,), generator=g), query_start_loc=qsl,
         seq_lens=torch.randint(1, 500, (b,), generator=g), block_tables=torch.randint(0, 256, (b, width), generator=g),
-        sample_rows=torch.tensor(sample, dtype=torch.int64),
+        sampling_reqs=torch.tensor(sample, dtype=torch.int64),
         sampling=SamplingTensors(temperature=torch.rand(s, generator=g),
                                  top_k=torch.tensor([-1, 50][:s], dtype=torch.int64),
                                  top_p=torch.tensor([0.9, 1.0][:s], dtype=torch.float32),
@@ -52,7 +52,7 @@ def _tensor_fields(plan: StepPlan) -> dict:
 
 def test_plan_round_trip_is_exact():
     plan = _plan()
-    plan.num_drafts = torch.tensor([0, 1, 2])
+    plan.num_draft_rows = torch.tensor([0, 1, 2])
     plan.next_token_ids = torch.tensor([-1, 7, 9])
     header, payload = pack_plan(plan)
     assert header.shape == (HEADER_LEN,) and header.dtype == torch.int64
@@ -75,7 +75,7 @@ def test_plan_without_sampling_rows():
     plan = _plan(step_id=3, lens=(4, 4), width=1, sample=())
     plan.sampling.needs_sort, plan.sampling.all_greedy = False, True
     got = unpack_plan(*pack_plan(plan))
-    assert got.sample_rows.numel() == 0 and got.sampling.all_greedy
+    assert got.sampling_reqs.numel() == 0 and got.sampling.all_greedy
     assert torch.equal(got.block_tables, plan.block_tables)
 
 

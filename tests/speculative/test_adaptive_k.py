@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from pipespec import LLM, SamplingParams
 from pipespec.plan import result_width
@@ -92,3 +93,22 @@ def test_cli_accepts_adaptive_and_reports_the_k_distribution():
                            "The capital of France is"], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "adaptive K, steps per K [0: " in proc.stdout and ", 3: " in proc.stdout, proc.stdout
+
+
+def test_retired_speculation_runs_no_drafter_and_stays_plain_decoding(chat_prompts, mixed_params, reference):
+    """Once adaptive K retires speculation (no K paid; forced here at the start), every plan says
+    K = 0 and drafting=False, the last stage writes no MTP KV, and greedy output is plain decoding's."""
+    with LLM(**DEFAULT_LLM_KWARGS, speculative_config=_spec(2)) as llm:
+        stage = llm.engine.executor.stage
+        llm.engine.k_policy.retired = True
+        mtp_kv = [c.key.clone() for c in stage.drafter.kv_caches]
+        plans = []
+        submit = llm.engine.executor.submit
+        llm.engine.executor.submit = lambda plan: (plans.append(plan), submit(plan))[1]
+        got = run_staggered(llm, chat_prompts, mixed_params)
+        assert all(torch.equal(a, c.key) for a, c in zip(mtp_kv, stage.drafter.kv_caches)), \
+            "a retired drafter wrote MTP KV"
+        assert llm.stats()["spec_decode"]["adaptive_k"]["retired"]
+        assert_engine_clean(llm)
+    assert got == reference
+    assert plans and all(p.num_spec_tokens == 0 and not p.drafting for p in plans)

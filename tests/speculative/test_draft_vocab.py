@@ -72,7 +72,24 @@ def test_the_bundled_head_carries_a_draft_vocabulary(tokenizer):
 
 
 def _spec(head: Path, size: int | None, k: int = 2) -> dict:
-    return {"method": "mtp", "num_speculative_tokens": k, "model": str(head), "draft_vocab_size": size}
+    """The head file's own draft vocabulary cut to `size` tokens (None: the whole vocabulary)."""
+    spec = {"method": "mtp", "num_speculative_tokens": k, "model": str(head)}
+    return spec | ({"draft_vocab": "full"} if size is None else {"draft_vocab_size": size})
+
+
+def test_a_head_drafts_over_its_own_vocabulary_by_default_and_full_turns_it_off(chat_prompts, mixed_params,
+                                                                                 reference):
+    sizes = {}
+    for extra in ({}, {"draft_vocab": "full"}):
+        spec = {"method": "mtp", "num_speculative_tokens": 2, **extra}
+        with LLM(**DEFAULT_LLM_KWARGS, speculative_config=spec) as llm:
+            assert run_staggered(llm, chat_prompts, mixed_params) == reference
+            vocab = llm.engine.executor.stage.drafter.draft_vocab
+            sizes[bool(extra)] = None if vocab is None else vocab.ids.numel()
+            assert llm.stats()["spec_decode"]["draft_acceptance_rate"] > 0.2
+    assert sizes == {False: 16384, True: None}          # the bundled head's 16,384 of 49,152 tokens
+    with pytest.raises(ValueError, match="draft_vocab 'full' drafts over the whole vocabulary"):
+        LLM(speculative_config={"method": "mtp", "draft_vocab": "full", "draft_vocab_size": 8})
 
 
 @pytest.mark.parametrize("pp", [1, 2])

@@ -38,7 +38,7 @@ def test_async_scheduling_is_on_by_default_and_replays_graphs_with_carried_token
     outs = []
     for overlap in (False, None):
         with LLM(async_scheduling=overlap, speculative_config=spec, **KW) as llm:
-            assert llm.engine.executor.overlaps is (overlap is None)
+            assert llm.engine.executor.async_scheduling is (overlap is None)
             outs.append((_greedy(llm), [o.outputs[0].token_ids for o in llm.generate(PROMPTS, seeded, use_tqdm=False)]))
             if overlap is None:
                 stats = llm.engine.stats()

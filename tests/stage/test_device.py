@@ -4,7 +4,7 @@ import torch
 
 from pipespec.config import ModelConfig
 from pipespec.model.attention import TorchReferenceBackend
-from pipespec.stage.device import choose_backend
+from pipespec.model.attention import choose_backend
 
 
 def test_auto_on_cpu_is_the_reference_backend():

@@ -1,4 +1,4 @@
-"""DESIGN.md's stage invariants, each checked so that it fails when broken.
+"""The stage invariants of docs/architecture.md, each checked so that it fails when broken.
 
 - I1: a stage keeps nothing derived from earlier steps but its KV cache: a fresh stage given a copy
   of that cache produces the same next result, and nothing else a stage holds changes as it steps.

@@ -1,6 +1,6 @@
 """What every MTP family shares: the drafting contract the proposer calls, and the decoder block.
 
-DESIGN.md "MTP alignment": at target position t an MTP layer takes the target's final hidden h_t
+docs/architecture.md, "MTP alignment": at target position t an MTP layer takes the target's final hidden h_t
 and the token x_{t+1}, and predicts x_{t+2}:
 
     x   = combine(embed(x_{t+1}), h_t)           <- family: norms, concat order, input projection

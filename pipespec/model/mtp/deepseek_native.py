@@ -10,9 +10,9 @@ family's own (MLA + MoE for DeepSeek-V3) and it caches what that block caches (t
 
 Which hidden a chained step takes: SGLang's DeepSeek NextN model returns the `shared_head.norm`
 output and its EAGLE worker feeds that back (sglang/srt/models/deepseek_nextn.py); so does the
-DESIGN.md table. The vLLM versions read for this (model_executor/models/deepseek_mtp.py) return the
-pre-norm sum instead; DeepSeek's report gives no chained inference rule (in training, module k's
-input is module k-1's output before its head). We follow SGLang. The choice never changes greedy
+MTP alignment table of docs/architecture.md. The vLLM versions read for this
+(model_executor/models/deepseek_mtp.py) return the pre-norm sum instead; DeepSeek's report gives no
+chained inference rule (in training, module k's input is module k-1's output before its head). We follow SGLang. The choice never changes greedy
 output (I6), only acceptance at drafts 2..K; pipespec's own trained heads (`DeepSeekMTP` on a Llama
 block) keep the pre-norm convention they were trained with.
 

@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 # for the larger eager steps only, never inside a graph.
 GEMV_PAIRS = 4096
 # FP8 pairs past which the grouped kernels win: the GEMVs' per-element scaling makes them compute
-# bound well before their re-reads matter (GLM-4.7-Flash shape, batch 64 at top-4: 4x the bf16 step)
+# bound well before their re-reads matter (RESULTS.md)
 FEW_FP8_PAIRS = 32
 
 
