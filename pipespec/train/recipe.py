@@ -35,7 +35,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 EVAL_LOG_INTERVAL = 30.0        # seconds: eval-mtp's heartbeat without a terminal
 
 
-def load_target(source, device, dtype) -> LlamaForCausalLM:
+def load_teacher(source, device, dtype) -> LlamaForCausalLM:
     target = LlamaForCausalLM(source.arch)
     load_weights(target, source.weights(), dtype, device, desc="Loading target")
     return target.eval().requires_grad_(False)
@@ -237,7 +237,7 @@ def _train_command(args, status) -> int:
 
     torch.manual_seed(args.seed)
     status("loading the target")
-    target = load_target(source, device, train_dtype)
+    target = load_teacher(source, device, train_dtype)
     mtp, init = initial_head(args, init_path, source, target, device)
     cfg = TrainConfig(num_steps=args.steps, tokens=args.tokens, batch_size=args.batch_size, seq_len=args.seq_len,
                       lr=args.lr, warmup=args.warmup, step_weight=args.step_weight, seed=args.seed,
@@ -277,7 +277,7 @@ def _train_command(args, status) -> int:
         del target
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        target = load_target(source, device, eval_dtype)
+        target = load_teacher(source, device, eval_dtype)
 
     # evaluate the file as written (out_dtype weights), in eval_dtype
     head, _ = load_mtp_file(out, source.arch, eval_dtype, device)
@@ -404,7 +404,7 @@ def _eval_command(args, status) -> int:
         status(f"generating {args.prompts} held-out answers")
         samples = generate_heldout(args.model, source.arch, device, args.prompts, args.max_tokens, args.gen_batch)
     status("loading the target")
-    target = load_target(source, device, dtype)
+    target = load_teacher(source, device, dtype)
     head, _ = load_mtp_file(head_path, source.arch, dtype, device)
     vocab = None
     if args.draft_vocab or args.draft_vocab_size:

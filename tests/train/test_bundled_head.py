@@ -22,7 +22,7 @@ def test_bundled_head_is_the_default_models_and_is_packaged():
 
 
 def test_bundled_head_reaches_its_recorded_agreement_on_held_out_text(default_source):
-    from pipespec.train.recipe import load_target
+    from pipespec.train.recipe import load_teacher
 
     head, meta = load_mtp_file(bundled_head_path(), default_source.arch, torch.float32, "cpu")
     assert meta["pipespec.mtp_family"] == "deepseek_v3" and meta["pipespec.layer_index"] == "30"
@@ -30,7 +30,7 @@ def test_bundled_head_reaches_its_recorded_agreement_on_held_out_text(default_so
     samples = load_samples(CHECK_SET)
     # the check set is held out: its prompts (and their subjects) were never trained on
     assert all(s.start > 0 for s in samples) and len(samples) == 8
-    target = load_target(default_source, "cpu", torch.float32)
+    target = load_teacher(default_source, "cpu", torch.float32)
     got = agreement(head, target, samples, len(recorded), "cpu", batch_size=8)
     for r, want in zip(got, recorded):
         assert r.positions == want["positions"]

@@ -26,7 +26,7 @@ def test_walk_is_the_engines_acceptance_length(default_source):
     from pipespec.heads import bundled_head_path
     from pipespec.model.mtp import load_mtp_file
     from pipespec.train.prompts import chat_prompts
-    from pipespec.train.recipe import load_target
+    from pipespec.train.recipe import load_teacher
 
     k = 2
     llm = LLM(dtype="float32", speculative_config={"method": "mtp", "num_speculative_tokens": k})
@@ -41,7 +41,7 @@ def test_walk_is_the_engines_acceptance_length(default_source):
         llm.shutdown()
     samples = [Sample(tuple(o.prompt_token_ids) + tuple(o.outputs[0].token_ids), len(o.prompt_token_ids))
                for o in outs]
-    target = load_target(default_source, "cpu", torch.float32)
+    target = load_teacher(default_source, "cpu", torch.float32)
     head, _ = load_mtp_file(bundled_head_path(), default_source.arch, torch.float32, "cpu")
     results = agreement(head, target, samples, k, "cpu")
     assert results[-1].walk_length == pytest.approx(engine, abs=0.03), (results, engine)
