@@ -18,7 +18,7 @@ from functools import cached_property
 
 import torch
 
-from pipespec.sampling import SamplingTensors
+from pipespec.sampling import SamplingTensors, logprob_width, unpack_logprobs
 
 
 @dataclass
@@ -52,6 +52,9 @@ class StepPlan:
     # last stage drafts K tokens after verifying, and the result row is result_width(K) wide. The
     # config's K unless adaptive K picked a smaller one (0: plain decoding, the MTP KV still written)
     num_spec_tokens: int = 0
+    # the most logprobs a sampling request asks for (-1: none asks): the result then carries, per
+    # verify row, the sampled token's logprob and rank and the top `num_logprobs` (`result_width`)
+    num_logprobs: int = -1
 
     def __post_init__(self):
         b, device = self.seq_lens.shape[0], self.seq_lens.device
@@ -99,14 +102,15 @@ def activation_shape(plan: StepPlan, hidden_size: int) -> tuple[int, int, int]:
     return (2, plan.num_tokens, hidden_size)
 
 
-def result_shape(num_reqs: int, num_spec_tokens: int) -> tuple[int, int]:
+def result_shape(num_reqs: int, num_spec_tokens: int, num_logprobs: int = -1) -> tuple[int, int]:
     """Last stage -> driver: one StepResult row per request."""
-    return (num_reqs, result_width(num_spec_tokens))
+    return (num_reqs, result_width(num_spec_tokens, num_logprobs))
 
 
-def result_width(num_spec_tokens: int) -> int:
-    """Columns of a StepResult row: (K+1) sampled tokens | num_sampled | K drafts."""
-    return (num_spec_tokens + 1) + 1 + num_spec_tokens
+def result_width(num_spec_tokens: int, num_logprobs: int = -1) -> int:
+    """Columns of a StepResult row: (K+1) sampled tokens | num_sampled | K drafts, then with
+    `num_logprobs` >= 0 the packed logprobs of each of the K+1 verify rows (`logprob_columns`)."""
+    return (num_spec_tokens + 1) + 1 + num_spec_tokens + (num_spec_tokens + 1) * logprob_width(num_logprobs)
 
 
 @dataclass
@@ -147,8 +151,21 @@ class StepResult:
         r = self.rows[row]
         return r[:r[k + 1]]
 
+    @property
+    def num_logprobs(self) -> int:
+        """The plan's `num_logprobs`, from the width (-1: the result carries none)."""
+        k = self.num_spec_tokens
+        extra = self.data.shape[1] - result_width(k)
+        return -1 if extra == 0 else (extra // (k + 1) - 2) // 2
+
+    def logprobs(self, row: int) -> list[tuple[float, int, list[int], list[float]]]:
+        """(logprob, rank, top ids, top logprobs) of each token `tokens(row)` gives."""
+        k, n = self.num_spec_tokens, self.num_logprobs
+        r = self.rows[row]
+        return unpack_logprobs(r[result_width(k):], r[k + 1], n) if n >= 0 else []
+
     def drafts(self, row: int) -> list[int]:
         """Draft ids proposed for the request's next step (empty when it did not sample)."""
         k = self.num_spec_tokens
         r = self.rows[row]
-        return r[k + 2:] if k and r[k + 1] else []
+        return r[k + 2:2 * k + 2] if k and r[k + 1] else []

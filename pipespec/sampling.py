@@ -14,6 +14,8 @@ import torch
 
 _M32 = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B9
+# The most logprobs (top-N alternatives) a request may ask for per token, as vLLM's default max_logprobs.
+MAX_LOGPROBS = 20
 
 
 def _is_int(x) -> bool:
@@ -53,6 +55,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # per generated token, the sampled token's logprob and the `logprobs` most likely tokens' (the raw
+    # model log-softmax, before any penalty or temperature, as vLLM's default); None: none
+    logprobs: int | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
     stop_hold: int = field(init=False, repr=False)      # characters a DELTA output holds back
 
@@ -84,6 +89,10 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "must be a bool")
+        for name in ("logprobs",):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                bad(name, f"must be None or an integer in [0, {MAX_LOGPROBS}]")
         if not isinstance(self.output_kind, RequestOutputKind):
             bad("output_kind", f"must be one of {', '.join(f'RequestOutputKind.{k.name}' for k in RequestOutputKind)}")
         object.__setattr__(self, "stop_strings", tuple(stops))
@@ -180,3 +189,56 @@ def sample(logits: torch.Tensor, st: SamplingTensors, position: torch.Tensor) ->
     if st.all_greedy:
         return logits.argmax(dim=-1)
     return draw(processed_probs(logits, st), st.seed, position)
+
+
+# ----------------------------------------------------------------------------------------------
+# Logprobs: what a result row carries for each verify row, packed into int64 columns (I2: their
+# number follows from the plan's `num_logprobs` and K alone). Per row: the token's logprob (float64
+# bits), its rank (1 = the most likely), then N top ids and their N logprobs (float64 bits).
+
+
+def logprob_width(num_logprobs: int) -> int:
+    """int64 columns one verify row's logprobs take (`num_logprobs` < 0: none asked, 0 columns)."""
+    return 0 if num_logprobs < 0 else 2 + 2 * num_logprobs
+
+
+def logprob_columns(logits: torch.Tensor, tokens: torch.Tensor, num_logprobs: int) -> torch.Tensor:
+    """Packed logprobs of `tokens` under `logits`; no host read (graph-capturable).
+
+    logits [S, R, V] (raw model logits of each verify row), tokens [S, R] (-1 where the row sampled
+    nothing: its columns are then meaningless). Returns int64 [S, R * logprob_width(N)]."""
+    s, r, _ = logits.shape
+    logp = logits.float().log_softmax(dim=-1)
+    tok = tokens.clamp_min(0)
+    lp = logp.gather(-1, tok[..., None])                                           # [S, R, 1]
+    # rank as vLLM counts it: 1 + the tokens strictly more likely
+    rank = (logp > lp).sum(dim=-1, keepdim=True) + 1
+    parts = [lp.double().view(torch.int64), rank]
+    if num_logprobs > 0:
+        top_lp, top_ids = logp.topk(num_logprobs, dim=-1)
+        parts += [top_ids, top_lp.double().view(torch.int64)]
+    return torch.cat(parts, dim=-1).reshape(s, r * logprob_width(num_logprobs))
+
+
+def append_logprobs(data: torch.Tensor, logits: torch.Tensor, sample_rows: torch.Tensor, num_spec_tokens: int,
+                    num_logprobs: int) -> torch.Tensor:
+    """A StepResult's data [B, result_width(K)] with each sampling request's packed logprobs appended
+    (`pipespec.plan.result_width(K, num_logprobs)` columns in all); logits [S, K+1, V] of its verify
+    rows, the tokens read from the data's first K+1 columns (rows of requests that do not sample: 0)."""
+    k = num_spec_tokens
+    tokens = data[sample_rows, :k + 1]
+    extra = torch.zeros(data.shape[0], (k + 1) * logprob_width(num_logprobs), dtype=torch.int64, device=data.device)
+    extra[sample_rows] = logprob_columns(logits, tokens, num_logprobs)
+    return torch.cat((data, extra), dim=1)
+
+
+def unpack_logprobs(columns: list[int], count: int, num_logprobs: int) -> list[tuple[float, int, list[int], list[float]]]:
+    """The first `count` rows of one result row's packed logprob columns (`logprob_columns`), as
+    (logprob, rank, top ids, top logprobs) per row."""
+    w, n = logprob_width(num_logprobs), num_logprobs
+    doubles = torch.tensor(columns[:count * w], dtype=torch.int64).view(torch.float64).tolist()
+    out = []
+    for j in range(count):
+        at = j * w
+        out.append((doubles[at], columns[at + 1], columns[at + 2:at + 2 + n], doubles[at + 2 + n:at + w]))
+    return out

@@ -30,7 +30,7 @@ from collections import deque
 from pipespec.config import EngineConfig
 from pipespec.engine.adaptive_k import make_policy
 from pipespec.engine.detokenizer import IncrementalDetokenizer
-from pipespec.engine.outputs import CompletionOutput, RequestOutput
+from pipespec.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from pipespec.engine.request import Request
 from pipespec.engine.scheduler import ScheduledBatch, Scheduler
 from pipespec.engine.seeds import engine_seed_base, unseeded_request_seed
@@ -112,6 +112,7 @@ class LLMEngine:
         self._in_flight: deque[ScheduledBatch] = deque()
         self._arrivals = itertools.count()
         self._seed_base = engine_seed_base(config.model.seed)
+        self._token_texts: dict[int, str] = {}       # token id -> its text, for logprobs
         logger.info("engine ready: %s, %d layers, max_model_len=%d, %d KV blocks, async scheduling %s, "
                     "prefix caching %s, in %.1fs", self.model_name, source.arch.num_layers, self.max_model_len,
                     num_blocks, "on" if overlaps else "off", "on" if caching else "off", time.perf_counter() - t0)
@@ -256,7 +257,7 @@ class LLMEngine:
                 if self.k_policy is not None:
                     self.k_policy.record_acceptance(d, len(tokens) - 1)
             if tokens:
-                self._append(req, tokens)
+                self._append(req, tokens, result.logprobs(row) if req.logprobs is not None else None)
                 if req.finished or req.params.output_kind is not RequestOutputKind.FINAL_ONLY:
                     outputs.append(self._output(req))
                 if req.finished:
@@ -279,10 +280,13 @@ class LLMEngine:
         if self.k_policy is not None and batch.steady:
             self.k_policy.record_step(len(batch.requests), batch.plan.num_spec_tokens, now - start)
 
-    def _append(self, req: Request, tokens: list[int]) -> None:
+    def _append(self, req: Request, tokens: list[int], logprobs: list | None = None) -> None:
+        """`logprobs`: (logprob, rank, top ids, top logprobs) of each token (`StepResult.logprobs`)."""
         params = req.params
-        for token in tokens:
+        for i, token in enumerate(tokens):
             req.token_ids.append(token)
+            if logprobs is not None:
+                self._add_logprob(req, token, logprobs[i])
             if token in req.eos_ids:       # before its text: an end token's text is never output
                 return self.scheduler.finish(req, "stop")
             delta = req.detokenizer.add(token)
@@ -296,6 +300,22 @@ class LLMEngine:
             if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
                 return self.scheduler.finish(req, "length")
 
+    def _add_logprob(self, req: Request, token: int, row: tuple) -> None:
+        """The token's {id: Logprob}: the sampled token's and the request's top N, as vLLM gives them."""
+        lp, rank, top_ids, top_lps = row
+        n = req.params.logprobs
+        entry = {t: Logprob(v, r + 1, self._token_text(t)) for r, (t, v) in enumerate(zip(top_ids[:n], top_lps[:n]))}
+        entry[token] = Logprob(lp, rank, self._token_text(token))
+        req.logprobs.append(entry)
+        req.cumulative_logprob += lp
+
+    def _token_text(self, token: int) -> str:
+        """One token's text, as logprobs name it (cached: a top-N list repeats the same few ids)."""
+        text = self._token_texts.get(token)
+        if text is None:
+            text = self._token_texts[token] = self.tokenizer.decode([token], skip_special_tokens=False)
+        return text
+
     @staticmethod
     def _output(req: Request, error: str | None = None) -> RequestOutput:
         """The request's output now, as its output_kind asks; a DELTA output moves its marks on."""
@@ -307,6 +327,9 @@ class LLMEngine:
             first += req.sent_tokens
             req.sent_tokens = req.num_output_tokens
         completion = CompletionOutput(0, text, req.token_ids[first:], req.finish_reason, req.stop_reason)
+        if req.logprobs is not None:
+            completion.logprobs = req.logprobs[first - req.num_prompt_tokens:]
+            completion.cumulative_logprob = req.cumulative_logprob
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], req.finished, error)
 
     def _die(self, reason: str, level: int = logging.ERROR) -> EngineDeadError:

@@ -18,7 +18,7 @@ class Request:
                  "max_tokens", "stop_ids", "eos_ids", "status", "num_computed_tokens", "block_ids",
                  "in_flight", "num_pending_tokens", "num_pending_samples", "carry_row", "draft_ids",
                  "state_slot", "state_commit", "num_cached_blocks", "cache_parent", "finish_reason", "stop_reason",
-                 "detokenizer", "sent_tokens", "sent_chars")
+                 "detokenizer", "sent_tokens", "sent_chars", "logprobs", "cumulative_logprob")
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  params: SamplingParams, seed: int, max_tokens: int, eos_ids: frozenset[int]):
@@ -50,6 +50,9 @@ class Request:
         self.stop_reason: int | str | None = None
         self.detokenizer = None
         self.sent_tokens = self.sent_chars = 0      # output tokens and text characters DELTA outputs gave
+        # with SamplingParams.logprobs: one {token id: Logprob} per output token, and their sum
+        self.logprobs: list | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
 
     @property
     def num_tokens(self) -> int:

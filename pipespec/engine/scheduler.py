@@ -371,6 +371,7 @@ class Scheduler:
             state_commit=int64_tensor([line.req.state_commit for line in lines]),
             carried=int64_tensor(carried) if num_carried else None,
             num_spec_tokens=k,
+            num_logprobs=max((r.params.logprobs for r in samplers if r.params.logprobs is not None), default=-1),
         )
 
     def complete(self, batch: ScheduledBatch, result: StepResult | None = None) -> None:

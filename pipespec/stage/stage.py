@@ -35,6 +35,7 @@ from pipespec.model.placement import resolve_device, resolve_dtype
 from pipespec.model.source import ModelSource
 from pipespec.parallel import TensorParallel
 from pipespec.plan import StepPlan, StepResult, position_margin
+from pipespec.sampling import append_logprobs
 from pipespec.speculative.loading import build_proposer
 from pipespec.speculative.rejection import verify
 from pipespec.stage import memory
@@ -245,13 +246,15 @@ class Stage:
                 self.drafter.write_kv(fwd.ctx, layout, fwd.hidden)
             return StepResult.empty(plan.step_id, plan.num_reqs, k).data
         replayed = fwd.ctx is None
-        if replayed and plan.sampling.all_greedy:
-            data = self.graphs.finish()       # the forward graph verified greedily
-        else:
+        logits = None
+        if not replayed or not plan.sampling.all_greedy or plan.num_logprobs >= 0:
             logits = fwd.logits
             if logits is None:
                 logits = self.model.compute_logits(fwd.hidden[layout.verify_rows.reshape(-1)])
             logits = logits.view(s, k + 1, -1)
+        if replayed and plan.sampling.all_greedy:
+            data = self.graphs.finish()       # the forward graph verified greedily
+        else:
             # greedy verification reads no sampling tensor: spare their upload
             sampling = plan.sampling if plan.sampling.all_greedy else plan.sampling.to(self.device)
             tokens, num_sampled = verify(logits, layout, sampling)
@@ -260,6 +263,8 @@ class Stage:
             else:
                 data = finish_step(self.drafter, fwd.ctx, layout, fwd.hidden, tokens, num_sampled, k,
                                    plan.num_reqs, self.carry)
+        if plan.num_logprobs >= 0:            # of the raw logits at the verify rows (`plan.result_width`)
+            data = append_logprobs(data, logits, layout.sample_rows, k, plan.num_logprobs)
         self._bounded_wait(f"step {plan.step_id}")      # before the result's copy to the host, a sync without a bound
         if self.carry is not None:
             self._sampled_step = plan.step_id
