@@ -150,7 +150,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         except EngineDeadError as e:
             raise ApiError(503, str(e), kind="engine_error") from None
         metrics.prompt_tokens.inc(len(prompt_ids))
-        return _Generation(engine, metrics, request_id, outputs, len(prompt_ids), log_requests)
+        return _Generation(engine, metrics, request_id, outputs, len(prompt_ids), log_requests, params.logprobs)
 
     async def _respond(request: Request, body, prompt, params, chat: bool, parser=None):
         gen = await start(prompt, params, "chatcmpl" if chat else "cmpl")
@@ -168,7 +168,8 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             choice = {"index": 0, "message": message, "finish_reason": finish}
         else:
             choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
-                      if chat else {"index": 0, "text": text, "finish_reason": finish, "logprobs": None})
+                      if chat else {"index": 0, "text": text, "finish_reason": finish})
+        choice["logprobs"] = gen.format_logprobs(gen.logprobs, chat)
         return {"id": gen.request_id, "object": object_name, "created": int(time.time()), "model": model_name,
                 "choices": [choice], "usage": gen.usage()}
 
@@ -190,8 +191,9 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         finally:
             for gen in gens:
                 gen.close()
-        choices = [{"index": i, "text": text, "finish_reason": finish, "logprobs": None}
-                   for i, (text, finish) in enumerate(results)]
+        choices = [{"index": i, "text": text, "finish_reason": finish,
+                    "logprobs": gen.format_logprobs(gen.logprobs, False)}
+                   for i, (gen, (text, finish)) in enumerate(zip(gens, results))]
         return {"id": gens[0].request_id, "object": "text_completion", "created": int(time.time()),
                 "model": model_name, "choices": choices, "usage": _total_usage(gens)}
 
@@ -235,8 +237,12 @@ class _Generation:
     the engine) into text deltas, and keeps its metrics."""
 
     def __init__(self, engine: AsyncEngine, metrics: Metrics, request_id: str, outputs: asyncio.Queue,
-                 num_prompt_tokens: int, log_requests: bool = False):
+                 num_prompt_tokens: int, log_requests: bool = False, num_logprobs: int | None = None):
         self.engine, self.metrics, self.request_id, self.outputs = engine, metrics, request_id, outputs
+        self.num_logprobs = num_logprobs     # SamplingParams.logprobs (None: no logprobs in the answer)
+        self.logprobs: list = []              # (token id, {id: Logprob}) of every token, for a whole response
+        self.delta_logprobs: list = []        # those of the last delta
+        self.text_offset = 0                  # completions' text_offset of the next token
         self.num_prompt_tokens = num_prompt_tokens
         self.log_requests = log_requests
         self.num_tokens = 0
@@ -258,6 +264,9 @@ class _Generation:
             self._count(len(completion.token_ids))
             self.num_tokens += len(completion.token_ids)
             self.parts.append(completion.text)
+            if completion.logprobs is not None:
+                self.delta_logprobs = list(zip(completion.token_ids, completion.logprobs))
+                self.logprobs += self.delta_logprobs
             if out.finished:
                 self.done = True
                 self.finish_reason = completion.finish_reason
@@ -280,6 +289,29 @@ class _Generation:
         async for _ in self.deltas():
             pass
         return "".join(self.parts), self.finish_reason
+
+    def format_logprobs(self, tokens: list, chat: bool) -> dict | None:
+        """OpenAI's logprobs object for these (token id, {id: Logprob}) pairs, None when not asked
+        for: chat's {"content": [...]}, or completions' tokens / token_logprobs / top_logprobs /
+        text_offset (offsets into the choice's text, counted on from the previous chunk's)."""
+        n = self.num_logprobs
+        if n is None:
+            return None
+        rows = [(entry[token], sorted((lp for t, lp in entry.items() if lp.rank <= n and (t != token or len(entry) <= n)),
+                                      key=lambda lp: lp.rank)[:n])
+                for token, entry in tokens]
+        if chat:
+            def item(lp):
+                text = lp.decoded_token or ""
+                return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode("utf-8"))}
+            return {"content": [dict(item(c), top_logprobs=[item(t) for t in top]) for c, top in rows]}
+        offsets = []
+        for chosen, _ in rows:
+            offsets.append(self.text_offset)
+            self.text_offset += len(chosen.decoded_token or "")
+        return {"tokens": [c.decoded_token for c, _ in rows], "token_logprobs": [c.logprob for c, _ in rows],
+                "top_logprobs": [{t.decoded_token: t.logprob for t in top} for _, top in rows],
+                "text_offset": offsets}
 
     def usage(self) -> dict:
         return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": self.num_tokens,
@@ -311,19 +343,27 @@ async def _sse(gen: _Generation, chat: bool, model: str, object_name: str, inclu
         if chat:
             yield chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
         async for delta, finish in gen.deltas():
+            # this delta's tokens' logprobs (None when not asked for), on its first chunk
+            logprobs = gen.format_logprobs(gen.delta_logprobs, chat)
+            gen.delta_logprobs = []
             if parser is not None:      # reasoning and tool calls: parsed deltas, then the finish reason
-                for d in parser.feed(delta) if delta else ():
-                    yield chunk({"index": 0, "delta": d, "finish_reason": None})
+                parsed = list(parser.feed(delta)) if delta else []
                 if finish is not None:
                     more, finish = parser.finish(finish)
-                    for d in more:
-                        yield chunk({"index": 0, "delta": d, "finish_reason": None})
+                    parsed += more
+                if logprobs is not None and logprobs["content"] and not parsed:
+                    parsed = [{}]                     # tokens with no text out yet: their logprobs still go
+                for i, d in enumerate(parsed):
+                    yield chunk({"index": 0, "delta": d, "finish_reason": None,
+                                 **({"logprobs": logprobs} if i == 0 and logprobs is not None else {})})
+                if finish is not None:
                     yield chunk({"index": 0, "delta": {}, "finish_reason": finish})
                 continue
-            if not delta and finish is None:
+            if not delta and finish is None and not (logprobs and (logprobs.get("content") or logprobs.get("tokens"))):
                 continue
             choice = ({"index": 0, "delta": {"content": delta} if delta else {}, "finish_reason": finish}
-                      if chat else {"index": 0, "text": delta, "finish_reason": finish, "logprobs": None})
+                      if chat else {"index": 0, "text": delta, "finish_reason": finish})
+            choice["logprobs"] = logprobs
             yield chunk(choice)
         if include_usage:
             yield chunk(None, gen.usage())
@@ -343,12 +383,14 @@ async def _sse_many(gens: list[_Generation], model: str, include_usage: bool):
     async def pump(index: int, gen: _Generation):
         try:
             async for delta, finish in gen.deltas():
-                if delta or finish is not None:
-                    await merged.put((index, delta, finish, None))
+                logprobs = gen.format_logprobs(gen.delta_logprobs, False)
+                gen.delta_logprobs = []
+                if delta or finish is not None or (logprobs and logprobs["tokens"]):
+                    await merged.put((index, delta, finish, None, logprobs))
         except ApiError as e:
-            await merged.put((index, "", None, e))
+            await merged.put((index, "", None, e, None))
         finally:
-            await merged.put((index, None, None, None))      # this prompt is over
+            await merged.put((index, None, None, None, None))      # this prompt is over
 
     def chunk(choices: list, usage: dict | None = None) -> str:
         payload = {"id": gens[0].request_id, "object": "text_completion", "created": created, "model": model,
@@ -361,13 +403,13 @@ async def _sse_many(gens: list[_Generation], model: str, include_usage: bool):
     try:
         open_streams, error = len(gens), None
         while open_streams:
-            index, delta, finish, err = await merged.get()
+            index, delta, finish, err, logprobs = await merged.get()
             if delta is None:
                 open_streams -= 1
             elif err is not None:
                 error = error or err
             else:
-                yield chunk([{"index": index, "text": delta, "finish_reason": finish, "logprobs": None}])
+                yield chunk([{"index": index, "text": delta, "finish_reason": finish, "logprobs": logprobs}])
         if error is not None:
             yield f"data: {json.dumps(error.body())}\n\n"
         elif include_usage:

@@ -5,7 +5,7 @@ from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pipespec.sampling import RequestOutputKind, SamplingParams
+from pipespec.sampling import MAX_LOGPROBS, RequestOutputKind, SamplingParams
 
 
 class ApiError(Exception):
@@ -39,9 +39,10 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     ignore_eos: bool = False
-    # OpenAI fields pipespec does not implement: refused when set, never silently ignored
+    # completions: an int (top alternatives per token); chat: a bool, with `top_logprobs` the count
     logprobs: Optional[Union[bool, int]] = None
     top_logprobs: Optional[int] = None
+    # OpenAI fields pipespec does not implement: refused when set, never silently ignored
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
     logit_bias: Optional[dict[str, float]] = None
@@ -50,10 +51,6 @@ class _SamplingFields(BaseModel):
     def refuse_unsupported(self) -> None:
         if self.n != 1:
             raise ApiError(400, f"n={self.n} is not supported: pipespec returns one choice per request", "n")
-        if self.logprobs not in (None, False, 0):
-            raise ApiError(400, "logprobs are not supported by pipespec yet", "logprobs")
-        if self.top_logprobs not in (None, 0):
-            raise ApiError(400, "top_logprobs are not supported by pipespec yet", "top_logprobs")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) not in (None, 0, 0.0):
                 raise ApiError(400, f"{name} is not supported by pipespec", name)
@@ -70,6 +67,7 @@ class _SamplingFields(BaseModel):
                       top_k=-1 if self.top_k is None else self.top_k,
                       min_p=0.0 if self.min_p is None else self.min_p,
                       seed=self.seed, stop=self.stop, ignore_eos=self.ignore_eos,
+                      logprobs=self.num_logprobs(),
                       output_kind=RequestOutputKind.DELTA)      # what is new each step: no copies
         try:
             return SamplingParams(**kwargs)
@@ -78,11 +76,28 @@ class _SamplingFields(BaseModel):
             raise ApiError(400, str(e).removeprefix("SamplingParams."), param) from None
 
 
+    def num_logprobs(self) -> Optional[int]:
+        """SamplingParams.logprobs: how many top alternatives each token's logprobs list (None: none)."""
+        raise NotImplementedError
+
+
+def _check_count(value, name: str) -> int:
+    if isinstance(value, bool) or not 0 <= value <= MAX_LOGPROBS:
+        raise ApiError(400, f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}", name)
+    return value
+
+
 class CompletionRequest(_SamplingFields):
     prompt: Union[str, list[int], list[str], list[list[int]]]
     echo: bool = False
     suffix: Optional[str] = None
     best_of: Optional[int] = None
+
+    def num_logprobs(self) -> Optional[int]:
+        if self.top_logprobs is not None:
+            raise ApiError(400, "top_logprobs is a chat completions field; /v1/completions takes "
+                                "logprobs: <count>", "top_logprobs")
+        return None if self.logprobs is None else _check_count(self.logprobs, "logprobs")
 
 
 class ChatMessage(BaseModel):
@@ -101,3 +116,13 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Optional[Union[str, dict]] = None
     parallel_tool_calls: Optional[bool] = None
     chat_template_kwargs: Optional[dict] = None
+
+    def num_logprobs(self) -> Optional[int]:
+        if self.logprobs not in (None, True, False):
+            raise ApiError(400, f"logprobs must be a boolean in chat completions (top_logprobs gives the "
+                                f"count), got {self.logprobs!r}", "logprobs")
+        if self.top_logprobs is not None:
+            _check_count(self.top_logprobs, "top_logprobs")
+            if not self.logprobs:
+                raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
