@@ -55,6 +55,11 @@ class StepPlan:
     # the most logprobs a sampling request asks for (-1: none asks): the result then carries, per
     # verify row, the sampled token's logprob and rank and the top `num_logprobs` (`result_width`)
     num_logprobs: int = -1
+    # prompt logprobs: query rows [L] whose next token is a prompt token to score, those tokens [L],
+    # and the most top alternatives a request asks for (-1: none); the result has L more rows
+    prompt_logprob_rows: torch.Tensor | None = None
+    prompt_logprob_ids: torch.Tensor | None = None
+    num_prompt_logprobs: int = -1
 
     def __post_init__(self):
         b, device = self.seq_lens.shape[0], self.seq_lens.device
@@ -103,8 +108,16 @@ def activation_shape(plan: StepPlan, hidden_size: int) -> tuple[int, int, int]:
 
 
 def result_shape(num_reqs: int, num_spec_tokens: int, num_logprobs: int = -1) -> tuple[int, int]:
-    """Last stage -> driver: one StepResult row per request."""
+    """Last stage -> driver: one StepResult row per request (a plan without prompt logprobs)."""
     return (num_reqs, result_width(num_spec_tokens, num_logprobs))
+
+
+def plan_result_shape(plan: StepPlan) -> tuple[int, int]:
+    """The result of `plan`: a row per request, then a row per prompt-logprob row (`prompt_rows`)."""
+    rows, width = result_shape(plan.num_reqs, plan.num_spec_tokens, plan.num_logprobs)
+    if plan.num_prompt_logprobs < 0:
+        return rows, width
+    return rows + plan.prompt_logprob_rows.shape[0], max(width, logprob_width(plan.num_prompt_logprobs))
 
 
 def result_width(num_spec_tokens: int, num_logprobs: int = -1) -> int:
@@ -118,6 +131,17 @@ class StepResult:
     step_id: int
     data: torch.Tensor            # int64 [B, result_width(K)] (on the host once the driver holds it)
     num_spec_tokens: int = 0
+    # the plan's num_logprobs (None: read from the width, for a result without prompt logprobs)
+    num_logprobs_asked: int | None = None
+    # a plan with prompt logprobs: its requests' rows come first, its prompt-logprob rows after them
+    num_reqs: int | None = None
+    num_prompt_logprobs: int = -1
+
+    @classmethod
+    def of(cls, plan: StepPlan, data: torch.Tensor) -> "StepResult":
+        """`plan`'s result, its `data` received (`plan_result_shape`)."""
+        return cls(plan.step_id, data, plan.num_spec_tokens, plan.num_logprobs, plan.num_reqs,
+                   plan.num_prompt_logprobs)
 
     @classmethod
     def empty(cls, step_id: int, num_reqs: int, num_spec_tokens: int) -> "StepResult":
@@ -154,9 +178,18 @@ class StepResult:
     @property
     def num_logprobs(self) -> int:
         """The plan's `num_logprobs`, from the width (-1: the result carries none)."""
+        if self.num_logprobs_asked is not None:
+            return self.num_logprobs_asked
         k = self.num_spec_tokens
         extra = self.data.shape[1] - result_width(k)
         return -1 if extra == 0 else (extra // (k + 1) - 2) // 2
+
+    def prompt_logprobs(self, first: int, count: int) -> list[tuple[float, int, list[int], list[float]]]:
+        """(logprob, rank, top ids, top logprobs) of prompt-logprob rows first..first+count-1 of
+        the plan (`StepPlan.prompt_logprob_rows`), in its order."""
+        n, at = self.num_prompt_logprobs, self.num_reqs + first
+        w = logprob_width(n)
+        return [unpack_logprobs(r[:w], 1, n)[0] for r in self.data[at:at + count].tolist()]
 
     def logprobs(self, row: int) -> list[tuple[float, int, list[int], list[float]]]:
         """(logprob, rank, top ids, top logprobs) of each token `tokens(row)` gives."""

@@ -58,6 +58,8 @@ class SamplingParams:
     # per generated token, the sampled token's logprob and the `logprobs` most likely tokens' (the raw
     # model log-softmax, before any penalty or temperature, as vLLM's default); None: none
     logprobs: int | None = None
+    # per prompt token after the first, its logprob and the `prompt_logprobs` most likely tokens'
+    prompt_logprobs: int | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
     stop_hold: int = field(init=False, repr=False)      # characters a DELTA output holds back
 
@@ -89,7 +91,7 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "must be a bool")
-        for name in ("logprobs",):
+        for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
                 bad(name, f"must be None or an integer in [0, {MAX_LOGPROBS}]")
@@ -230,6 +232,16 @@ def append_logprobs(data: torch.Tensor, logits: torch.Tensor, sample_rows: torch
     extra = torch.zeros(data.shape[0], (k + 1) * logprob_width(num_logprobs), dtype=torch.int64, device=data.device)
     extra[sample_rows] = logprob_columns(logits, tokens, num_logprobs)
     return torch.cat((data, extra), dim=1)
+
+
+def append_prompt_logprobs(data: torch.Tensor, logits: torch.Tensor, token_ids: torch.Tensor,
+                           num_logprobs: int) -> torch.Tensor:
+    """A StepResult's data [B, W] with one row per prompt-logprob row appended: logits [L, V] of the
+    rows whose next prompt token is token_ids [L]; [B + L, max(W, logprob_width(N))]."""
+    rows = logprob_columns(logits[:, None], token_ids[:, None], num_logprobs)
+    width = max(data.shape[1], rows.shape[1])
+    pad = lambda t: torch.nn.functional.pad(t, (0, width - t.shape[1]))         # noqa: E731
+    return torch.cat((pad(data), pad(rows)))
 
 
 def unpack_logprobs(columns: list[int], count: int, num_logprobs: int) -> list[tuple[float, int, list[int], list[float]]]:

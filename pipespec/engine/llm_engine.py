@@ -248,6 +248,8 @@ class LLMEngine:
     def _apply(self, batch: ScheduledBatch, result: StepResult) -> list[RequestOutput]:
         """Append each request's new tokens; the outputs that changed."""
         outputs = []
+        if batch.prompt_logprob_rows is not None:
+            self._add_prompt_logprobs(batch, result)
         for row, (req, d) in enumerate(zip(batch.requests, batch.num_drafts)):
             if req.finished:        # ended while in flight (aborted; with async scheduling, stopped)
                 continue
@@ -300,6 +302,20 @@ class LLMEngine:
             if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
                 return self.scheduler.finish(req, "length")
 
+    def _add_prompt_logprobs(self, batch: ScheduledBatch, result: StepResult) -> None:
+        """Each line's scored prompt tokens, in plan order (`StepPlan.prompt_logprob_rows`)."""
+        first = 0
+        for req, count in zip(batch.requests, batch.prompt_logprob_rows):
+            if not count:
+                continue
+            n = req.params.prompt_logprobs
+            for lp, rank, top_ids, top_lps in result.prompt_logprobs(first, count):
+                token = req.prompt_token_ids[len(req.prompt_logprobs)]
+                entry = {t: Logprob(v, r + 1, self._token_text(t)) for r, (t, v) in enumerate(zip(top_ids[:n], top_lps[:n]))}
+                entry[token] = Logprob(lp, rank, self._token_text(token))
+                req.prompt_logprobs.append(entry)
+            first += count
+
     def _add_logprob(self, req: Request, token: int, row: tuple) -> None:
         """The token's {id: Logprob}: the sampled token's and the request's top N, as vLLM gives them."""
         lp, rank, top_ids, top_lps = row
@@ -320,7 +336,11 @@ class LLMEngine:
     def _output(req: Request, error: str | None = None) -> RequestOutput:
         """The request's output now, as its output_kind asks; a DELTA output moves its marks on."""
         text, first = req.detokenizer.text, req.num_prompt_tokens
+        # prompt logprobs: complete once a token was sampled; a DELTA output gives them once, first
+        prompt_logprobs = req.prompt_logprobs
         if req.params.output_kind is RequestOutputKind.DELTA:
+            if req.sent_tokens:
+                prompt_logprobs = None
             # (a stop string found later never cuts into what was sent: see SamplingParams.stop_hold)
             end = len(text) if req.finished else max(len(text) - req.params.stop_hold, req.sent_chars)
             text, req.sent_chars = text[req.sent_chars:end], end
@@ -330,7 +350,8 @@ class LLMEngine:
         if req.logprobs is not None:
             completion.logprobs = req.logprobs[first - req.num_prompt_tokens:]
             completion.cumulative_logprob = req.cumulative_logprob
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], req.finished, error)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], req.finished, error,
+                             prompt_logprobs)
 
     def _die(self, reason: str, level: int = logging.ERROR) -> EngineDeadError:
         """A stage failed: abort every pending request with the error, stop all stages."""

@@ -37,3 +37,5 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     error: str | None = None              # set when an engine failure ended the request
+    # with SamplingParams.prompt_logprobs: None for the first prompt token, then each one's {id: Logprob}
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -18,7 +18,8 @@ class Request:
                  "max_tokens", "stop_ids", "eos_ids", "status", "num_computed_tokens", "block_ids",
                  "in_flight", "num_pending_tokens", "num_pending_samples", "carry_row", "draft_ids",
                  "state_slot", "state_commit", "num_cached_blocks", "cache_parent", "finish_reason", "stop_reason",
-                 "detokenizer", "sent_tokens", "sent_chars", "logprobs", "cumulative_logprob")
+                 "detokenizer", "sent_tokens", "sent_chars", "logprobs", "cumulative_logprob",
+                 "prompt_logprobs", "num_prompt_logprob_rows")
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  params: SamplingParams, seed: int, max_tokens: int, eos_ids: frozenset[int]):
@@ -53,6 +54,10 @@ class Request:
         # with SamplingParams.logprobs: one {token id: Logprob} per output token, and their sum
         self.logprobs: list | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
+        # with SamplingParams.prompt_logprobs: None (the first token has none), then one {id: Logprob}
+        # per prompt token; and how many prompt tokens a step scheduled so far scores (the first: 1)
+        self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
+        self.num_prompt_logprob_rows = 1
 
     @property
     def num_tokens(self) -> int:

@@ -72,6 +72,7 @@ class ScheduledBatch:
     draft_rows: list[int]         # its draft rows: the real drafts, then dummy ones (`_pad_lines`)
     samples: list[bool]           # whether each request samples this step
     k_changed: bool = False       # the step before it had another K
+    prompt_logprob_rows: list[int] | None = None    # rows each line scores prompt tokens at (None: none)
     submitted_at: float = 0.0     # when the driver handed it to the executor (adaptive K's step cost)
 
     @property
@@ -208,7 +209,10 @@ class Scheduler:
                and len(picked) < cap):
             req = self.waiting[0]
             # (a waiting request is not in flight, and holds no blocks: none computed)
-            hits, parent = self._cached_prefix(req) if self.enable_prefix_caching else ((), ROOT)
+            # (prompt logprobs still to score need the prompt's logits: its rows are computed)
+            lookup = self.enable_prefix_caching and (req.prompt_logprobs is None
+                                                     or req.num_prompt_logprob_rows >= req.num_prompt_tokens)
+            hits, parent = self._cached_prefix(req) if lookup else ((), ROOT)
             if hits:
                 req.block_ids.extend(hits)
                 req.num_computed_tokens = len(hits) * self.block_size
@@ -245,7 +249,7 @@ class Scheduler:
         lines = self._pad_lines([(r, n - d + min(d, k), min(d, k)) for r, n, d in picked], k)
         self._step_id += 1
         k_changed, self._last_k = k != self._last_k, k
-        plan = self._build_plan(lines, k)
+        plan, prompt_rows = self._build_plan(lines, k)
         for row, line in enumerate(lines):
             line.req.num_pending_tokens += line.rows - line.draft_rows
             line.req.num_pending_samples += line.samples
@@ -254,7 +258,7 @@ class Scheduler:
             # (a plan continuing it names one; the device puts the right one in, `carry_in`)
             line.req.state_commit = 0 if line.draft_rows else -1
         requests, rows, drafts, draft_rows, samples = map(list, zip(*lines))
-        return ScheduledBatch(plan, requests, rows, drafts, draft_rows, samples, k_changed)
+        return ScheduledBatch(plan, requests, rows, drafts, draft_rows, samples, k_changed, prompt_rows)
 
     def _pad_lines(self, picked: list[tuple[Request, int, int]], k: int) -> list[_Line]:
         """The lines of the picked (request, rows, drafts). A decoding request with fewer drafts than
@@ -319,9 +323,11 @@ class Scheduler:
         return (req.num_expected_tokens + self._carried_drafts(req) + self.num_spec_tokens
                 + draft_chain_overrun(self.num_spec_tokens))
 
-    def _build_plan(self, lines: list[_Line], k: int) -> StepPlan:
+    def _build_plan(self, lines: list[_Line], k: int) -> tuple[StepPlan, list[int] | None]:
+        """The plan, and the prompt-logprob rows of each line (None: no line asks for any)."""
         bs = self.block_size
         input_ids, positions, slots, qsl, seq_lens, sample_rows, samplers = [], [], [], [0], [], [], []
+        lp_rows, lp_ids, lp_counts, lp_max = [], [], [], -1
         carried, next_ids = [], []
         width = max(len(line.req.block_ids) for line in lines)
         tables = array("q")                    # [B, width], each request's blocks padded with 0
@@ -352,6 +358,17 @@ class Scheduler:
             if samples:
                 sample_rows.append(b)
                 samplers.append(req)
+            count = 0
+            if req.prompt_logprobs is not None:
+                # rows whose next token is a prompt token not yet scored (a recompute scores none twice)
+                lo, hi = max(start, req.num_prompt_logprob_rows - 1), min(end, req.num_prompt_tokens - 1)
+                if hi > lo:
+                    count = hi - lo
+                    lp_rows += range(qsl[-2] + lo - start, qsl[-2] + hi - start)
+                    lp_ids += req.prompt_token_ids[lo + 1:hi + 1]
+                    req.num_prompt_logprob_rows = hi + 1
+                    lp_max = max(lp_max, req.params.prompt_logprobs)
+            lp_counts.append(count)
         num_carried = sum(c >= 0 for c in carried)
         self.num_carried_rows += num_carried
         return StepPlan(
@@ -372,7 +389,10 @@ class Scheduler:
             carried=int64_tensor(carried) if num_carried else None,
             num_spec_tokens=k,
             num_logprobs=max((r.params.logprobs for r in samplers if r.params.logprobs is not None), default=-1),
-        )
+            prompt_logprob_rows=int64_tensor(lp_rows) if lp_max >= 0 else None,
+            prompt_logprob_ids=int64_tensor(lp_ids) if lp_max >= 0 else None,
+            num_prompt_logprobs=lp_max,
+        ), (lp_counts if lp_max >= 0 else None)
 
     def complete(self, batch: ScheduledBatch, result: StepResult | None = None) -> None:
         """The batch came back: its KV is in the cache up to the accepted drafts (rejected draft rows

@@ -170,6 +170,8 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
                       if chat else {"index": 0, "text": text, "finish_reason": finish})
         choice["logprobs"] = gen.format_logprobs(gen.logprobs, chat)
+        if gen.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = gen.prompt_logprobs
         return {"id": gen.request_id, "object": object_name, "created": int(time.time()), "model": model_name,
                 "choices": [choice], "usage": gen.usage()}
 
@@ -192,7 +194,8 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             for gen in gens:
                 gen.close()
         choices = [{"index": i, "text": text, "finish_reason": finish,
-                    "logprobs": gen.format_logprobs(gen.logprobs, False)}
+                    "logprobs": gen.format_logprobs(gen.logprobs, False),
+                    **({"prompt_logprobs": gen.prompt_logprobs} if gen.prompt_logprobs is not None else {})}
                    for i, (gen, (text, finish)) in enumerate(zip(gens, results))]
         return {"id": gens[0].request_id, "object": "text_completion", "created": int(time.time()),
                 "model": model_name, "choices": choices, "usage": _total_usage(gens)}
@@ -243,6 +246,7 @@ class _Generation:
         self.logprobs: list = []              # (token id, {id: Logprob}) of every token, for a whole response
         self.delta_logprobs: list = []        # those of the last delta
         self.text_offset = 0                  # completions' text_offset of the next token
+        self.prompt_logprobs = None           # vLLM's form of them, from the first output (when asked)
         self.num_prompt_tokens = num_prompt_tokens
         self.log_requests = log_requests
         self.num_tokens = 0
@@ -261,6 +265,11 @@ class _Generation:
                 self.error = str(out)
                 raise ApiError(500, f"the engine failed: {out}", kind="engine_error")
             completion = out.outputs[0]
+            if out.prompt_logprobs is not None and self.prompt_logprobs is None:
+                self.prompt_logprobs = [None if e is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank,
+                                                                         "decoded_token": lp.decoded_token}
+                                                                for t, lp in e.items()}
+                                        for e in out.prompt_logprobs]
             self._count(len(completion.token_ids))
             self.num_tokens += len(completion.token_ids)
             self.parts.append(completion.text)
@@ -364,6 +373,8 @@ async def _sse(gen: _Generation, chat: bool, model: str, object_name: str, inclu
             choice = ({"index": 0, "delta": {"content": delta} if delta else {}, "finish_reason": finish}
                       if chat else {"index": 0, "text": delta, "finish_reason": finish})
             choice["logprobs"] = logprobs
+            if gen.prompt_logprobs:       # (vLLM's extension) on the first chunk only (then False)
+                choice["prompt_logprobs"], gen.prompt_logprobs = gen.prompt_logprobs, False
             yield chunk(choice)
         if include_usage:
             yield chunk(None, gen.usage())

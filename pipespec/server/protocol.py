@@ -42,6 +42,7 @@ class _SamplingFields(BaseModel):
     # completions: an int (top alternatives per token); chat: a bool, with `top_logprobs` the count
     logprobs: Optional[Union[bool, int]] = None
     top_logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None     # vLLM's extension: each prompt token's logprob and top N
     # OpenAI fields pipespec does not implement: refused when set, never silently ignored
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
@@ -68,6 +69,8 @@ class _SamplingFields(BaseModel):
                       min_p=0.0 if self.min_p is None else self.min_p,
                       seed=self.seed, stop=self.stop, ignore_eos=self.ignore_eos,
                       logprobs=self.num_logprobs(),
+                      prompt_logprobs=(None if self.prompt_logprobs is None
+                                       else _check_count(self.prompt_logprobs, "prompt_logprobs")),
                       output_kind=RequestOutputKind.DELTA)      # what is new each step: no copies
         try:
             return SamplingParams(**kwargs)

@@ -35,7 +35,7 @@ from pipespec.model.placement import resolve_device, resolve_dtype
 from pipespec.model.source import ModelSource
 from pipespec.parallel import TensorParallel
 from pipespec.plan import StepPlan, StepResult, position_margin
-from pipespec.sampling import append_logprobs
+from pipespec.sampling import append_logprobs, append_prompt_logprobs
 from pipespec.speculative.loading import build_proposer
 from pipespec.speculative.rejection import verify
 from pipespec.stage import memory
@@ -208,7 +208,12 @@ class Stage:
             out = torch.stack((fwd.hidden, fwd.residual))
             self._bounded_wait(f"step {plan.step_id}")
             return out
-        return self._sample(plan, fwd)
+        data = self._sample(plan, fwd)
+        if plan.num_prompt_logprobs >= 0:     # rows of prefill chunks: never a CUDA graph's steady step
+            rows = plan.prompt_logprob_rows.to(self.device)
+            data = append_prompt_logprobs(data, self.model.compute_logits(fwd.hidden[rows]),
+                                          plan.prompt_logprob_ids.to(self.device), plan.num_prompt_logprobs)
+        return data
 
     def _bounded_wait(self, what: str) -> None:
         """TP on CUDA: the collectives may be in a replayed graph, out of NCCL's watchdog's sight;

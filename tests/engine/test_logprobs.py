@@ -87,3 +87,44 @@ def test_logprobs_with_speculation_equal_plain_decoding(pp, k, no_spec):
         for ea, eb in zip(a.logprobs, b.logprobs):
             assert set(ea) == set(eb)
             assert all(abs(ea[t].logprob - eb[t].logprob) < 1e-4 and ea[t].rank == eb[t].rank for t in ea)
+
+
+LONG = ("Once upon a time, in a small village at the edge of a great forest, there lived an old clockmaker "
+        "who had never left home. Every morning he wound the clocks on the walls of his shop, one after another, "
+        "and listened to them tick.")
+
+
+def _check_prompt_logprobs(out, hf_model, n: int) -> None:
+    ids = out.prompt_token_ids
+    logp = hf_logits(hf_model, ids).log_softmax(-1)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+    for i in range(1, len(ids)):
+        entry, row = out.prompt_logprobs[i], logp[i - 1]
+        top_lp, top_ids = row.topk(n)
+        assert set(entry) == set(top_ids.tolist()) | {ids[i]}
+        assert abs(entry[ids[i]].logprob - float(row[ids[i]])) < 1e-4
+        assert entry[ids[i]].rank == int((row > row[ids[i]]).sum()) + 1
+        assert all(abs(entry[int(t)].logprob - float(v)) < 1e-4 for t, v in zip(top_ids, top_lp))
+
+
+def test_prompt_logprobs_equal_transformers_in_chunks_and_with_prefix_caching(hf_model):
+    """A prompt longer than a step's chunk (several plans score its rows), beside another request;
+    a second run whose prompt blocks are in the prefix cache still scores every prompt token."""
+    params = [SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2),
+              SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=0, logprobs=1)]
+    with LLM(**DEFAULT_LLM_KWARGS, enable_prefix_caching=True) as llm:
+        for _ in range(2):
+            outs = llm.generate([LONG, PROMPTS[0]], params, use_tqdm=False)
+            assert len(outs[0].prompt_token_ids) > llm.engine.config.scheduler.max_num_batched_tokens // 4
+            _check_prompt_logprobs(outs[0], hf_model, 2)
+            _check_prompt_logprobs(outs[1], hf_model, 0)
+            assert outs[1].outputs[0].logprobs is not None
+        cache = llm.stats()["prefix_cache"]
+        assert_engine_clean(llm)
+    assert cache["hits"] == 0            # prompts still to score are never taken from the cache
+    plain = SamplingParams(temperature=0, max_tokens=3)
+    with LLM(**DEFAULT_LLM_KWARGS, pipeline_parallel_size=2,
+             speculative_config={"method": "mtp", "num_speculative_tokens": 2}) as llm:
+        outs = llm.generate([LONG, PROMPTS[0]], [params[0], plain], use_tqdm=False)
+    _check_prompt_logprobs(outs[0], hf_model, 2)
+    assert outs[1].prompt_logprobs is None

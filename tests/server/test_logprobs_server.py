@@ -72,3 +72,16 @@ def test_sampled_logprobs_are_the_raw_models(client, model):
     cold = client.completions.create(temperature=0, **kw).choices[0].logprobs
     assert hot.tokens[0] in hot.top_logprobs[0] or hot.token_logprobs[0] < min(hot.top_logprobs[0].values())
     assert hot.top_logprobs[0] == pytest.approx(cold.top_logprobs[0], abs=1e-5)   # same position, same raw model
+
+
+def test_prompt_logprobs_extension(client, model):
+    """vLLM's `prompt_logprobs`: None for the first prompt token, then each one's, keyed by token id."""
+    kw = dict(model=model, prompt=PROMPT, max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 1})
+    r = client.completions.create(**kw).model_dump()
+    plp = r["choices"][0]["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == r["usage"]["prompt_tokens"]
+    assert all(1 <= len(e) <= 2 and all(v["logprob"] <= 0 and v["rank"] >= 1 for v in e.values()) for e in plp[1:]), plp
+    chunks = [c.model_dump() for c in client.completions.create(stream=True, **kw)]
+    firsts = [c["choices"][0].get("prompt_logprobs") for c in chunks if c["choices"]]
+    assert firsts[0] is not None and [e and sorted(e) for e in firsts[0]] == [e and sorted(e) for e in plp]
+    assert all(f is None for f in firsts[1:]), firsts[1:]
