@@ -60,6 +60,17 @@ class StepPlan:
     prompt_logprob_rows: torch.Tensor | None = None
     prompt_logprob_ids: torch.Tensor | None = None
     num_prompt_logprobs: int = -1
+    # logits processing (`pipespec.sampling.apply_penalties`; None: nothing to do): per sampling line
+    # float32 [S, 3] penalties, its tokens' counts int64 [P, 4], per-row biases and bans int64 [Q, 4]
+    # with their float32 [Q] values (built by `pipespec.engine.logits_inputs`)
+    penalties: torch.Tensor | None = None
+    penalty_tokens: torch.Tensor | None = None
+    bias_entries: torch.Tensor | None = None
+    bias_values: torch.Tensor | None = None
+
+    @property
+    def adjusts_logits(self) -> bool:
+        return self.penalties is not None or self.bias_entries is not None
 
     def __post_init__(self):
         b, device = self.seq_lens.shape[0], self.seq_lens.device

@@ -60,6 +60,15 @@ class SamplingParams:
     logprobs: int | None = None
     # per prompt token after the first, its logprob and the `prompt_logprobs` most likely tokens'
     prompt_logprobs: int | None = None
+    # logits processing, in vLLM's order: logit_bias, min_tokens and bad_words first, then the
+    # repetition penalty (over prompt and generated tokens: positive logits divided by it, negative
+    # ones multiplied) and OpenAI's frequency and presence penalties (over generated tokens)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0             # no EOS or stop token id before this many generated tokens
+    bad_words: list[str] | None = None    # never generated (each as the model's tokens would spell it)
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
     stop_hold: int = field(init=False, repr=False)      # characters a DELTA output holds back
 
@@ -95,6 +104,22 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
                 bad(name, f"must be None or an integer in [0, {MAX_LOGPROBS}]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2.0 <= value <= 2.0:
+                bad(name, "must be a number in [-2, 2]")
+        if not _is_number(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 100.0:
+            bad("repetition_penalty", "must be a number in (0, 100]")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or not all(
+                    _is_int(t) and t >= 0 and _is_number(v) and -100.0 <= v <= 100.0 for t, v in self.logit_bias.items()):
+                bad("logit_bias", "must map token ids (integers >= 0) to numbers in [-100, 100]")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0 or (
+                self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            bad("min_tokens", "must be an integer >= 0 and at most max_tokens")
+        if self.bad_words is not None and (not isinstance(self.bad_words, (list, tuple)) or not all(
+                isinstance(w, str) and w.strip() for w in self.bad_words)):
+            bad("bad_words", "must be a list of non-empty strings")
         if not isinstance(self.output_kind, RequestOutputKind):
             bad("output_kind", f"must be one of {', '.join(f'RequestOutputKind.{k.name}' for k in RequestOutputKind)}")
         object.__setattr__(self, "stop_strings", tuple(stops))
@@ -104,6 +129,16 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the repetition, presence or frequency penalty applies (they need token counts)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether anything changes the logits before sampling (penalties, bias, bans)."""
+        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0 or bool(self.bad_words)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -254,3 +289,54 @@ def unpack_logprobs(columns: list[int], count: int, num_logprobs: int) -> list[t
         at = j * w
         out.append((doubles[at], columns[at + 1], columns[at + 2:at + 2 + n], doubles[at + 2 + n:at + w]))
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Logits processing on the last stage. Each verify row of a line sees the request's tokens as of its
+# own position: the driver's counts (every accepted token), then the drafts before that row, which
+# are accepted exactly when the row's output is used. Bans and biases come per row from the driver,
+# which knows the drafts it sent (bad words whose prefix a draft completes, min_tokens by row).
+
+
+def apply_penalties(logits: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor,
+                    penalties: torch.Tensor | None, penalty_tokens: torch.Tensor | None,
+                    bias_entries: torch.Tensor | None, bias_values: torch.Tensor | None) -> torch.Tensor:
+    """Processed copy of logits [S, R, V] (R = 1 + K verify rows, float32).
+
+    draft_ids [S, K] the drafts the rows after the first embed, num_drafts [S] how many are real;
+    penalties float32 [S, 3]: (repetition, presence, frequency) of each line (neutral: 1, 0, 0);
+    penalty_tokens int64 [P, 4]: (line, token id, times generated, 1 if in the prompt else 0), the
+    request's tokens before the line's first row;
+    bias_entries int64 [Q, 4]: (line, token id, first row, end row) with bias_values float32 [Q]
+    (-inf: banned) added at rows first..end-1.
+    """
+    s, r, v = logits.shape
+    out = logits.float().clone()
+    device = out.device
+    if bias_entries is not None and bias_entries.shape[0]:
+        rows = torch.arange(r, device=device)
+        e = bias_entries
+        inside = (rows[None, :] >= e[:, 2:3]) & (rows[None, :] < e[:, 3:4])                    # [Q, R]
+        value = torch.where(inside, bias_values[:, None], torch.zeros((), device=device))
+        out.index_put_((e[:, 0:1].expand(-1, r), rows[None, :].expand(len(e), -1), e[:, 1:2].expand(-1, r)),
+                       value, accumulate=True)
+    if penalties is None:
+        return out
+    counts = torch.zeros(s, r, v, device=device)
+    seen = torch.zeros(s, v, dtype=torch.bool, device=device)
+    if penalty_tokens is not None and penalty_tokens.shape[0]:
+        line, tok = penalty_tokens[:, 0], penalty_tokens[:, 1]
+        counts[:, 0].index_put_((line, tok), penalty_tokens[:, 2].float(), accumulate=True)
+        seen.index_put_((line, tok), penalty_tokens[:, 3] > 0, accumulate=True)
+    k = r - 1
+    if k:
+        # row j (> 0) also counts the real drafts 0..j-1 before it
+        real = (torch.arange(k, device=device)[None, :] < num_drafts[:, None]).float()                 # [S, K]
+        one = torch.zeros(s, k, v, device=device).scatter_(-1, draft_ids.clamp(0, v - 1)[..., None],
+                                                           real[..., None])
+        counts[:, 1:] = one.cumsum(dim=1)
+        counts[:, 1:] += counts[:, :1]
+    seen = seen[:, None] | (counts > 0)
+    rep, presence, frequency = (penalties[:, i, None, None] for i in range(3))
+    out = torch.where(seen, torch.where(out > 0, out / rep, out * rep), out)
+    return out - frequency * counts - presence * (counts > 0).float()

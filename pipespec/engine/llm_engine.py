@@ -30,6 +30,7 @@ from collections import deque
 from pipespec.config import EngineConfig
 from pipespec.engine.adaptive_k import make_policy
 from pipespec.engine.detokenizer import IncrementalDetokenizer
+from pipespec.engine.logits_inputs import bad_words_token_ids
 from pipespec.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from pipespec.engine.request import Request
 from pipespec.engine.scheduler import ScheduledBatch, Scheduler
@@ -172,6 +173,11 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else unseeded_request_seed(self._seed_base, arrival)
         req = Request(request_id, text, ids, params, seed, max_tokens, frozenset(self.tokenizer.eos_token_ids))
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+        vocab = self.arch.vocab_size
+        for t in params.logit_bias or ():
+            if t >= vocab:
+                raise ValueError(f"logit_bias names token id {t}, outside the vocabulary (size {vocab})")
+        req.bad_words_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
         return req
 
     def add_request(self, request_id: str, prompt, params: SamplingParams) -> Request:
@@ -287,6 +293,8 @@ class LLMEngine:
         params = req.params
         for i, token in enumerate(tokens):
             req.token_ids.append(token)
+            if req.output_counts is not None:
+                req.output_counts[token] += 1
             if logprobs is not None:
                 self._add_logprob(req, token, logprobs[i])
             if token in req.eos_ids:       # before its text: an end token's text is never output

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 from array import array
+from collections import Counter
 
 from pipespec.sampling import SamplingParams
 
@@ -19,7 +20,7 @@ class Request:
                  "in_flight", "num_pending_tokens", "num_pending_samples", "carry_row", "draft_ids",
                  "state_slot", "state_commit", "num_cached_blocks", "cache_parent", "finish_reason", "stop_reason",
                  "detokenizer", "sent_tokens", "sent_chars", "logprobs", "cumulative_logprob",
-                 "prompt_logprobs", "num_prompt_logprob_rows")
+                 "prompt_logprobs", "num_prompt_logprob_rows", "output_counts", "prompt_set", "bad_words_ids")
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  params: SamplingParams, seed: int, max_tokens: int, eos_ids: frozenset[int]):
@@ -58,6 +59,11 @@ class Request:
         # per prompt token; and how many prompt tokens a step scheduled so far scores (the first: 1)
         self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
         self.num_prompt_logprob_rows = 1
+        # logits processing (`engine/logits_inputs.py`): generated-token counts (penalties), the
+        # prompt's distinct tokens (repetition penalty), the bad words' token sequences
+        self.output_counts = Counter() if params.penalized else None
+        self.prompt_set = frozenset(prompt_token_ids) if params.repetition_penalty != 1.0 else frozenset()
+        self.bad_words_ids: tuple[tuple[int, ...], ...] = ()
 
     @property
     def num_tokens(self) -> int:

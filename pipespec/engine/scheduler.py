@@ -46,6 +46,7 @@ import torch
 from pipespec.config import SchedulerConfig
 from pipespec.engine.block_allocator import ROOT, BlockAllocator
 from pipespec.engine.host_tensors import float32_tensor, int64_tensor
+from pipespec.engine.logits_inputs import logits_inputs
 from pipespec.engine.request import Request, RequestStatus
 from pipespec.plan import StepPlan, StepResult, draft_chain_overrun
 from pipespec.sampling import SamplingTensors
@@ -286,6 +287,8 @@ class Scheduler:
         in flight is always the last one scheduled.)"""
         if not self.async_scheduling or req.in_flight != 1:
             return False
+        if req.num_pending_samples and req.params.adjusts_logits:
+            return False                   # its logits processing needs the token the step in flight samples
         n = req.num_expected_tokens
         return not req.num_pending_samples or (n - req.num_prompt_tokens < req.max_tokens
                                                and n + self._last_k + self.num_spec_tokens < self.max_model_len)
@@ -328,6 +331,7 @@ class Scheduler:
         bs = self.block_size
         input_ids, positions, slots, qsl, seq_lens, sample_rows, samplers = [], [], [], [0], [], [], []
         lp_rows, lp_ids, lp_counts, lp_max = [], [], [], -1
+        sampler_drafts = []
         carried, next_ids = [], []
         width = max(len(line.req.block_ids) for line in lines)
         tables = array("q")                    # [B, width], each request's blocks padded with 0
@@ -358,6 +362,7 @@ class Scheduler:
             if samples:
                 sample_rows.append(b)
                 samplers.append(req)
+                sampler_drafts.append([] if carries else req.draft_ids[:d])
             count = 0
             if req.prompt_logprobs is not None:
                 # rows whose next token is a prompt token not yet scored (a recompute scores none twice)
@@ -392,6 +397,7 @@ class Scheduler:
             prompt_logprob_rows=int64_tensor(lp_rows) if lp_max >= 0 else None,
             prompt_logprob_ids=int64_tensor(lp_ids) if lp_max >= 0 else None,
             num_prompt_logprobs=lp_max,
+            **logits_inputs(samplers, sampler_drafts, k + 1),
         ), (lp_counts if lp_max >= 0 else None)
 
     def complete(self, batch: ScheduledBatch, result: StepResult | None = None) -> None:

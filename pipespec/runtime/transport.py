@@ -73,7 +73,7 @@ def _plan_slots() -> list[str]:
 
 
 _SLOTS = _plan_slots()
-HEADER_LEN = 128
+HEADER_LEN = 192
 if _PREFIX + _SLOT * len(_SLOTS) > HEADER_LEN:
     raise ImportError(f"a plan of {len(_SLOTS)} fields does not fit the {HEADER_LEN}-slot header")
 

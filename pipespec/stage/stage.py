@@ -35,7 +35,7 @@ from pipespec.model.placement import resolve_device, resolve_dtype
 from pipespec.model.source import ModelSource
 from pipespec.parallel import TensorParallel
 from pipespec.plan import StepPlan, StepResult, position_margin
-from pipespec.sampling import append_logprobs, append_prompt_logprobs
+from pipespec.sampling import append_logprobs, append_prompt_logprobs, apply_penalties
 from pipespec.speculative.loading import build_proposer
 from pipespec.speculative.rejection import verify
 from pipespec.stage import memory
@@ -252,17 +252,25 @@ class Stage:
             return StepResult.empty(plan.step_id, plan.num_reqs, k).data
         replayed = fwd.ctx is None
         logits = None
-        if not replayed or not plan.sampling.all_greedy or plan.num_logprobs >= 0:
+        # a step that processes its logits verifies them eagerly, never by the graph's greedy shortcut
+        shortcut = replayed and plan.sampling.all_greedy and not plan.adjusts_logits
+        if not shortcut or plan.num_logprobs >= 0:
             logits = fwd.logits
             if logits is None:
                 logits = self.model.compute_logits(fwd.hidden[layout.verify_rows.reshape(-1)])
             logits = logits.view(s, k + 1, -1)
-        if replayed and plan.sampling.all_greedy:
+        if shortcut:
             data = self.graphs.finish()       # the forward graph verified greedily
         else:
             # greedy verification reads no sampling tensor: spare their upload
             sampling = plan.sampling if plan.sampling.all_greedy else plan.sampling.to(self.device)
-            tokens, num_sampled = verify(logits, layout, sampling)
+            processed = logits
+            if plan.adjusts_logits:           # penalties, bias, bans (logprobs stay the raw model's)
+                processed = apply_penalties(logits, layout.draft_ids, layout.num_drafts,
+                                            *(None if t is None else t.to(self.device) for t in
+                                              (plan.penalties, plan.penalty_tokens, plan.bias_entries,
+                                               plan.bias_values)))
+            tokens, num_sampled = verify(processed, layout, sampling)
             if replayed:
                 data = self.graphs.finish(tokens, num_sampled)
             else:
