@@ -229,7 +229,7 @@ _FIELDS = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_
 
 
 def _param_of(message: str) -> str | None:
-    for name in ("prompt_token_ids", "prompt", "max_tokens", "messages"):
+    for name in ("prompt_token_ids", "prompt", "max_tokens", "messages", "logit_bias"):
         if name in message:
             return name
     return None

@@ -43,20 +43,18 @@ class _SamplingFields(BaseModel):
     logprobs: Optional[Union[bool, int]] = None
     top_logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None     # vLLM's extension: each prompt token's logprob and top N
-    # OpenAI fields pipespec does not implement: refused when set, never silently ignored
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
-    logit_bias: Optional[dict[str, float]] = None
+    logit_bias: Optional[dict[str, float]] = None     # token id (as a string) -> bias in [-100, 100]
+    # vLLM's extensions
+    repetition_penalty: Optional[float] = None
+    min_tokens: int = 0
+    bad_words: Optional[list[str]] = None
     user: Optional[str] = None
 
     def refuse_unsupported(self) -> None:
         if self.n != 1:
             raise ApiError(400, f"n={self.n} is not supported: pipespec returns one choice per request", "n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                raise ApiError(400, f"{name} is not supported by pipespec", name)
-        if self.logit_bias:
-            raise ApiError(400, "logit_bias is not supported by pipespec", "logit_bias")
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "stream_options is only allowed with stream=true", "stream_options")
 
@@ -69,6 +67,11 @@ class _SamplingFields(BaseModel):
                       min_p=0.0 if self.min_p is None else self.min_p,
                       seed=self.seed, stop=self.stop, ignore_eos=self.ignore_eos,
                       logprobs=self.num_logprobs(),
+                      presence_penalty=self.presence_penalty or 0.0,
+                      frequency_penalty=self.frequency_penalty or 0.0,
+                      repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                      logit_bias=_token_bias(self.logit_bias), min_tokens=self.min_tokens,
+                      bad_words=self.bad_words,
                       prompt_logprobs=(None if self.prompt_logprobs is None
                                        else _check_count(self.prompt_logprobs, "prompt_logprobs")),
                       output_kind=RequestOutputKind.DELTA)      # what is new each step: no copies
@@ -82,6 +85,19 @@ class _SamplingFields(BaseModel):
     def num_logprobs(self) -> Optional[int]:
         """SamplingParams.logprobs: how many top alternatives each token's logprobs list (None: none)."""
         raise NotImplementedError
+
+
+def _token_bias(bias: Optional[dict[str, float]]) -> Optional[dict[int, float]]:
+    """OpenAI's logit_bias (token ids as JSON keys, so strings) with integer keys."""
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        try:
+            out[int(key)] = value
+        except ValueError:
+            raise ApiError(400, f"logit_bias: key {key!r} is not a token id", "logit_bias") from None
+    return out
 
 
 def _check_count(value, name: str) -> int:
