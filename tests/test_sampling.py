@@ -310,3 +310,39 @@ def test_penalty_fields_validated():
     p = SamplingParams(presence_penalty=0.5)
     assert p.penalized and p.adjusts_logits and not SamplingParams().adjusts_logits
     assert SamplingParams(min_tokens=2).adjusts_logits and not SamplingParams(min_tokens=2).penalized
+
+
+def test_sampled_with_penalties_under_a_draft_follows_sequential_sampling():
+    """Chi-square: a line verifying one deterministic draft with presence/frequency/repetition
+    penalties emits (token0[, token1]) as sampling one token at a time with penalties would: row 1
+    counts the draft it follows, so a draft accepted in the same step is penalized after it."""
+    from pipespec.sampling import apply_penalties
+    from pipespec.speculative.rejection import rejection_sample
+    n, vocab, draft = 40000, 6, 2
+    row0 = torch.tensor([1.0, 0.5, 1.2, 0.0, -0.5, 0.3])
+    row1 = torch.tensor([0.2, 0.9, 1.5, 0.4, 0.0, -1.0])        # the target's logits after the draft
+    pen = (1.3, 0.4, 0.6)
+    counts = [(0, 1, 2, 1), (0, 3, 0, 1)]                        # token 1 generated twice, 3 in the prompt
+    logits = torch.stack((row0, row1))[None].expand(n, -1, -1).contiguous()
+    lines = torch.arange(n)
+    tokens_in = torch.tensor(counts).repeat(n, 1)
+    tokens_in[:, 0] = lines.repeat_interleave(len(counts))
+    processed = apply_penalties(logits, torch.full((n, 1), draft), torch.ones(n, dtype=torch.int64),
+                                torch.tensor([pen]).expand(n, -1).contiguous(), tokens_in, None, None)
+    st = tensors(n, temperature=0.8)
+    st.seed = torch.arange(n, dtype=torch.int64) * 7919 + 3
+    out, num = rejection_sample(processed, torch.full((n, 1), draft), torch.ones(n, dtype=torch.int64), st,
+                                torch.full((n,), 10, dtype=torch.int64))
+
+    def ref(row, generated, prompt):
+        return (_reference_row(row, prompt, generated, *pen) / 0.8).softmax(-1)
+    p0 = ref(row0, [1, 1], [3])
+    p1 = ref(row1, [1, 1, draft], [3])
+    outcome = torch.where(num == 1, out[:, 0], vocab + out[:, 1])       # x alone, or (draft, y) as vocab + y
+    assert ((num == 1) | (out[:, 0] == draft)).all()
+    probs = torch.cat((p0 * (torch.arange(vocab) != draft), p0[draft] * p1))
+    ok, stat = chi2_ok(torch.bincount(outcome, minlength=2 * vocab).float(), probs)
+    assert ok, stat
+    # without the draft counted at row 1 the distribution is measurably another one
+    wrong = torch.cat((p0 * (torch.arange(vocab) != draft), p0[draft] * ref(row1, [1, 1], [3])))
+    assert not chi2_ok(torch.bincount(outcome, minlength=2 * vocab).float(), wrong)[0]
