@@ -42,7 +42,7 @@ class RequestOutputKind(enum.IntEnum):
 class SamplingParams:
     """Per-request sampling controls, named as vLLM names them."""
 
-    n: int = 1
+    n: int = 1                      # sequences per prompt (the engine runs n requests sharing its KV)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1                 # -1 or 0: disabled
@@ -78,8 +78,6 @@ class SamplingParams:
 
         if not _is_int(self.n) or self.n < 1:
             bad("n", "must be an integer >= 1")
-        if self.n != 1:
-            bad("n", "only n=1 is supported (one completion per request)")
         if not _is_number(self.temperature) or self.temperature < 0 or self.temperature != self.temperature:
             bad("temperature", "must be a number >= 0")
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:

@@ -229,7 +229,7 @@ def test_sampling_params_defaults_and_stop_strings():
 @pytest.mark.parametrize("kwargs,field", [
     (dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.01), "top_p"),
     (dict(top_k=-5), "top_k"), (dict(min_p=-0.1), "min_p"), (dict(max_tokens=0), "max_tokens"),
-    (dict(max_tokens="3"), "max_tokens"), (dict(n=2), "n"), (dict(seed=1.0), "seed"),
+    (dict(max_tokens="3"), "max_tokens"), (dict(n=0), "n"), (dict(seed=1.0), "seed"),
     (dict(stop=[""]), "stop"), (dict(stop_token_ids=[1, -2]), "stop_token_ids"),
     (dict(include_stop_str_in_output="no"), "include_stop_str_in_output"),
 ], ids=lambda x: str(x) if isinstance(x, dict) else x)

@@ -22,6 +22,7 @@ line's drafts never cross max_model_len.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 import time
@@ -179,6 +180,27 @@ class LLMEngine:
                 raise ValueError(f"logit_bias names token id {t}, outside the vocabulary (size {vocab})")
         req.bad_words_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
         return req
+
+    def make_requests(self, request_id: str, prompt, params: SamplingParams) -> list[Request]:
+        """The requests of one prompt: n of them (`request_id`-0 .. -{n-1}) when params.n > 1, each
+        drawing as a request of its own with seed `seed + i` would, the later ones taking the first
+        one's prompt KV blocks from the prefix cache (`Request.prefix_leader`)."""
+        n = params.n if isinstance(params, SamplingParams) else 1
+        if n == 1:
+            return [self.make_request(request_id, prompt, params)]
+        limit = self.config.scheduler.max_num_seqs
+        if n > limit:
+            raise ValueError(f"n={n} is more sequences than the engine runs at once (max_num_seqs={limit})")
+        if any(f"{request_id}-{i}" in self.requests for i in range(n)):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        reqs = []
+        for i in range(n):
+            child = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+            reqs.append(self.make_request(f"{request_id}-{i}", prompt, child))
+        if self.scheduler.enable_prefix_caching:
+            for req in reqs[1:]:
+                req.prefix_leader = reqs[0]
+        return reqs
 
     def add_request(self, request_id: str, prompt, params: SamplingParams) -> Request:
         return self.submit(self.make_request(request_id, prompt, params))

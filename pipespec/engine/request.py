@@ -20,7 +20,8 @@ class Request:
                  "in_flight", "num_pending_tokens", "num_pending_samples", "carry_row", "draft_ids",
                  "state_slot", "state_commit", "num_cached_blocks", "cache_parent", "finish_reason", "stop_reason",
                  "detokenizer", "sent_tokens", "sent_chars", "logprobs", "cumulative_logprob",
-                 "prompt_logprobs", "num_prompt_logprob_rows", "output_counts", "prompt_set", "bad_words_ids")
+                 "prompt_logprobs", "num_prompt_logprob_rows", "output_counts", "prompt_set", "bad_words_ids",
+                 "prefix_leader")
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  params: SamplingParams, seed: int, max_tokens: int, eos_ids: frozenset[int]):
@@ -64,6 +65,9 @@ class Request:
         self.output_counts = Counter() if params.penalized else None
         self.prompt_set = frozenset(prompt_token_ids) if params.repetition_penalty != 1.0 else frozenset()
         self.bad_words_ids: tuple[tuple[int, ...], ...] = ()
+        # n > 1: the first of its siblings, whose computed prompt blocks it takes from the prefix
+        # cache (it waits to be admitted until they are cached); None: none
+        self.prefix_leader: Request | None = None
 
     @property
     def num_tokens(self) -> int:

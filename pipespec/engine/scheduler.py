@@ -209,6 +209,8 @@ class Scheduler:
         while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
                and len(picked) < cap):
             req = self.waiting[0]
+            if self._waits_for_leader(req):
+                break                      # its sibling's prompt blocks are computed first, then shared
             # (a waiting request is not in flight, and holds no blocks: none computed)
             # (prompt logprobs still to score need the prompt's logits: its rows are computed)
             lookup = self.enable_prefix_caching and (req.prompt_logprobs is None
@@ -260,6 +262,18 @@ class Scheduler:
             line.req.state_commit = 0 if line.draft_rows else -1
         requests, rows, drafts, draft_rows, samples = map(list, zip(*lines))
         return ScheduledBatch(plan, requests, rows, drafts, draft_rows, samples, k_changed, prompt_rows)
+
+    def _waits_for_leader(self, req: Request) -> bool:
+        """n > 1: a sibling waits while the first one is computing the prompt's full blocks, which it
+        then takes from the prefix cache instead of computing them again."""
+        leader = req.prefix_leader
+        if leader is None:
+            return False
+        shared = (req.num_prompt_tokens - 1) // self.block_size * self.block_size
+        if leader.finished or shared == 0 or leader.num_computed_tokens >= shared:
+            req.prefix_leader = None       # (admitted from now on like any request)
+            return False
+        return True
 
     def _pad_lines(self, picked: list[tuple[Request, int, int]], k: int) -> list[_Line]:
         """The lines of the picked (request, rows, drafts). A decoding request with fewer drafts than

@@ -111,8 +111,8 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             raise ApiError(400, f"{param} is not supported by pipespec", param)
         prompts = completion_prompts(body.prompt)
         params = body.sampling_params(body.max_tokens, 16)
-        if len(prompts) > 1:
-            return await _respond_many(body, prompts, params)
+        if len(prompts) > 1 or params.n > 1:
+            return await _respond_many(body, prompts, params, chat=False)
         return await _respond(request, body, prompts[0], params, chat=False)
 
     def render_chat(plan, add_generation_prompt: bool) -> tuple[dict, str]:
@@ -133,14 +133,18 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         params = body.sampling_params(max_tokens, None)
         parser = plan.output_parser(chat_options, text)
         if parser is not None:          # the markup may be special tokens: keep them in the text to parse
+            if params.n > 1:
+                raise ApiError(400, "n > 1 with tool calls or reasoning parsing is not supported", "n")
             params = dataclasses.replace(params, skip_special_tokens=False)
+        if params.n > 1:
+            return await _respond_many(body, [prompt], params, chat=True)
         return await _respond(request, body, prompt, params, chat=True, parser=parser)
 
-    async def start(prompt, params, id_prefix: str, index: int | None = None) -> _Generation:
-        """Admit one request, or raise the API error its refusal maps to (`index`: its place in a list
-        of prompts, named in a 400)."""
+    async def start(prompt, params, id_prefix: str, index: int | None = None) -> list[_Generation]:
+        """Admit one prompt's requests (params.n), or raise the API error its refusal maps to
+        (`index`: its place in a list of prompts, named in a 400)."""
         try:
-            request_id, outputs, prompt_ids = await engine.add_request(prompt, params, id_prefix)
+            streams, prompt_ids = await engine.add_request(prompt, params, id_prefix)
         except ValueError as e:
             if index is None:
                 raise ApiError(400, str(e), _param_of(str(e))) from None
@@ -150,10 +154,11 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         except EngineDeadError as e:
             raise ApiError(503, str(e), kind="engine_error") from None
         metrics.prompt_tokens.inc(len(prompt_ids))
-        return _Generation(engine, metrics, request_id, outputs, len(prompt_ids), log_requests, params.logprobs)
+        return [_Generation(engine, metrics, request_id, outputs, len(prompt_ids), log_requests, params.logprobs)
+                for request_id, outputs in streams]
 
     async def _respond(request: Request, body, prompt, params, chat: bool, parser=None):
-        gen = await start(prompt, params, "chatcmpl" if chat else "cmpl")
+        gen, = await start(prompt, params, "chatcmpl" if chat else "cmpl")
         object_name = "chat.completion" if chat else "text_completion"
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -175,29 +180,33 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         return {"id": gen.request_id, "object": object_name, "created": int(time.time()), "model": model_name,
                 "choices": [choice], "usage": gen.usage()}
 
-    async def _respond_many(body: CompletionRequest, prompts: list, params):
-        """One choice per prompt (index = the prompt's place in the list), run side by side."""
+    async def _respond_many(body, prompts: list, params, chat: bool):
+        """Several choices run side by side: n per prompt, index = the prompt's place in the list
+        times n plus the sequence's (the first of them keeps the id of the whole response)."""
         gens: list[_Generation] = []
         try:
             for i, prompt in enumerate(prompts):
-                gens.append(await start(prompt, params, "cmpl", i))
+                gens += await start(prompt, params, "chatcmpl" if chat else "cmpl", i if len(prompts) > 1 else None)
         except BaseException:
             for gen in gens:
                 gen.close()
             raise
+        object_name = "chat.completion" if chat else "text_completion"
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_sse_many(gens, model_name, include_usage), media_type="text/event-stream")
+            return StreamingResponse(_sse_many(gens, model_name, include_usage, chat,
+                                               object_name + ".chunk" if chat else object_name),
+                                     media_type="text/event-stream")
         try:
             results = await asyncio.gather(*(gen.collect() for gen in gens))
         finally:
             for gen in gens:
                 gen.close()
-        choices = [{"index": i, "text": text, "finish_reason": finish,
-                    "logprobs": gen.format_logprobs(gen.logprobs, False),
+        choices = [{"index": i, "finish_reason": finish, "logprobs": gen.format_logprobs(gen.logprobs, chat),
+                    **({"message": {"role": "assistant", "content": text}} if chat else {"text": text}),
                     **({"prompt_logprobs": gen.prompt_logprobs} if gen.prompt_logprobs is not None else {})}
                    for i, (gen, (text, finish)) in enumerate(zip(gens, results))]
-        return {"id": gens[0].request_id, "object": "text_completion", "created": int(time.time()),
+        return {"id": gens[0].request_id, "object": object_name, "created": int(time.time()),
                 "model": model_name, "choices": choices, "usage": _total_usage(gens)}
 
     app.state.metrics = metrics
@@ -229,6 +238,8 @@ _FIELDS = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_
 
 
 def _param_of(message: str) -> str | None:
+    if message.startswith("n="):
+        return "n"
     for name in ("prompt_token_ids", "prompt", "max_tokens", "messages", "logit_bias"):
         if name in message:
             return name
@@ -386,17 +397,18 @@ async def _sse(gen: _Generation, chat: bool, model: str, object_name: str, inclu
         gen.close()
 
 
-async def _sse_many(gens: list[_Generation], model: str, include_usage: bool):
-    """Several prompts' streams in one: each chunk carries one choice, its index the prompt's."""
+async def _sse_many(gens: list[_Generation], model: str, include_usage: bool, chat: bool = False,
+                    object_name: str = "text_completion"):
+    """Several choices' streams in one: each chunk carries one choice, with its index."""
     created = int(time.time())
     merged: asyncio.Queue = asyncio.Queue()
 
     async def pump(index: int, gen: _Generation):
         try:
             async for delta, finish in gen.deltas():
-                logprobs = gen.format_logprobs(gen.delta_logprobs, False)
+                logprobs = gen.format_logprobs(gen.delta_logprobs, chat)
                 gen.delta_logprobs = []
-                if delta or finish is not None or (logprobs and logprobs["tokens"]):
+                if delta or finish is not None or (logprobs and (logprobs.get("tokens") or logprobs.get("content"))):
                     await merged.put((index, delta, finish, None, logprobs))
         except ApiError as e:
             await merged.put((index, "", None, e, None))
@@ -404,7 +416,7 @@ async def _sse_many(gens: list[_Generation], model: str, include_usage: bool):
             await merged.put((index, None, None, None, None))      # this prompt is over
 
     def chunk(choices: list, usage: dict | None = None) -> str:
-        payload = {"id": gens[0].request_id, "object": "text_completion", "created": created, "model": model,
+        payload = {"id": gens[0].request_id, "object": object_name, "created": created, "model": model,
                    "choices": choices}
         if include_usage:
             payload["usage"] = usage
@@ -412,6 +424,9 @@ async def _sse_many(gens: list[_Generation], model: str, include_usage: bool):
 
     tasks = [asyncio.ensure_future(pump(i, gen)) for i, gen in enumerate(gens)]
     try:
+        if chat:
+            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                         for i in range(len(gens))])
         open_streams, error = len(gens), None
         while open_streams:
             index, delta, finish, err, logprobs = await merged.get()
@@ -420,7 +435,8 @@ async def _sse_many(gens: list[_Generation], model: str, include_usage: bool):
             elif err is not None:
                 error = error or err
             else:
-                yield chunk([{"index": index, "text": delta, "finish_reason": finish, "logprobs": logprobs}])
+                yield chunk([{"index": index, "finish_reason": finish, "logprobs": logprobs,
+                              **({"delta": {"content": delta} if delta else {}} if chat else {"text": delta})}])
         if error is not None:
             yield f"data: {json.dumps(error.body())}\n\n"
         elif include_usage:

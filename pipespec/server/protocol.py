@@ -53,8 +53,6 @@ class _SamplingFields(BaseModel):
     user: Optional[str] = None
 
     def refuse_unsupported(self) -> None:
-        if self.n != 1:
-            raise ApiError(400, f"n={self.n} is not supported: pipespec returns one choice per request", "n")
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "stream_options is only allowed with stream=true", "stream_options")
 
@@ -65,7 +63,7 @@ class _SamplingFields(BaseModel):
                       top_p=1.0 if self.top_p is None else self.top_p,
                       top_k=-1 if self.top_k is None else self.top_k,
                       min_p=0.0 if self.min_p is None else self.min_p,
-                      seed=self.seed, stop=self.stop, ignore_eos=self.ignore_eos,
+                      n=self.n, seed=self.seed, stop=self.stop, ignore_eos=self.ignore_eos,
                       logprobs=self.num_logprobs(),
                       presence_penalty=self.presence_penalty or 0.0,
                       frequency_penalty=self.frequency_penalty or 0.0,
