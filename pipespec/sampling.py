@@ -243,15 +243,16 @@ def logprob_columns(logits: torch.Tensor, tokens: torch.Tensor, num_logprobs: in
     logits [S, R, V] (raw model logits of each verify row), tokens [S, R] (-1 where the row sampled
     nothing: its columns are then meaningless). Returns int64 [S, R * logprob_width(N)]."""
     s, r, _ = logits.shape
-    logp = logits.float().log_softmax(dim=-1)
-    tok = tokens.clamp_min(0)
-    lp = logp.gather(-1, tok[..., None])                                           # [S, R, 1]
+    logits = logits.float()
+    # logprob = logit - logsumexp: one reduction, no [S, R, V] log-softmax written out
+    lse = logits.logsumexp(dim=-1, keepdim=True)
+    tok_logit = logits.gather(-1, tokens.clamp_min(0)[..., None])                     # [S, R, 1]
     # rank as vLLM counts it: 1 + the tokens strictly more likely
-    rank = (logp > lp).sum(dim=-1, keepdim=True) + 1
-    parts = [lp.double().view(torch.int64), rank]
+    rank = (logits > tok_logit).sum(dim=-1, keepdim=True) + 1
+    parts = [(tok_logit - lse).double().view(torch.int64), rank]
     if num_logprobs > 0:
-        top_lp, top_ids = logp.topk(num_logprobs, dim=-1)
-        parts += [top_ids, top_lp.double().view(torch.int64)]
+        top, top_ids = logits.topk(num_logprobs, dim=-1)
+        parts += [top_ids, (top - lse).double().view(torch.int64)]
     return torch.cat(parts, dim=-1).reshape(s, r * logprob_width(num_logprobs))
 
 
@@ -304,15 +305,20 @@ def apply_penalties(logits: torch.Tensor, draft_ids: torch.Tensor, num_drafts: t
     draft_ids [S, K] the drafts the rows after the first embed, num_drafts [S] how many are real;
     penalties float32 [S, 3]: (repetition, presence, frequency) of each line (neutral: 1, 0, 0);
     penalty_tokens int64 [P, 4]: (line, token id, times generated, 1 if in the prompt else 0), the
-    request's tokens before the line's first row;
+    request's distinct tokens before the line's first row;
     bias_entries int64 [Q, 4]: (line, token id, first row, end row) with bias_values float32 [Q]
     (-inf: banned) added at rows first..end-1.
+
+    Penalties touch only the tokens a row has seen: each known token at every row, and each draft at
+    every row. Their logits are gathered, processed and written back (an entry named twice gets the
+    same value twice: each is a function of its line, row and token alone), so the work is the
+    number of tokens seen, not [S, R, V].
     """
     s, r, v = logits.shape
     out = logits.float().clone()
     device = out.device
+    rows = torch.arange(r, device=device)
     if bias_entries is not None and bias_entries.shape[0]:
-        rows = torch.arange(r, device=device)
         e = bias_entries
         inside = (rows[None, :] >= e[:, 2:3]) & (rows[None, :] < e[:, 3:4])                    # [Q, R]
         value = torch.where(inside, bias_values[:, None], torch.zeros((), device=device))
@@ -320,21 +326,23 @@ def apply_penalties(logits: torch.Tensor, draft_ids: torch.Tensor, num_drafts: t
                        value, accumulate=True)
     if penalties is None:
         return out
-    counts = torch.zeros(s, r, v, device=device)
-    seen = torch.zeros(s, v, dtype=torch.bool, device=device)
-    if penalty_tokens is not None and penalty_tokens.shape[0]:
-        line, tok = penalty_tokens[:, 0], penalty_tokens[:, 1]
-        counts[:, 0].index_put_((line, tok), penalty_tokens[:, 2].float(), accumulate=True)
-        seen.index_put_((line, tok), penalty_tokens[:, 3] > 0, accumulate=True)
     k = r - 1
-    if k:
-        # row j (> 0) also counts the real drafts 0..j-1 before it
-        real = (torch.arange(k, device=device)[None, :] < num_drafts[:, None]).float()                 # [S, K]
-        one = torch.zeros(s, k, v, device=device).scatter_(-1, draft_ids.clamp(0, v - 1)[..., None],
-                                                           real[..., None])
-        counts[:, 1:] = one.cumsum(dim=1)
-        counts[:, 1:] += counts[:, :1]
-    seen = seen[:, None] | (counts > 0)
-    rep, presence, frequency = (penalties[:, i, None, None] for i in range(3))
-    out = torch.where(seen, torch.where(out > 0, out / rep, out * rep), out)
-    return out - frequency * counts - presence * (counts > 0).float()
+    known = penalty_tokens if penalty_tokens is not None else torch.zeros(0, 4, dtype=torch.int64, device=device)
+    # the entries (line, row, token): every known token at every row, every draft at every row
+    line = torch.cat((known[:, 0].repeat_interleave(r), torch.arange(s, device=device).repeat_interleave(k * r)))
+    row = torch.cat((rows.repeat(known.shape[0]), rows.repeat(s * k)))
+    tok = torch.cat((known[:, 1].repeat_interleave(r), draft_ids.clamp(0, v - 1).repeat_interleave(r, dim=1).reshape(-1)))
+    # each line's counts before its first row, and which tokens its prompt holds, at those entries
+    base = torch.zeros(s, v, device=device)
+    prompt = torch.zeros(s, v, dtype=torch.bool, device=device)
+    base.index_put_((known[:, 0], known[:, 1]), known[:, 2].float(), accumulate=True)
+    prompt.index_put_((known[:, 0], known[:, 1]), known[:, 3] > 0)
+    # ... plus the real drafts before the entry's row
+    before = (torch.arange(k, device=device)[None, :] < torch.minimum(row, num_drafts[line])[:, None])   # [N, K]
+    count = base[line, tok] + ((draft_ids[line] == tok[:, None]) & before).sum(-1).float()
+    seen = prompt[line, tok] | (count > 0)
+    x = out[line, row, tok]
+    rep, presence, frequency = penalties[line].unbind(-1)
+    x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+    out[line, row, tok] = x - frequency * count - presence * (count > 0).float()
+    return out
