@@ -178,7 +178,7 @@ class LLMEngine:
         for t in params.logit_bias or ():
             if t >= vocab:
                 raise ValueError(f"logit_bias names token id {t}, outside the vocabulary (size {vocab})")
-        req.bad_words_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
+        req.set_bad_words(bad_words_token_ids(self.tokenizer, params.bad_words))
         return req
 
     def make_requests(self, request_id: str, prompt, params: SamplingParams) -> list[Request]:
@@ -315,8 +315,8 @@ class LLMEngine:
         params = req.params
         for i, token in enumerate(tokens):
             req.token_ids.append(token)
-            if req.output_counts is not None:
-                req.output_counts[token] += 1
+            if req.token_counts is not None:
+                req.token_counts.add(token)
             if logprobs is not None:
                 self._add_logprob(req, token, logprobs[i])
             if token in req.eos_ids:       # before its text: an end token's text is never output

@@ -301,7 +301,7 @@ class Scheduler:
         in flight is always the last one scheduled.)"""
         if not self.async_scheduling or req.in_flight != 1:
             return False
-        if req.num_pending_samples and req.params.adjusts_logits:
+        if req.num_pending_samples and req.adjusts_logits:
             return False                   # its logits processing needs the token the step in flight samples
         n = req.num_expected_tokens
         return not req.num_pending_samples or (n - req.num_prompt_tokens < req.max_tokens

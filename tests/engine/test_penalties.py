@@ -69,12 +69,12 @@ def test_multi_token_bad_word_bans_its_last_token_per_row():
     generated tokens, then the line's drafts before the row) ends with the rest of it."""
     from pipespec.engine.logits_inputs import logits_inputs
     req = make_request("r", [1, 2, 3], params=SamplingParams(temperature=0, bad_words=["x"]))
-    req.bad_words_ids = ((7, 8, 9), (4,))
+    req.set_bad_words(((7, 8, 9), (4,)))
     req.token_ids += [5, 7]                    # generated: 5, 7
     fields = logits_inputs([req], [[8, 7, 8]], 4)
     entries = fields["bias_entries"].tolist()
     assert [e for e in entries if e[1] == 9] == [[0, 9, 1, 2], [0, 9, 3, 4]]     # rows after "7 8"
-    assert [0, 4, 0, 4] in entries and fields["bias_values"].isinf().all() and "penalties" not in fields
+    assert [0, 4, 0, 1 << 30] in entries and fields["bias_values"].isinf().all() and "penalties" not in fields
 
 
 @pytest.fixture(scope="module")
