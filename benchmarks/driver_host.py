@@ -12,6 +12,9 @@ median over runs of a phase's time summed over a run's steps, divided by the ste
 engine's default); the cache is reset before each run and every prompt starts with its own token, so
 the figures are the cache's bookkeeping with no hits (registering blocks, looking prompts up).
 
+`--features plain logprobs penalties` measures requests asking for sampling features (top-5 logprobs;
+repetition, presence and frequency penalties with a logit_bias), each against plain greedy requests.
+
 `--base PATH` measures another source tree (a `git worktree` of an older commit) in the same call,
 each run in a fresh process, the two trees alternating, so a ratio compares like with like.
 
@@ -35,6 +38,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 PHASES = ("schedule", "complete", "apply")
+FEATURES = {"plain": {}, "logprobs": {"logprobs": 5},
+            "penalties": {"repetition_penalty": 1.1, "presence_penalty": 0.5, "frequency_penalty": 0.5,
+                          "logit_bias": {13: 1.0}}}
 TEXT = """The driver owns every request: it schedules a step, builds its plan, hands it to the stages,
 then applies the result, appending each request's new tokens, turning them into text and checking
 whether a stop string, an end token or a length limit ends it, before the next step is planned."""
@@ -104,11 +110,12 @@ def child(args) -> None:
     words = llm.get_tokenizer().encode(" ".join(TEXT.split() * (1 + args.prompt_len // 64)))
     # (each starting with a token of its own: no two share a prefix cache block)
     prompts = [{"prompt_token_ids": [1000 + i] + words[i % 50 + 1:i % 50 + args.prompt_len]} for i in range(args.batch)]
-    params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
+    extra = FEATURES[args.features]
+    params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True, **extra)
     if args.stream:       # as the server: deltas where the tree has them (a tree before them: cumulative)
         if hasattr(pipespec, "RequestOutputKind"):
             params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True,
-                                    output_kind=pipespec.RequestOutputKind.DELTA)
+                                    output_kind=pipespec.RequestOutputKind.DELTA, **extra)
 
         def run():
             for prompt in prompts:
@@ -150,6 +157,8 @@ def main():
                     help="drive engine.step() and read every output, as the server does (default: generate)")
     ap.add_argument("--prefix-caching", nargs="+", default=["default"], choices=["default", "on", "off"],
                     help="the engine's prefix cache in each configuration (default: the engine's default)")
+    ap.add_argument("--features", nargs="+", default=["plain"], choices=list(FEATURES),
+                    help="sampling features every request asks for, in each configuration")
     ap.add_argument("--base", type=Path, help="another source tree to measure in the same call")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
@@ -157,27 +166,28 @@ def main():
     args = ap.parse_args()
     if args.child:
         args.batch, args.prompt_len, args.k = args.batch[0], args.prompt_len[0], args.k[0]
-        args.prefix_caching = args.prefix_caching[0]
+        args.prefix_caching, args.features = args.prefix_caching[0], args.features[0]
         return child(args)
     trees = {"tree": HERE.parent} | ({"base": args.base.resolve()} if args.base else {})
     with tempfile.TemporaryDirectory() as tmp:
         model, head = small_model(Path(tmp) / "model")
-        print(f"{'tree':5s} {'cache':>7s} {'batch':>5s} {'prompt':>6s} {'K':>2s} | "
+        print(f"{'features':>9s} {'tree':5s} {'cache':>7s} {'batch':>5s} {'prompt':>6s} {'K':>2s} | "
               + " ".join(f"{p:>9s}" for p in PHASES) + f" {'driver':>9s} {'stage':>9s}   us a step", flush=True)
-        for batch, prompt_len, k, cache in itertools.product(args.batch, args.prompt_len, args.k, args.prefix_caching):
+        for batch, prompt_len, k, cache, features in itertools.product(args.batch, args.prompt_len, args.k,
+                                                                       args.prefix_caching, args.features):
             figures = collections.defaultdict(list)
             for _ in range(args.repeats):
                 for name, root in trees.items():       # alternating: drift hits both
                     cmd = [sys.executable, str(HERE / "driver_host.py"), "--child", "--model", str(model),
                            "--head", str(head), "--batch", str(batch), "--prompt-len", str(prompt_len),
                            "--k", str(k), "--new-tokens", str(args.new_tokens), "--runs", str(args.runs),
-                           "--prefix-caching", cache]
+                           "--prefix-caching", cache, "--features", features]
                     out = subprocess.run(cmd + ["--stream"] * args.stream, env=dict(os.environ, PYTHONPATH=str(root)),
                                          check=True, capture_output=True, text=True, cwd=root, timeout=3600)
                     figures[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
             for name, runs in figures.items():
                 med = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
-                print(f"{name:5s} {cache:>7s} {batch:5d} {prompt_len:6d} {k:2d} | "
+                print(f"{features:>9s} {name:5s} {cache:>7s} {batch:5d} {prompt_len:6d} {k:2d} | "
                       + " ".join(f"{med[p]:9.1f}" for p in PHASES)
                       + f" {med['driver']:9.1f} {med['stage']:9.1f}", flush=True)
 

@@ -18,7 +18,7 @@ from functools import cached_property
 
 import torch
 
-from pipespec.sampling import SamplingTensors
+from pipespec.sampling import SamplingTensors, logprob_width, unpack_logprobs
 
 
 @dataclass
@@ -55,6 +55,25 @@ class StepPlan:
     # False once adaptive K has retired speculation (no K paid): the last stage then runs no drafter,
     # and no MTP KV is kept from this step on
     drafting: bool = True
+    # the most logprobs a sampling request asks for (-1: none asks): the result then carries, per
+    # verify row, the sampled token's logprob and rank and the top `num_logprobs` (`result_width`)
+    num_logprobs: int = -1
+    # prompt logprobs: query rows [L] whose next token is a prompt token to score, those tokens [L],
+    # and the most top alternatives a request asks for (-1: none); the result has L more rows
+    prompt_logprob_rows: torch.Tensor | None = None
+    prompt_logprob_ids: torch.Tensor | None = None
+    num_prompt_logprobs: int = -1
+    # logits processing (`pipespec.sampling.apply_penalties`; None: nothing to do): per sampling line
+    # float32 [S, 3] penalties, its tokens' counts int64 [P, 4], per-row biases and bans int64 [Q, 4]
+    # with their float32 [Q] values (built by `pipespec.engine.logits_inputs`)
+    penalties: torch.Tensor | None = None
+    penalty_tokens: torch.Tensor | None = None
+    bias_entries: torch.Tensor | None = None
+    bias_values: torch.Tensor | None = None
+
+    @property
+    def adjusts_logits(self) -> bool:
+        return self.penalties is not None or self.bias_entries is not None
 
     def __post_init__(self):
         b, device = self.seq_lens.shape[0], self.seq_lens.device
@@ -102,14 +121,23 @@ def activation_shape(plan: StepPlan, hidden_size: int) -> tuple[int, int, int]:
     return (2, plan.num_tokens, hidden_size)
 
 
-def result_shape(num_reqs: int, num_spec_tokens: int) -> tuple[int, int]:
-    """Last stage -> driver: one StepResult row per request."""
-    return (num_reqs, result_width(num_spec_tokens))
+def result_shape(num_reqs: int, num_spec_tokens: int, num_logprobs: int = -1) -> tuple[int, int]:
+    """Last stage -> driver: one StepResult row per request (a plan without prompt logprobs)."""
+    return (num_reqs, result_width(num_spec_tokens, num_logprobs))
 
 
-def result_width(num_spec_tokens: int) -> int:
-    """Columns of a StepResult row: (K+1) sampled tokens | num_sampled | K drafts."""
-    return (num_spec_tokens + 1) + 1 + num_spec_tokens
+def plan_result_shape(plan: StepPlan) -> tuple[int, int]:
+    """The result of `plan`: a row per request, then a row per prompt-logprob row (`prompt_rows`)."""
+    rows, width = result_shape(plan.num_reqs, plan.num_spec_tokens, plan.num_logprobs)
+    if plan.num_prompt_logprobs < 0:
+        return rows, width
+    return rows + plan.prompt_logprob_rows.shape[0], max(width, logprob_width(plan.num_prompt_logprobs))
+
+
+def result_width(num_spec_tokens: int, num_logprobs: int = -1) -> int:
+    """Columns of a StepResult row: (K+1) sampled tokens | num_sampled | K drafts, then with
+    `num_logprobs` >= 0 the packed logprobs of each of the K+1 verify rows (`logprob_columns`)."""
+    return (num_spec_tokens + 1) + 1 + num_spec_tokens + (num_spec_tokens + 1) * logprob_width(num_logprobs)
 
 
 @dataclass
@@ -117,6 +145,17 @@ class StepResult:
     step_id: int
     data: torch.Tensor            # int64 [B, result_width(K)] (on the host once the driver holds it)
     num_spec_tokens: int = 0
+    # the plan's num_logprobs (None: read from the width, for a result without prompt logprobs)
+    num_logprobs_asked: int | None = None
+    # a plan with prompt logprobs: its requests' rows come first, its prompt-logprob rows after them
+    num_reqs: int | None = None
+    num_prompt_logprobs: int = -1
+
+    @classmethod
+    def of(cls, plan: StepPlan, data: torch.Tensor) -> "StepResult":
+        """`plan`'s result, its `data` received (`plan_result_shape`)."""
+        return cls(plan.step_id, data, plan.num_spec_tokens, plan.num_logprobs, plan.num_reqs,
+                   plan.num_prompt_logprobs)
 
     @classmethod
     def empty(cls, step_id: int, num_reqs: int, num_spec_tokens: int) -> "StepResult":
@@ -150,8 +189,39 @@ class StepResult:
         r = self.rows[row]
         return r[:r[k + 1]]
 
+    @property
+    def num_logprobs(self) -> int:
+        """The plan's `num_logprobs`, from the width (-1: the result carries none)."""
+        if self.num_logprobs_asked is not None:
+            return self.num_logprobs_asked
+        k = self.num_spec_tokens
+        extra = self.data.shape[1] - result_width(k)
+        return -1 if extra == 0 else (extra // (k + 1) - 2) // 2
+
+    def prompt_logprobs(self, first: int, count: int) -> list[tuple[float, int, list[int], list[float]]]:
+        """(logprob, rank, top ids, top logprobs) of prompt-logprob rows first..first+count-1 of
+        the plan (`StepPlan.prompt_logprob_rows`), in its order."""
+        n, at = self.num_prompt_logprobs, self.num_reqs + first
+        w = logprob_width(n)
+        return [unpack_logprobs(r[:w], 1, n)[0] for r in self.data[at:at + count].tolist()]
+
+    @cached_property
+    def _logprob_floats(self) -> list[list[float]]:
+        """The logprob columns read as float64, every row at once (their float columns are the
+        ones that matter; ranks and ids come from `rows`)."""
+        return self.data[:, result_width(self.num_spec_tokens):].view(torch.float64).tolist()
+
+    def logprobs(self, row: int) -> list[tuple[float, int, list[int], list[float]]]:
+        """(logprob, rank, top ids, top logprobs) of each token `tokens(row)` gives."""
+        k, n = self.num_spec_tokens, self.num_logprobs
+        if n < 0:
+            return []
+        r, f, w, base = self.rows[row], self._logprob_floats[row], logprob_width(n), result_width(k)
+        return [(f[j * w], r[base + j * w + 1], r[base + j * w + 2:base + j * w + 2 + n], f[j * w + 2 + n:(j + 1) * w])
+                for j in range(r[k + 1])]
+
     def drafts(self, row: int) -> list[int]:
         """Draft ids proposed for the request's next step (empty when it did not sample)."""
         k = self.num_spec_tokens
         r = self.rows[row]
-        return r[k + 2:] if k and r[k + 1] else []
+        return r[k + 2:2 * k + 2] if k and r[k + 1] else []

@@ -14,6 +14,8 @@ import torch
 
 _M32 = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B9
+# The most logprobs (top-N alternatives) a request may ask for per token, as vLLM's default max_logprobs.
+MAX_LOGPROBS = 20
 
 
 def _is_int(x) -> bool:
@@ -40,7 +42,7 @@ class RequestOutputKind(enum.IntEnum):
 class SamplingParams:
     """Per-request sampling controls, named as vLLM names them."""
 
-    n: int = 1
+    n: int = 1                      # sequences per prompt (the engine runs n requests sharing its KV)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1                 # -1 or 0: disabled
@@ -53,6 +55,20 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # per generated token, the sampled token's logprob and the `logprobs` most likely tokens' (the raw
+    # model log-softmax, before any penalty or temperature, as vLLM's default); None: none
+    logprobs: int | None = None
+    # per prompt token after the first, its logprob and the `prompt_logprobs` most likely tokens'
+    prompt_logprobs: int | None = None
+    # logits processing, in vLLM's order: logit_bias, min_tokens and bad_words first, then the
+    # repetition penalty (over prompt and generated tokens: positive logits divided by it, negative
+    # ones multiplied) and OpenAI's frequency and presence penalties (over generated tokens)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0             # no EOS or stop token id before this many generated tokens
+    bad_words: list[str] | None = None    # never generated (each as the model's tokens would spell it)
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
     stop_hold: int = field(init=False, repr=False)      # characters a DELTA output holds back
 
@@ -62,8 +78,6 @@ class SamplingParams:
 
         if not _is_int(self.n) or self.n < 1:
             bad("n", "must be an integer >= 1")
-        if self.n != 1:
-            bad("n", "only n=1 is supported (one completion per request)")
         if not _is_number(self.temperature) or self.temperature < 0 or self.temperature != self.temperature:
             bad("temperature", "must be a number >= 0")
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
@@ -84,6 +98,26 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "must be a bool")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                bad(name, f"must be None or an integer in [0, {MAX_LOGPROBS}]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2.0 <= value <= 2.0:
+                bad(name, "must be a number in [-2, 2]")
+        if not _is_number(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 100.0:
+            bad("repetition_penalty", "must be a number in (0, 100]")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or not all(
+                    _is_int(t) and t >= 0 and _is_number(v) and -100.0 <= v <= 100.0 for t, v in self.logit_bias.items()):
+                bad("logit_bias", "must map token ids (integers >= 0) to numbers in [-100, 100]")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0 or (
+                self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            bad("min_tokens", "must be an integer >= 0 and at most max_tokens")
+        if self.bad_words is not None and (not isinstance(self.bad_words, (list, tuple)) or not all(
+                isinstance(w, str) and w.strip() for w in self.bad_words)):
+            bad("bad_words", "must be a list of non-empty strings")
         if not isinstance(self.output_kind, RequestOutputKind):
             bad("output_kind", f"must be one of {', '.join(f'RequestOutputKind.{k.name}' for k in RequestOutputKind)}")
         object.__setattr__(self, "stop_strings", tuple(stops))
@@ -93,6 +127,16 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the repetition, presence or frequency penalty applies (they need token counts)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether anything changes the logits before sampling (penalties, bias, bans)."""
+        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0 or bool(self.bad_words)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -180,3 +224,125 @@ def sample(logits: torch.Tensor, st: SamplingTensors, position: torch.Tensor) ->
     if st.all_greedy:
         return logits.argmax(dim=-1)
     return draw(processed_probs(logits, st), st.seed, position)
+
+
+# ----------------------------------------------------------------------------------------------
+# Logprobs: what a result row carries for each verify row, packed into int64 columns (I2: their
+# number follows from the plan's `num_logprobs` and K alone). Per row: the token's logprob (float64
+# bits), its rank (1 = the most likely), then N top ids and their N logprobs (float64 bits).
+
+
+def logprob_width(num_logprobs: int) -> int:
+    """int64 columns one verify row's logprobs take (`num_logprobs` < 0: none asked, 0 columns)."""
+    return 0 if num_logprobs < 0 else 2 + 2 * num_logprobs
+
+
+def logprob_columns(logits: torch.Tensor, tokens: torch.Tensor, num_logprobs: int) -> torch.Tensor:
+    """Packed logprobs of `tokens` under `logits`; no host read (graph-capturable).
+
+    logits [S, R, V] (raw model logits of each verify row), tokens [S, R] (-1 where the row sampled
+    nothing: its columns are then meaningless). Returns int64 [S, R * logprob_width(N)]."""
+    s, r, _ = logits.shape
+    logits = logits.float()
+    # logprob = logit - logsumexp: one reduction, no [S, R, V] log-softmax written out
+    lse = logits.logsumexp(dim=-1, keepdim=True)
+    tok_logit = logits.gather(-1, tokens.clamp_min(0)[..., None])                     # [S, R, 1]
+    # rank as vLLM counts it: 1 + the tokens strictly more likely
+    rank = (logits > tok_logit).sum(dim=-1, keepdim=True) + 1
+    parts = [(tok_logit - lse).double().view(torch.int64), rank]
+    if num_logprobs > 0:
+        top, top_ids = logits.topk(num_logprobs, dim=-1)
+        parts += [top_ids, (top - lse).double().view(torch.int64)]
+    return torch.cat(parts, dim=-1).reshape(s, r * logprob_width(num_logprobs))
+
+
+def append_logprobs(data: torch.Tensor, logits: torch.Tensor, sampling_reqs: torch.Tensor, num_spec_tokens: int,
+                    num_logprobs: int) -> torch.Tensor:
+    """A StepResult's data [B, result_width(K)] with each sampling request's packed logprobs appended
+    (`pipespec.plan.result_width(K, num_logprobs)` columns in all); logits [S, K+1, V] of its verify
+    rows, the tokens read from the data's first K+1 columns (rows of requests that do not sample: 0)."""
+    k = num_spec_tokens
+    tokens = data[sampling_reqs, :k + 1]
+    extra = torch.zeros(data.shape[0], (k + 1) * logprob_width(num_logprobs), dtype=torch.int64, device=data.device)
+    extra[sampling_reqs] = logprob_columns(logits, tokens, num_logprobs)
+    return torch.cat((data, extra), dim=1)
+
+
+def append_prompt_logprobs(data: torch.Tensor, logits: torch.Tensor, token_ids: torch.Tensor,
+                           num_logprobs: int) -> torch.Tensor:
+    """A StepResult's data [B, W] with one row per prompt-logprob row appended: logits [L, V] of the
+    rows whose next prompt token is token_ids [L]; [B + L, max(W, logprob_width(N))]."""
+    rows = logprob_columns(logits[:, None], token_ids[:, None], num_logprobs)
+    width = max(data.shape[1], rows.shape[1])
+    pad = lambda t: torch.nn.functional.pad(t, (0, width - t.shape[1]))         # noqa: E731
+    return torch.cat((pad(data), pad(rows)))
+
+
+def unpack_logprobs(columns: list[int], count: int, num_logprobs: int) -> list[tuple[float, int, list[int], list[float]]]:
+    """The first `count` rows of one result row's packed logprob columns (`logprob_columns`), as
+    (logprob, rank, top ids, top logprobs) per row."""
+    w, n = logprob_width(num_logprobs), num_logprobs
+    doubles = torch.tensor(columns[:count * w], dtype=torch.int64).view(torch.float64).tolist()
+    out = []
+    for j in range(count):
+        at = j * w
+        out.append((doubles[at], columns[at + 1], columns[at + 2:at + 2 + n], doubles[at + 2 + n:at + w]))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Logits processing on the last stage. Each verify row of a line sees the request's tokens as of its
+# own position: the driver's counts (every accepted token), then the drafts before that row, which
+# are accepted exactly when the row's output is used. Bans and biases come per row from the driver,
+# which knows the drafts it sent (bad words whose prefix a draft completes, min_tokens by row).
+
+
+def apply_penalties(logits: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor,
+                    penalties: torch.Tensor | None, penalty_tokens: torch.Tensor | None,
+                    bias_entries: torch.Tensor | None, bias_values: torch.Tensor | None) -> torch.Tensor:
+    """Processed copy of logits [S, R, V] (R = 1 + K verify rows, float32).
+
+    draft_ids [S, K] the drafts the rows after the first embed, num_drafts [S] how many are real;
+    penalties float32 [S, 3]: (repetition, presence, frequency) of each line (neutral: 1, 0, 0);
+    penalty_tokens int64 [P, 4]: (line, token id, times generated, 1 if in the prompt else 0), the
+    request's distinct tokens before the line's first row;
+    bias_entries int64 [Q, 4]: (line, token id, first row, end row) with bias_values float32 [Q]
+    (-inf: banned) added at rows first..end-1.
+
+    Penalties touch only the tokens a row has seen: each known token at every row, and each draft at
+    every row. Their logits are gathered, processed and written back (an entry named twice gets the
+    same value twice: each is a function of its line, row and token alone), so the work is the
+    number of tokens seen, not [S, R, V].
+    """
+    s, r, v = logits.shape
+    out = logits.float().clone()
+    device = out.device
+    rows = torch.arange(r, device=device)
+    if bias_entries is not None and bias_entries.shape[0]:
+        e = bias_entries
+        inside = (rows[None, :] >= e[:, 2:3]) & (rows[None, :] < e[:, 3:4])                    # [Q, R]
+        value = torch.where(inside, bias_values[:, None], torch.zeros((), device=device))
+        out.index_put_((e[:, 0:1].expand(-1, r), rows[None, :].expand(len(e), -1), e[:, 1:2].expand(-1, r)),
+                       value, accumulate=True)
+    if penalties is None:
+        return out
+    k = r - 1
+    known = penalty_tokens if penalty_tokens is not None else torch.zeros(0, 4, dtype=torch.int64, device=device)
+    # the entries (line, row, token): every known token at every row, every draft at every row
+    line = torch.cat((known[:, 0].repeat_interleave(r), torch.arange(s, device=device).repeat_interleave(k * r)))
+    row = torch.cat((rows.repeat(known.shape[0]), rows.repeat(s * k)))
+    tok = torch.cat((known[:, 1].repeat_interleave(r), draft_ids.clamp(0, v - 1).repeat_interleave(r, dim=1).reshape(-1)))
+    # each line's counts before its first row, and which tokens its prompt holds, at those entries
+    base = torch.zeros(s, v, device=device)
+    prompt = torch.zeros(s, v, dtype=torch.bool, device=device)
+    base.index_put_((known[:, 0], known[:, 1]), known[:, 2].float(), accumulate=True)
+    prompt.index_put_((known[:, 0], known[:, 1]), known[:, 3] > 0)
+    # ... plus the real drafts before the entry's row
+    before = (torch.arange(k, device=device)[None, :] < torch.minimum(row, num_drafts[line])[:, None])   # [N, K]
+    count = base[line, tok] + ((draft_ids[line] == tok[:, None]) & before).sum(-1).float()
+    seen = prompt[line, tok] | (count > 0)
+    x = out[line, row, tok]
+    rep, presence, frequency = penalties[line].unbind(-1)
+    x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+    out[line, row, tok] = x - frequency * count - presence * (count > 0).float()
+    return out

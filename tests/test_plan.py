@@ -1,6 +1,7 @@
 """StepPlan / StepResult: the messages of a step, and the shapes they give every message (I2)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from pipespec.plan import (StepResult, activation_shape, draft_chain_overrun, position_margin, result_shape,
@@ -45,3 +46,30 @@ def test_draft_margins():
     # K verify rows, then K more drafted past the last accepted token; the chain's KV K-1 past the query
     assert [position_margin(k) for k in (0, 1, 3)] == [0, 2, 6]
     assert [draft_chain_overrun(k) for k in (0, 1, 3)] == [0, 0, 2]
+
+
+def test_result_with_logprobs_round_trips():
+    """Packed logprobs (float64 bits in int64 columns) come back exactly; tokens and drafts keep their columns."""
+    from pipespec.plan import StepResult, result_width
+    from pipespec.sampling import append_logprobs
+    k, n, vocab = 2, 3, 11
+    logits = torch.randn(2, k + 1, vocab, generator=torch.Generator().manual_seed(0))
+    tokens = torch.tensor([[4, 7, -1], [1, 2, 3]])
+    base = StepResult.from_verification(5, 3, k, torch.tensor([0, 2]), tokens, torch.tensor([2, 3]),
+                                        torch.tensor([[8, 9], [10, 0]])).data
+    data = append_logprobs(base, logits, torch.tensor([0, 2]), k, n)
+    assert data.shape == (3, result_width(k, n)) == (3, 2 * k + 2 + (k + 1) * (2 + 2 * n))
+    res = StepResult(5, data, k)
+    assert res.num_logprobs == n and res.tokens(0) == [4, 7] and res.drafts(2) == [10, 0] and res.drafts(1) == []
+    logp = logits.log_softmax(-1)
+    for row, line in ((0, 0), (2, 1)):
+        got = res.logprobs(row)
+        assert len(got) == len(res.tokens(row))
+        for j, (lp, rank, ids, lps) in enumerate(got):
+            t = res.tokens(row)[j]
+            assert lp == pytest.approx(float(logp[line, j, t]), abs=1e-6)   # (float64 bits travel exactly)
+            assert rank == int((logp[line, j] > logp[line, j, t]).sum()) + 1
+            assert ids == logp[line, j].topk(n).indices.tolist()
+            assert lps == pytest.approx(logp[line, j].topk(n).values.tolist(), abs=1e-6)
+    assert res.logprobs(1) == []
+    assert StepResult(5, base, k).num_logprobs == -1 and StepResult(5, base, k).logprobs(0) == []

@@ -229,7 +229,7 @@ def test_sampling_params_defaults_and_stop_strings():
 @pytest.mark.parametrize("kwargs,field", [
     (dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.01), "top_p"),
     (dict(top_k=-5), "top_k"), (dict(min_p=-0.1), "min_p"), (dict(max_tokens=0), "max_tokens"),
-    (dict(max_tokens="3"), "max_tokens"), (dict(n=2), "n"), (dict(seed=1.0), "seed"),
+    (dict(max_tokens="3"), "max_tokens"), (dict(n=0), "n"), (dict(seed=1.0), "seed"),
     (dict(stop=[""]), "stop"), (dict(stop_token_ids=[1, -2]), "stop_token_ids"),
     (dict(include_stop_str_in_output="no"), "include_stop_str_in_output"),
 ], ids=lambda x: str(x) if isinstance(x, dict) else x)
@@ -238,3 +238,111 @@ def test_sampling_params_validation_names_field(kwargs, field):
         SamplingParams(**kwargs)
     assert f"SamplingParams.{field}:" in str(info.value)
     assert repr(next(iter(kwargs.values()))) in str(info.value), "the message shows the bad value"
+
+
+# -- logits processing (penalties, bias, bans) ---------------------------------------------------
+
+
+def _reference_row(logits, prompt, generated, rep, presence, frequency):
+    """One row processed from its explicit context: HF's repetition penalty over prompt and generated
+    tokens, then OpenAI's frequency and presence penalties over generated tokens."""
+    out = logits.clone()
+    for t in set(prompt) | set(generated):
+        out[t] = out[t] / rep if out[t] > 0 else out[t] * rep
+    for t in set(generated):
+        c = generated.count(t)
+        out[t] -= frequency * c + presence
+    return out
+
+
+def test_penalties_see_each_rows_own_context():
+    """Row j of a line counts the drafts before it; each line has its own parameters; rows past a
+    line's real drafts count none of the dummy ones."""
+    from pipespec.sampling import apply_penalties
+    g = torch.Generator().manual_seed(0)
+    vocab, k = 12, 3
+    logits = torch.randn(3, k + 1, vocab, generator=g) * 2
+    prompts = [[1, 2, 2], [3], [4, 5]]
+    generated = [[2, 7, 7], [], [9]]
+    drafts = torch.tensor([[7, 8, 2], [3, 3, 11], [5, 0, 0]])
+    num_drafts = torch.tensor([3, 3, 1])
+    params = [(1.5, 0.5, 0.25), (1.0, -1.0, 2.0), (0.7, 0.0, 0.0)]
+    tokens = []
+    for s in range(3):
+        for t in sorted(set(prompts[s]) | set(generated[s])):
+            tokens.append((s, t, generated[s].count(t), int(t in prompts[s])))
+    out = apply_penalties(logits, drafts, num_drafts, torch.tensor(params), torch.tensor(tokens), None, None)
+    for s in range(3):
+        for j in range(k + 1):
+            ctx = generated[s] + drafts[s, :min(j, int(num_drafts[s]))].tolist()
+            want = _reference_row(logits[s, j], prompts[s], ctx, *params[s])
+            torch.testing.assert_close(out[s, j], want, rtol=0, atol=1e-6)
+
+
+def test_neutral_penalties_leave_logits_bitwise():
+    from pipespec.sampling import apply_penalties
+    logits = torch.randn(2, 3, 50)
+    out = apply_penalties(logits, torch.tensor([[1, 2], [3, 4]]), torch.tensor([2, 2]),
+                          torch.tensor([[1.0, 0.0, 0.0]] * 2), torch.tensor([[0, 1, 3, 1], [1, 4, 1, 0]]), None, None)
+    assert torch.equal(out, logits)
+
+
+def test_bias_and_bans_apply_to_their_rows():
+    from pipespec.sampling import apply_penalties
+    logits = torch.zeros(2, 3, 10)
+    entries = torch.tensor([[0, 4, 0, 3], [0, 5, 0, 1], [1, 6, 2, 3], [1, 6, 0, 3]])
+    values = torch.tensor([2.5, float("-inf"), float("-inf"), -1.0])
+    out = apply_penalties(logits, torch.zeros(2, 2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64),
+                          None, None, entries, values)
+    assert out[0, :, 4].tolist() == [2.5] * 3
+    assert out[0, :, 5].tolist() == [float("-inf"), 0.0, 0.0]
+    assert out[1, :, 6].tolist() == [-1.0, -1.0, float("-inf")]
+    assert out.isfinite().sum() == 2 * 3 * 10 - 2 and logits.eq(0).all()       # the input is untouched
+
+
+def test_penalty_fields_validated():
+    for bad in (dict(presence_penalty=2.5), dict(frequency_penalty="x"), dict(repetition_penalty=0),
+                dict(logit_bias={-1: 1.0}), dict(logit_bias={3: 101}), dict(min_tokens=20, max_tokens=5),
+                dict(bad_words=["ok", ""])):
+        name = next(iter(bad))
+        with pytest.raises(ValueError, match=name):
+            SamplingParams(**bad)
+    p = SamplingParams(presence_penalty=0.5)
+    assert p.penalized and p.adjusts_logits and not SamplingParams().adjusts_logits
+    assert SamplingParams(min_tokens=2).adjusts_logits and not SamplingParams(min_tokens=2).penalized
+
+
+def test_sampled_with_penalties_under_a_draft_follows_sequential_sampling():
+    """Chi-square: a line verifying one deterministic draft with presence/frequency/repetition
+    penalties emits (token0[, token1]) as sampling one token at a time with penalties would: row 1
+    counts the draft it follows, so a draft accepted in the same step is penalized after it."""
+    from pipespec.sampling import apply_penalties
+    from pipespec.speculative.rejection import rejection_sample
+    n, vocab, draft = 40000, 6, 2
+    row0 = torch.tensor([1.0, 0.5, 1.2, 0.0, -0.5, 0.3])
+    row1 = torch.tensor([0.2, 0.9, 1.5, 0.4, 0.0, -1.0])        # the target's logits after the draft
+    pen = (1.3, 0.4, 0.6)
+    counts = [(0, 1, 2, 1), (0, 3, 0, 1)]                        # token 1 generated twice, 3 in the prompt
+    logits = torch.stack((row0, row1))[None].expand(n, -1, -1).contiguous()
+    lines = torch.arange(n)
+    tokens_in = torch.tensor(counts).repeat(n, 1)
+    tokens_in[:, 0] = lines.repeat_interleave(len(counts))
+    processed = apply_penalties(logits, torch.full((n, 1), draft), torch.ones(n, dtype=torch.int64),
+                                torch.tensor([pen]).expand(n, -1).contiguous(), tokens_in, None, None)
+    st = tensors(n, temperature=0.8)
+    st.seed = torch.arange(n, dtype=torch.int64) * 7919 + 3
+    out, num = rejection_sample(processed, torch.full((n, 1), draft), torch.ones(n, dtype=torch.int64), st,
+                                torch.full((n,), 10, dtype=torch.int64))
+
+    def ref(row, generated, prompt):
+        return (_reference_row(row, prompt, generated, *pen) / 0.8).softmax(-1)
+    p0 = ref(row0, [1, 1], [3])
+    p1 = ref(row1, [1, 1, draft], [3])
+    outcome = torch.where(num == 1, out[:, 0], vocab + out[:, 1])       # x alone, or (draft, y) as vocab + y
+    assert ((num == 1) | (out[:, 0] == draft)).all()
+    probs = torch.cat((p0 * (torch.arange(vocab) != draft), p0[draft] * p1))
+    ok, stat = chi2_ok(torch.bincount(outcome, minlength=2 * vocab).float(), probs)
+    assert ok, stat
+    # without the draft counted at row 1 the distribution is measurably another one
+    wrong = torch.cat((p0 * (torch.arange(vocab) != draft), p0[draft] * ref(row1, [1, 1], [3])))
+    assert not chi2_ok(torch.bincount(outcome, minlength=2 * vocab).float(), wrong)[0]

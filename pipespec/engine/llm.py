@@ -41,13 +41,23 @@ class LLM:
         if not isinstance(prompts, (list, tuple)):
             raise ValueError(f"prompts must be a string, a dict or a list of them, got {type(prompts).__name__}")
         params = self._params_list(sampling_params, len(prompts))
-        requests = []
+        groups = []
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             try:
-                requests.append(self.engine.make_request(f"gen-{next(self._ids)}", prompt, p))
+                groups.append(self.engine.make_requests(f"gen-{next(self._ids)}", prompt, p))
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
-        return self._run(requests, use_tqdm)
+        done = self._run([req for group in groups for req in group], use_tqdm)
+        outputs, at = [], 0
+        for group in groups:            # n > 1: one output with a completion per sequence
+            outs, at = done[at:at + len(group)], at + len(group)
+            if len(group) > 1:
+                for i, out in enumerate(outs):
+                    out.outputs[0].index = i
+                outs[0].request_id = group[0].request_id.rsplit("-", 1)[0]
+                outs[0].outputs = [out.outputs[0] for out in outs]
+            outputs.append(outs[0])
+        return outputs
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
              add_generation_prompt: bool = True, tools: list[dict] | None = None,

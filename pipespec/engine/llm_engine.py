@@ -22,6 +22,7 @@ line's drafts never cross max_model_len.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 import time
@@ -31,7 +32,8 @@ from pipespec.checkpoint.source import engine_tokenizer, resolve_model
 from pipespec.config import EngineConfig
 from pipespec.engine.adaptive_k import make_policy
 from pipespec.engine.detokenizer import IncrementalDetokenizer
-from pipespec.engine.outputs import CompletionOutput, RequestOutput
+from pipespec.engine.logits_inputs import bad_words_token_ids
+from pipespec.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from pipespec.engine.request import Request
 from pipespec.engine.scheduler import ScheduledBatch, Scheduler
 from pipespec.engine.seeds import engine_seed_base, unseeded_request_seed
@@ -113,6 +115,7 @@ class LLMEngine:
         self._in_flight: deque[ScheduledBatch] = deque()
         self._arrivals = itertools.count()
         self._seed_base = engine_seed_base(config.model.seed)
+        self._token_texts: dict[int, str] = {}       # token id -> its text, for logprobs
         logger.info("engine ready: %s, %d layers, max_model_len=%d, %d KV blocks, async scheduling %s, "
                     "prefix caching %s, in %.1fs", self.model_name, source.arch.num_layers, self.max_model_len,
                     num_blocks, "on" if async_scheduling else "off", "on" if caching else "off", time.perf_counter() - t0)
@@ -172,7 +175,33 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else unseeded_request_seed(self._seed_base, arrival)
         req = Request(request_id, text, ids, params, seed, max_tokens, frozenset(self.tokenizer.eos_token_ids))
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+        vocab = self.arch.vocab_size
+        for t in params.logit_bias or ():
+            if t >= vocab:
+                raise ValueError(f"logit_bias names token id {t}, outside the vocabulary (size {vocab})")
+        req.set_bad_words(bad_words_token_ids(self.tokenizer, params.bad_words))
         return req
+
+    def make_requests(self, request_id: str, prompt, params: SamplingParams) -> list[Request]:
+        """The requests of one prompt: n of them (`request_id`-0 .. -{n-1}) when params.n > 1, each
+        drawing as a request of its own with seed `seed + i` would, the later ones taking the first
+        one's prompt KV blocks from the prefix cache (`Request.prefix_leader`)."""
+        n = params.n if isinstance(params, SamplingParams) else 1
+        if n == 1:
+            return [self.make_request(request_id, prompt, params)]
+        limit = self.config.scheduler.max_num_seqs
+        if n > limit:
+            raise ValueError(f"n={n} is more sequences than the engine runs at once (max_num_seqs={limit})")
+        if any(f"{request_id}-{i}" in self.requests for i in range(n)):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        reqs = []
+        for i in range(n):
+            child = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+            reqs.append(self.make_request(f"{request_id}-{i}", prompt, child))
+        if self.scheduler.enable_prefix_caching:
+            for req in reqs[1:]:
+                req.prefix_leader = reqs[0]
+        return reqs
 
     def add_request(self, request_id: str, prompt, params: SamplingParams) -> Request:
         return self.submit(self.make_request(request_id, prompt, params))
@@ -248,6 +277,8 @@ class LLMEngine:
     def _apply(self, batch: ScheduledBatch, result: StepResult) -> list[RequestOutput]:
         """Append each request's new tokens; the outputs that changed."""
         outputs = []
+        if batch.prompt_logprob_rows is not None:
+            self._add_prompt_logprobs(batch, result)
         for row, (req, d) in enumerate(zip(batch.requests, batch.num_drafts)):
             if req.finished:        # ended while in flight (aborted; with async scheduling, stopped)
                 continue
@@ -257,7 +288,7 @@ class LLMEngine:
                 if self.k_policy is not None:
                     self.k_policy.record_acceptance(d, len(tokens) - 1)
             if tokens:
-                self._append(req, tokens)
+                self._append(req, tokens, result.logprobs(row) if req.logprobs is not None else None)
                 if req.finished or req.params.output_kind is not RequestOutputKind.FINAL_ONLY:
                     outputs.append(self._output(req))
                 if req.finished:
@@ -280,10 +311,15 @@ class LLMEngine:
         if self.k_policy is not None and batch.steady:
             self.k_policy.record_step(len(batch.requests), batch.plan.num_spec_tokens, now - start)
 
-    def _append(self, req: Request, tokens: list[int]) -> None:
+    def _append(self, req: Request, tokens: list[int], logprobs: list | None = None) -> None:
+        """`logprobs`: (logprob, rank, top ids, top logprobs) of each token (`StepResult.logprobs`)."""
         params = req.params
-        for token in tokens:
+        for i, token in enumerate(tokens):
             req.token_ids.append(token)
+            if req.token_counts is not None:
+                req.token_counts.add(token)
+            if logprobs is not None:
+                self._add_logprob(req, token, logprobs[i])
             if token in req.eos_ids:       # before its text: an end token's text is never output
                 return self.scheduler.finish(req, "stop")
             delta = req.detokenizer.add(token)
@@ -297,18 +333,56 @@ class LLMEngine:
             if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
                 return self.scheduler.finish(req, "length")
 
+    def _add_prompt_logprobs(self, batch: ScheduledBatch, result: StepResult) -> None:
+        """Each line's scored prompt tokens, in plan order (`StepPlan.prompt_logprob_rows`)."""
+        first = 0
+        for req, count in zip(batch.requests, batch.prompt_logprob_rows):
+            if not count:
+                continue
+            n = req.params.prompt_logprobs
+            for lp, rank, top_ids, top_lps in result.prompt_logprobs(first, count):
+                token = req.prompt_token_ids[len(req.prompt_logprobs)]
+                entry = {t: Logprob(v, r + 1, self._token_text(t)) for r, (t, v) in enumerate(zip(top_ids[:n], top_lps[:n]))}
+                entry[token] = Logprob(lp, rank, self._token_text(token))
+                req.prompt_logprobs.append(entry)
+            first += count
+
+    def _add_logprob(self, req: Request, token: int, row: tuple) -> None:
+        """The token's {id: Logprob}: the sampled token's and the request's top N, as vLLM gives them."""
+        lp, rank, top_ids, top_lps = row
+        n = req.params.logprobs
+        entry = {t: Logprob(v, r + 1, self._token_text(t)) for r, (t, v) in enumerate(zip(top_ids[:n], top_lps[:n]))}
+        entry[token] = Logprob(lp, rank, self._token_text(token))
+        req.logprobs.append(entry)
+        req.cumulative_logprob += lp
+
+    def _token_text(self, token: int) -> str:
+        """One token's text, as logprobs name it (cached: a top-N list repeats the same few ids)."""
+        text = self._token_texts.get(token)
+        if text is None:
+            text = self._token_texts[token] = self.tokenizer.decode([token], skip_special_tokens=False)
+        return text
+
     @staticmethod
     def _output(req: Request, error: str | None = None) -> RequestOutput:
         """The request's output now, as its output_kind asks; a DELTA output moves its marks on."""
         text, first = req.detokenizer.text, req.num_prompt_tokens
+        # prompt logprobs: complete once a token was sampled; a DELTA output gives them once, first
+        prompt_logprobs = req.prompt_logprobs
         if req.params.output_kind is RequestOutputKind.DELTA:
+            if req.sent_tokens:
+                prompt_logprobs = None
             # (a stop string found later never cuts into what was sent: see SamplingParams.stop_hold)
             end = len(text) if req.finished else max(len(text) - req.params.stop_hold, req.sent_chars)
             text, req.sent_chars = text[req.sent_chars:end], end
             first += req.sent_tokens
             req.sent_tokens = req.num_output_tokens
         completion = CompletionOutput(0, text, req.token_ids[first:], req.finish_reason, req.stop_reason)
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], req.finished, error)
+        if req.logprobs is not None:
+            completion.logprobs = req.logprobs[first - req.num_prompt_tokens:]
+            completion.cumulative_logprob = req.cumulative_logprob
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], req.finished, error,
+                             prompt_logprobs)
 
     def _die(self, reason: str, level: int = logging.ERROR) -> EngineDeadError:
         """A stage failed: abort every pending request with the error, stop all stages."""

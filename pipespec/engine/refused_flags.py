@@ -41,7 +41,7 @@ REFUSED_FLAGS: dict[str, str] = {
     "--rope-scaling": "rope scaling comes from the checkpoint's config.json; edit a copy of it instead",
     "--limit-mm-per-prompt": "pipespec serves text only (a multimodal model's vision tower is not loaded)",
     "--mm-processor-kwargs": "pipespec serves text only (a multimodal model's vision tower is not loaded)",
-    "--max-logprobs": "logprobs are not implemented",
+    "--max-logprobs": "requests may ask for up to 20 logprobs per token (vLLM's default); the cap is fixed",
     "--scheduling-policy": "requests are scheduled first come, first served; priorities are not implemented",
     "--enable-sleep-mode": "sleep mode is not implemented",
     "--compilation-config": "pipespec does not use torch.compile; CUDA graphs are on by default "

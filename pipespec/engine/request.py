@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 from array import array
 
+from pipespec.engine.logits_inputs import TokenCounts, static_bias
 from pipespec.sampling import SamplingParams
 
 
@@ -18,7 +19,9 @@ class Request:
                  "max_tokens", "stop_ids", "eos_ids", "status", "num_computed_tokens", "block_ids",
                  "in_flight", "num_pending_tokens", "num_pending_samples", "carry_row", "draft_ids",
                  "state_slot", "state_commit", "num_cached_blocks", "cache_parent", "finish_reason", "stop_reason",
-                 "detokenizer", "sent_tokens", "sent_chars")
+                 "detokenizer", "sent_tokens", "sent_chars", "logprobs", "cumulative_logprob",
+                 "prompt_logprobs", "num_prompt_logprob_rows", "token_counts", "bad_words_ids",
+                 "static_bias", "static_bias_values", "adjusts_logits", "prefix_leader")
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  params: SamplingParams, seed: int, max_tokens: int, eos_ids: frozenset[int]):
@@ -50,6 +53,27 @@ class Request:
         self.stop_reason: int | str | None = None
         self.detokenizer = None
         self.sent_tokens = self.sent_chars = 0      # output tokens and text characters DELTA outputs gave
+        # with SamplingParams.logprobs: one {token id: Logprob} per output token, and their sum
+        self.logprobs: list | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+        # with SamplingParams.prompt_logprobs: None (the first token has none), then one {id: Logprob}
+        # per prompt token; and how many prompt tokens a step scheduled so far scores (the first: 1)
+        self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
+        self.num_prompt_logprob_rows = 1
+        # logits processing (`engine/logits_inputs.py`): its tokens' counts (penalties), the bad
+        # words' token sequences, the biases and bans that hold at every row (`set_bad_words`)
+        self.adjusts_logits = params.adjusts_logits
+        self.token_counts = (TokenCounts(prompt_token_ids, params.repetition_penalty != 1.0)
+                             if params.penalized else None)
+        self.set_bad_words(())
+        # n > 1: the first of its siblings, whose computed prompt blocks it takes from the prefix
+        # cache (it waits to be admitted until they are cached); None: none
+        self.prefix_leader: Request | None = None
+
+    def set_bad_words(self, seqs: tuple[tuple[int, ...], ...]) -> None:
+        """The bad words as token sequences (`logits_inputs.bad_words_token_ids`)."""
+        self.bad_words_ids = seqs
+        self.static_bias, self.static_bias_values = static_bias(self.params, seqs)
 
     @property
     def num_tokens(self) -> int:

@@ -46,6 +46,7 @@ import torch
 from pipespec.config import SchedulerConfig
 from pipespec.engine.block_allocator import ROOT, BlockAllocator
 from pipespec.engine.host_tensors import float32_tensor, int64_tensor
+from pipespec.engine.logits_inputs import logits_inputs
 from pipespec.engine.request import Request, RequestStatus
 from pipespec.plan import StepPlan, StepResult, draft_chain_overrun
 from pipespec.sampling import SamplingTensors
@@ -72,6 +73,7 @@ class ScheduledBatch:
     num_draft_rows: list[int]     # its draft rows: the real drafts, then dummy ones (`_pad_lines`)
     samples: list[bool]           # whether each request samples this step
     k_changed: bool = False       # the step before it had another K
+    prompt_logprob_rows: list[int] | None = None    # rows each line scores prompt tokens at (None: none)
     submitted_at: float = 0.0     # when the driver handed it to the executor (adaptive K's step cost)
 
     @property
@@ -209,8 +211,13 @@ class Scheduler:
         while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
                and len(picked) < cap):
             req = self.waiting[0]
+            if self._waits_for_leader(req):
+                break                      # its sibling's prompt blocks are computed first, then shared
             # (a waiting request is not in flight, and holds no blocks: none computed)
-            hits, parent = self._cached_prefix(req) if self.enable_prefix_caching else ((), ROOT)
+            # (prompt logprobs still to score need the prompt's logits: its rows are computed)
+            lookup = self.enable_prefix_caching and (req.prompt_logprobs is None
+                                                     or req.num_prompt_logprob_rows >= req.num_prompt_tokens)
+            hits, parent = self._cached_prefix(req) if lookup else ((), ROOT)
             if hits:
                 req.block_ids.extend(hits)
                 req.num_computed_tokens = len(hits) * self.block_size
@@ -247,7 +254,7 @@ class Scheduler:
         lines = self._pad_lines([(r, n - d + min(d, k), min(d, k)) for r, n, d in picked], k)
         self._step_id += 1
         k_changed, self._last_k = k != self._last_k, k
-        plan = self._build_plan(lines, k)
+        plan, prompt_rows = self._build_plan(lines, k)
         for row, line in enumerate(lines):
             line.req.num_pending_tokens += line.rows - line.num_draft_rows
             line.req.num_pending_samples += line.samples
@@ -256,7 +263,19 @@ class Scheduler:
             # (a plan continuing it names one; the device puts the right one in, `carry_in`)
             line.req.state_commit = 0 if line.num_draft_rows else -1
         requests, rows, drafts, draft_rows, samples = map(list, zip(*lines))
-        return ScheduledBatch(plan, requests, rows, drafts, draft_rows, samples, k_changed)
+        return ScheduledBatch(plan, requests, rows, drafts, draft_rows, samples, k_changed, prompt_rows)
+
+    def _waits_for_leader(self, req: Request) -> bool:
+        """n > 1: a sibling waits while the first one is computing the prompt's full blocks, which it
+        then takes from the prefix cache instead of computing them again."""
+        leader = req.prefix_leader
+        if leader is None:
+            return False
+        shared = (req.num_prompt_tokens - 1) // self.block_size * self.block_size
+        if leader.finished or shared == 0 or leader.num_computed_tokens >= shared:
+            req.prefix_leader = None       # (admitted from now on like any request)
+            return False
+        return True
 
     def _pad_lines(self, picked: list[tuple[Request, int, int]], k: int) -> list[_Line]:
         """The lines of the picked (request, rows, drafts). A decoding request with fewer drafts than
@@ -284,6 +303,8 @@ class Scheduler:
         in flight is always the last one scheduled.)"""
         if not self.async_scheduling or req.in_flight != 1:
             return False
+        if req.num_pending_samples and req.adjusts_logits:
+            return False                   # its logits processing needs the token the step in flight samples
         n = req.num_expected_tokens
         return not req.num_pending_samples or (n - req.num_prompt_tokens < req.max_tokens
                                                and n + self._last_k + self.num_spec_tokens < self.max_model_len)
@@ -321,9 +342,12 @@ class Scheduler:
         return (req.num_expected_tokens + self._carried_drafts(req) + self.num_spec_tokens
                 + draft_chain_overrun(self.num_spec_tokens))
 
-    def _build_plan(self, lines: list[_Line], k: int) -> StepPlan:
+    def _build_plan(self, lines: list[_Line], k: int) -> tuple[StepPlan, list[int] | None]:
+        """The plan, and the prompt-logprob rows of each line (None: no line asks for any)."""
         bs = self.block_size
         input_ids, positions, slots, qsl, seq_lens, sampling_reqs, samplers = [], [], [], [0], [], [], []
+        lp_rows, lp_ids, lp_counts, lp_max = [], [], [], -1
+        sampler_drafts = []
         carried, next_ids = [], []
         width = max(len(line.req.block_ids) for line in lines)
         tables = array("q")                    # [B, width], each request's blocks padded with 0
@@ -354,6 +378,18 @@ class Scheduler:
             if samples:
                 sampling_reqs.append(b)
                 samplers.append(req)
+                sampler_drafts.append([] if carries else req.draft_ids[:d])
+            count = 0
+            if req.prompt_logprobs is not None:
+                # rows whose next token is a prompt token not yet scored (a recompute scores none twice)
+                lo, hi = max(start, req.num_prompt_logprob_rows - 1), min(end, req.num_prompt_tokens - 1)
+                if hi > lo:
+                    count = hi - lo
+                    lp_rows += range(qsl[-2] + lo - start, qsl[-2] + hi - start)
+                    lp_ids += req.prompt_token_ids[lo + 1:hi + 1]
+                    req.num_prompt_logprob_rows = hi + 1
+                    lp_max = max(lp_max, req.params.prompt_logprobs)
+            lp_counts.append(count)
         num_carried = sum(c >= 0 for c in carried)
         self.num_carried_rows += num_carried
         return StepPlan(
@@ -374,7 +410,12 @@ class Scheduler:
             carried=int64_tensor(carried) if num_carried else None,
             num_spec_tokens=k,
             drafting=self.drafting is None or self.drafting(),
-        )
+            num_logprobs=max((r.params.logprobs for r in samplers if r.params.logprobs is not None), default=-1),
+            prompt_logprob_rows=int64_tensor(lp_rows) if lp_max >= 0 else None,
+            prompt_logprob_ids=int64_tensor(lp_ids) if lp_max >= 0 else None,
+            num_prompt_logprobs=lp_max,
+            **logits_inputs(samplers, sampler_drafts, k + 1),
+        ), (lp_counts if lp_max >= 0 else None)
 
     def complete(self, batch: ScheduledBatch, result: StepResult | None = None) -> None:
         """The batch came back: its KV is in the cache up to the accepted drafts (rejected draft rows

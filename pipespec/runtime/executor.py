@@ -72,7 +72,7 @@ class LocalExecutor(Executor):
 
     def submit(self, plan: StepPlan) -> None:
         data = run_stage_step(self.stage, 0, True, plan, None, self.hidden_size, self.num_spec_tokens)
-        self._results.append(_HostCopy(plan.step_id, plan.num_spec_tokens, data))
+        self._results.append(_HostCopy(plan, data))
 
     def receive(self, timeout: float) -> StepResult:
         return self._results.popleft().wait(timeout)
@@ -89,8 +89,8 @@ class _HostCopy:
     """A step's result on its way to the host: copied behind the step's kernels into pinned memory,
     so enqueueing it does not wait for them."""
 
-    def __init__(self, step_id: int, num_spec_tokens: int, data: torch.Tensor):
-        self.step_id, self.num_spec_tokens = step_id, num_spec_tokens
+    def __init__(self, plan: StepPlan, data: torch.Tensor):
+        self.plan, self.step_id = plan, plan.step_id
         self.done = None
         if data.device.type == "cuda":
             host = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
@@ -108,4 +108,4 @@ class _HostCopy:
                 if time.monotonic() > deadline:
                     raise StageError(f"step {self.step_id} did not finish on the GPU within {timeout:g}s")
                 time.sleep(0)
-        return StepResult(self.step_id, self.data, self.num_spec_tokens)
+        return StepResult.of(self.plan, self.data)

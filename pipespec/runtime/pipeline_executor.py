@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from pipespec.plan import StepPlan, StepResult, result_shape
+from pipespec.plan import StepPlan, StepResult, plan_result_shape
 from pipespec.runtime import launch
 from pipespec.runtime.executor import Executor, release_device_memory
 from pipespec.runtime.symmetry import CollectiveMismatch, compare_reports
@@ -65,7 +65,7 @@ class PipelineExecutor(Executor):
         self.procs: list = []                 # spawned worker processes (index r-1 is rank r)
         self._tp_recorder = None
         self.stage_info: list[dict] = []      # status of every stage after loading
-        self._in_flight: deque[tuple[int, int, int, list]] = deque()   # step id, requests, K, sends
+        self._in_flight: deque[tuple[int, StepPlan, list]] = deque()   # step id, plan, sends
         self._ready: dict[int, torch.Tensor] = {}   # results of a driver stage that is the last
         self._failed: str | None = None
         self._closed = False
@@ -203,7 +203,7 @@ class PipelineExecutor(Executor):
             self._busy += time.perf_counter() - t0
             self._cpu += time.thread_time() - c0
             self._steps += 1
-            self._in_flight.append((plan.step_id, plan.num_reqs, plan.num_spec_tokens, pending))
+            self._in_flight.append((plan.step_id, plan, pending))
         except StageError as e:
             self._fail(e)
         except Exception as e:
@@ -216,13 +216,13 @@ class PipelineExecutor(Executor):
         self._check_usable()
         if not self._in_flight:
             raise RuntimeError("receive() with no step in flight")
-        step_id, num_reqs, k, pending = self._in_flight.popleft()
+        step_id, plan, pending = self._in_flight.popleft()
         t0 = time.perf_counter()
         try:
             data = self._ready.pop(step_id, None)
             if data is None:
                 last_stage = (self.settings.num_stages - 1) * self.settings.tensor_parallel_size
-                data = self.link.recv(result_shape(num_reqs, k), torch.int64,
+                data = self.link.recv(plan_result_shape(plan), torch.int64,
                                       last_stage, "result", timeout)
             for p in pending:             # every message of this step has been received by now
                 p.wait(timeout)
@@ -234,7 +234,7 @@ class PipelineExecutor(Executor):
         except BaseException as e:
             self._failed = self._failed or f"interrupted while waiting for step {step_id}: {error_text(e)}"
             raise
-        return StepResult(step_id, data, k)
+        return StepResult.of(plan, data)
 
     # -- debug and measurement ------------------------------------------------------------------
 

@@ -10,7 +10,7 @@ from typing import Protocol
 
 import torch
 
-from pipespec.plan import StepPlan, activation_shape, result_shape
+from pipespec.plan import StepPlan, activation_shape, plan_result_shape
 from pipespec.runtime.transport import StageError
 
 
@@ -27,7 +27,7 @@ class Stage(Protocol):
 
 
 def expected_outbound(plan: StepPlan, is_last: bool, hidden_size: int) -> tuple[int, ...]:
-    return result_shape(plan.num_reqs, plan.num_spec_tokens) if is_last else activation_shape(plan, hidden_size)
+    return plan_result_shape(plan) if is_last else activation_shape(plan, hidden_size)
 
 
 def run_stage_step(stage: Stage, rank: int, is_last: bool, plan: StepPlan, inbound: torch.Tensor | None,

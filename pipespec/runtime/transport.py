@@ -7,7 +7,8 @@ Messages of one step:
   shape), then, for a PLAN op, one int64 payload whose length and layout follow from the header
   alone (float32 fields travel bit-cast, so nothing is rounded);
 - stage r -> stage r+1: the activations, [2, T, hidden] in the stage dtype (hidden and residual);
-- last stage -> driver: the StepResult, int64 [B, result_width(K)], K being the plan's.
+- last stage -> driver: the StepResult, int64 `plan_result_shape(plan)`: [B, result_width(K)], wider when
+  the plan asks for logprobs and with a row more per prompt-logprob row (all known from the plan).
 
 Two process groups carry them: `ctrl` (gloo, CPU tensors: plans and results) and `data` (the
 activations: gloo on CPU, NCCL on CUDA). A gloo wait that times out closes its connection, so a
@@ -73,7 +74,7 @@ def _plan_slots() -> list[str]:
 
 
 _SLOTS = _plan_slots()
-HEADER_LEN = 128
+HEADER_LEN = 192
 if _PREFIX + _SLOT * len(_SLOTS) > HEADER_LEN:
     raise ImportError(f"a plan of {len(_SLOTS)} fields does not fit the {HEADER_LEN}-slot header")
 

@@ -111,8 +111,8 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             raise ApiError(400, f"{param} is not supported by pipespec", param)
         prompts = completion_prompts(body.prompt)
         params = body.sampling_params(body.max_tokens, 16)
-        if len(prompts) > 1:
-            return await _respond_many(body, prompts, params)
+        if len(prompts) > 1 or params.n > 1:
+            return await _respond_many(body, prompts, params, chat=False)
         return await _respond(request, body, prompts[0], params, chat=False)
 
     def render_chat(plan, add_generation_prompt: bool) -> tuple[dict, str]:
@@ -133,14 +133,18 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         params = body.sampling_params(max_tokens, None)
         parser = plan.output_parser(chat_options, text)
         if parser is not None:          # the markup may be special tokens: keep them in the text to parse
+            if params.n > 1:
+                raise ApiError(400, "n > 1 with tool calls or reasoning parsing is not supported", "n")
             params = dataclasses.replace(params, skip_special_tokens=False)
+        if params.n > 1:
+            return await _respond_many(body, [prompt], params, chat=True)
         return await _respond(request, body, prompt, params, chat=True, parser=parser)
 
-    async def start(prompt, params, id_prefix: str, index: int | None = None) -> _Generation:
-        """Admit one request, or raise the API error its refusal maps to (`index`: its place in a list
-        of prompts, named in a 400)."""
+    async def start(prompt, params, id_prefix: str, index: int | None = None) -> list[_Generation]:
+        """Admit one prompt's requests (params.n), or raise the API error its refusal maps to
+        (`index`: its place in a list of prompts, named in a 400)."""
         try:
-            request_id, outputs, prompt_ids = await engine.add_request(prompt, params, id_prefix)
+            streams, prompt_ids = await engine.add_request(prompt, params, id_prefix)
         except ValueError as e:
             if index is None:
                 raise ApiError(400, str(e), _param_of(str(e))) from None
@@ -150,10 +154,11 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         except EngineDeadError as e:
             raise ApiError(503, str(e), kind="engine_error") from None
         metrics.prompt_tokens.inc(len(prompt_ids))
-        return _Generation(engine, metrics, request_id, outputs, len(prompt_ids), log_requests)
+        return [_Generation(engine, metrics, request_id, outputs, len(prompt_ids), log_requests, params.logprobs)
+                for request_id, outputs in streams]
 
     async def _respond(request: Request, body, prompt, params, chat: bool, parser=None):
-        gen = await start(prompt, params, "chatcmpl" if chat else "cmpl")
+        gen, = await start(prompt, params, "chatcmpl" if chat else "cmpl")
         object_name = "chat.completion" if chat else "text_completion"
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -168,31 +173,40 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             choice = {"index": 0, "message": message, "finish_reason": finish}
         else:
             choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
-                      if chat else {"index": 0, "text": text, "finish_reason": finish, "logprobs": None})
+                      if chat else {"index": 0, "text": text, "finish_reason": finish})
+        choice["logprobs"] = gen.format_logprobs(gen.logprobs, chat)
+        if gen.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = gen.prompt_logprobs
         return {"id": gen.request_id, "object": object_name, "created": int(time.time()), "model": model_name,
                 "choices": [choice], "usage": gen.usage()}
 
-    async def _respond_many(body: CompletionRequest, prompts: list, params):
-        """One choice per prompt (index = the prompt's place in the list), run side by side."""
+    async def _respond_many(body, prompts: list, params, chat: bool):
+        """Several choices run side by side: n per prompt, index = the prompt's place in the list
+        times n plus the sequence's (the first of them keeps the id of the whole response)."""
         gens: list[_Generation] = []
         try:
             for i, prompt in enumerate(prompts):
-                gens.append(await start(prompt, params, "cmpl", i))
+                gens += await start(prompt, params, "chatcmpl" if chat else "cmpl", i if len(prompts) > 1 else None)
         except BaseException:
             for gen in gens:
                 gen.close()
             raise
+        object_name = "chat.completion" if chat else "text_completion"
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_sse_many(gens, model_name, include_usage), media_type="text/event-stream")
+            return StreamingResponse(_sse_many(gens, model_name, include_usage, chat,
+                                               object_name + ".chunk" if chat else object_name),
+                                     media_type="text/event-stream")
         try:
             results = await asyncio.gather(*(gen.collect() for gen in gens))
         finally:
             for gen in gens:
                 gen.close()
-        choices = [{"index": i, "text": text, "finish_reason": finish, "logprobs": None}
-                   for i, (text, finish) in enumerate(results)]
-        return {"id": gens[0].request_id, "object": "text_completion", "created": int(time.time()),
+        choices = [{"index": i, "finish_reason": finish, "logprobs": gen.format_logprobs(gen.logprobs, chat),
+                    **({"message": {"role": "assistant", "content": text}} if chat else {"text": text}),
+                    **({"prompt_logprobs": gen.prompt_logprobs} if gen.prompt_logprobs is not None else {})}
+                   for i, (gen, (text, finish)) in enumerate(zip(gens, results))]
+        return {"id": gens[0].request_id, "object": object_name, "created": int(time.time()),
                 "model": model_name, "choices": choices, "usage": _total_usage(gens)}
 
     app.state.metrics = metrics
@@ -224,7 +238,9 @@ _FIELDS = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_
 
 
 def _param_of(message: str) -> str | None:
-    for name in ("prompt_token_ids", "prompt", "max_tokens", "messages"):
+    if message.startswith("n="):
+        return "n"
+    for name in ("prompt_token_ids", "prompt", "max_tokens", "messages", "logit_bias"):
         if name in message:
             return name
     return None
@@ -235,8 +251,13 @@ class _Generation:
     the engine) into text deltas, and keeps its metrics."""
 
     def __init__(self, engine: AsyncEngine, metrics: Metrics, request_id: str, outputs: asyncio.Queue,
-                 num_prompt_tokens: int, log_requests: bool = False):
+                 num_prompt_tokens: int, log_requests: bool = False, num_logprobs: int | None = None):
         self.engine, self.metrics, self.request_id, self.outputs = engine, metrics, request_id, outputs
+        self.num_logprobs = num_logprobs     # SamplingParams.logprobs (None: no logprobs in the answer)
+        self.logprobs: list = []              # (token id, {id: Logprob}) of every token, for a whole response
+        self.delta_logprobs: list = []        # those of the last delta
+        self.text_offset = 0                  # completions' text_offset of the next token
+        self.prompt_logprobs = None           # vLLM's form of them, from the first output (when asked)
         self.num_prompt_tokens = num_prompt_tokens
         self.log_requests = log_requests
         self.num_tokens = 0
@@ -255,9 +276,17 @@ class _Generation:
                 self.error = str(out)
                 raise ApiError(500, f"the engine failed: {out}", kind="engine_error")
             completion = out.outputs[0]
+            if out.prompt_logprobs is not None and self.prompt_logprobs is None:
+                self.prompt_logprobs = [None if e is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank,
+                                                                         "decoded_token": lp.decoded_token}
+                                                                for t, lp in e.items()}
+                                        for e in out.prompt_logprobs]
             self._count(len(completion.token_ids))
             self.num_tokens += len(completion.token_ids)
             self.parts.append(completion.text)
+            if completion.logprobs is not None:
+                self.delta_logprobs = list(zip(completion.token_ids, completion.logprobs))
+                self.logprobs += self.delta_logprobs
             if out.finished:
                 self.done = True
                 self.finish_reason = completion.finish_reason
@@ -280,6 +309,29 @@ class _Generation:
         async for _ in self.deltas():
             pass
         return "".join(self.parts), self.finish_reason
+
+    def format_logprobs(self, tokens: list, chat: bool) -> dict | None:
+        """OpenAI's logprobs object for these (token id, {id: Logprob}) pairs, None when not asked
+        for: chat's {"content": [...]}, or completions' tokens / token_logprobs / top_logprobs /
+        text_offset (offsets into the choice's text, counted on from the previous chunk's)."""
+        n = self.num_logprobs
+        if n is None:
+            return None
+        rows = [(entry[token], sorted((lp for t, lp in entry.items() if lp.rank <= n and (t != token or len(entry) <= n)),
+                                      key=lambda lp: lp.rank)[:n])
+                for token, entry in tokens]
+        if chat:
+            def item(lp):
+                text = lp.decoded_token or ""
+                return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode("utf-8"))}
+            return {"content": [dict(item(c), top_logprobs=[item(t) for t in top]) for c, top in rows]}
+        offsets = []
+        for chosen, _ in rows:
+            offsets.append(self.text_offset)
+            self.text_offset += len(chosen.decoded_token or "")
+        return {"tokens": [c.decoded_token for c, _ in rows], "token_logprobs": [c.logprob for c, _ in rows],
+                "top_logprobs": [{t.decoded_token: t.logprob for t in top} for _, top in rows],
+                "text_offset": offsets}
 
     def usage(self) -> dict:
         return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": self.num_tokens,
@@ -311,19 +363,29 @@ async def _sse(gen: _Generation, chat: bool, model: str, object_name: str, inclu
         if chat:
             yield chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
         async for delta, finish in gen.deltas():
+            # this delta's tokens' logprobs (None when not asked for), on its first chunk
+            logprobs = gen.format_logprobs(gen.delta_logprobs, chat)
+            gen.delta_logprobs = []
             if parser is not None:      # reasoning and tool calls: parsed deltas, then the finish reason
-                for d in parser.feed(delta) if delta else ():
-                    yield chunk({"index": 0, "delta": d, "finish_reason": None})
+                parsed = list(parser.feed(delta)) if delta else []
                 if finish is not None:
                     more, finish = parser.finish(finish)
-                    for d in more:
-                        yield chunk({"index": 0, "delta": d, "finish_reason": None})
+                    parsed += more
+                if logprobs is not None and logprobs["content"] and not parsed:
+                    parsed = [{}]                     # tokens with no text out yet: their logprobs still go
+                for i, d in enumerate(parsed):
+                    yield chunk({"index": 0, "delta": d, "finish_reason": None,
+                                 **({"logprobs": logprobs} if i == 0 and logprobs is not None else {})})
+                if finish is not None:
                     yield chunk({"index": 0, "delta": {}, "finish_reason": finish})
                 continue
-            if not delta and finish is None:
+            if not delta and finish is None and not (logprobs and (logprobs.get("content") or logprobs.get("tokens"))):
                 continue
             choice = ({"index": 0, "delta": {"content": delta} if delta else {}, "finish_reason": finish}
-                      if chat else {"index": 0, "text": delta, "finish_reason": finish, "logprobs": None})
+                      if chat else {"index": 0, "text": delta, "finish_reason": finish})
+            choice["logprobs"] = logprobs
+            if gen.prompt_logprobs:       # (vLLM's extension) on the first chunk only (then False)
+                choice["prompt_logprobs"], gen.prompt_logprobs = gen.prompt_logprobs, False
             yield chunk(choice)
         if include_usage:
             yield chunk(None, gen.usage())
@@ -335,23 +397,26 @@ async def _sse(gen: _Generation, chat: bool, model: str, object_name: str, inclu
         gen.close()
 
 
-async def _sse_many(gens: list[_Generation], model: str, include_usage: bool):
-    """Several prompts' streams in one: each chunk carries one choice, its index the prompt's."""
+async def _sse_many(gens: list[_Generation], model: str, include_usage: bool, chat: bool = False,
+                    object_name: str = "text_completion"):
+    """Several choices' streams in one: each chunk carries one choice, with its index."""
     created = int(time.time())
     merged: asyncio.Queue = asyncio.Queue()
 
     async def pump(index: int, gen: _Generation):
         try:
             async for delta, finish in gen.deltas():
-                if delta or finish is not None:
-                    await merged.put((index, delta, finish, None))
+                logprobs = gen.format_logprobs(gen.delta_logprobs, chat)
+                gen.delta_logprobs = []
+                if delta or finish is not None or (logprobs and (logprobs.get("tokens") or logprobs.get("content"))):
+                    await merged.put((index, delta, finish, None, logprobs))
         except ApiError as e:
-            await merged.put((index, "", None, e))
+            await merged.put((index, "", None, e, None))
         finally:
-            await merged.put((index, None, None, None))      # this prompt is over
+            await merged.put((index, None, None, None, None))      # this prompt is over
 
     def chunk(choices: list, usage: dict | None = None) -> str:
-        payload = {"id": gens[0].request_id, "object": "text_completion", "created": created, "model": model,
+        payload = {"id": gens[0].request_id, "object": object_name, "created": created, "model": model,
                    "choices": choices}
         if include_usage:
             payload["usage"] = usage
@@ -359,15 +424,19 @@ async def _sse_many(gens: list[_Generation], model: str, include_usage: bool):
 
     tasks = [asyncio.ensure_future(pump(i, gen)) for i, gen in enumerate(gens)]
     try:
+        if chat:
+            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                         for i in range(len(gens))])
         open_streams, error = len(gens), None
         while open_streams:
-            index, delta, finish, err = await merged.get()
+            index, delta, finish, err, logprobs = await merged.get()
             if delta is None:
                 open_streams -= 1
             elif err is not None:
                 error = error or err
             else:
-                yield chunk([{"index": index, "text": delta, "finish_reason": finish, "logprobs": None}])
+                yield chunk([{"index": index, "finish_reason": finish, "logprobs": logprobs,
+                              **({"delta": {"content": delta} if delta else {}} if chat else {"text": delta})}])
         if error is not None:
             yield f"data: {json.dumps(error.body())}\n\n"
         elif include_usage:

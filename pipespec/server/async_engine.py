@@ -76,18 +76,24 @@ class AsyncEngine:
         return await asyncio.get_running_loop().run_in_executor(self._validate, fn, *args)
 
     async def add_request(self, prompt, params: SamplingParams,
-                          prefix: str = "req") -> tuple[str, asyncio.Queue, list[int]]:
-        """Validate and enqueue; raises ValueError (bad input), QueueFullError, EngineDeadError."""
+                          prefix: str = "req") -> tuple[list[tuple[str, asyncio.Queue]], list[int]]:
+        """Validate and enqueue the prompt's request (params.n of them: `LLMEngine.make_requests`);
+        each one's (id, output queue), and the prompt's ids. Raises ValueError (bad input),
+        QueueFullError, EngineDeadError."""
         self._check_room()                      # before paying for tokenization
         request_id = f"{prefix}-{next(self._ids)}"
-        req = await self.run_blocking(self.engine.make_request, request_id, prompt, params)
+        reqs = await self.run_blocking(self.engine.make_requests, request_id, prompt, params)
+        out = []
         with self._lock:
             self._check_room()
-            stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-            self._streams[request_id] = stream
-            self._posted += 1
-        self._commands.put(("add", req))
-        return request_id, stream.outputs, req.prompt_token_ids
+            for req in reqs:
+                stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+                self._streams[req.request_id] = stream
+                self._posted += 1
+                out.append((req.request_id, stream.outputs))
+        for req in reqs:
+            self._commands.put(("add", req))
+        return out, reqs[0].prompt_token_ids
 
     def _check_room(self) -> None:
         if self.draining:

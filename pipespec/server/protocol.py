@@ -5,7 +5,7 @@ from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pipespec.sampling import RequestOutputKind, SamplingParams
+from pipespec.sampling import MAX_LOGPROBS, RequestOutputKind, SamplingParams
 
 
 class ApiError(Exception):
@@ -39,26 +39,20 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     ignore_eos: bool = False
-    # OpenAI fields pipespec does not implement: refused when set, never silently ignored
+    # completions: an int (top alternatives per token); chat: a bool, with `top_logprobs` the count
     logprobs: Optional[Union[bool, int]] = None
     top_logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None     # vLLM's extension: each prompt token's logprob and top N
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
-    logit_bias: Optional[dict[str, float]] = None
+    logit_bias: Optional[dict[str, float]] = None     # token id (as a string) -> bias in [-100, 100]
+    # vLLM's extensions
+    repetition_penalty: Optional[float] = None
+    min_tokens: int = 0
+    bad_words: Optional[list[str]] = None
     user: Optional[str] = None
 
     def refuse_unsupported(self) -> None:
-        if self.n != 1:
-            raise ApiError(400, f"n={self.n} is not supported: pipespec returns one choice per request", "n")
-        if self.logprobs not in (None, False, 0):
-            raise ApiError(400, "logprobs are not supported by pipespec yet", "logprobs")
-        if self.top_logprobs not in (None, 0):
-            raise ApiError(400, "top_logprobs are not supported by pipespec yet", "top_logprobs")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                raise ApiError(400, f"{name} is not supported by pipespec", name)
-        if self.logit_bias:
-            raise ApiError(400, "logit_bias is not supported by pipespec", "logit_bias")
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "stream_options is only allowed with stream=true", "stream_options")
 
@@ -69,7 +63,15 @@ class _SamplingFields(BaseModel):
                       top_p=1.0 if self.top_p is None else self.top_p,
                       top_k=-1 if self.top_k is None else self.top_k,
                       min_p=0.0 if self.min_p is None else self.min_p,
-                      seed=self.seed, stop=self.stop, ignore_eos=self.ignore_eos,
+                      n=self.n, seed=self.seed, stop=self.stop, ignore_eos=self.ignore_eos,
+                      logprobs=self.num_logprobs(),
+                      presence_penalty=self.presence_penalty or 0.0,
+                      frequency_penalty=self.frequency_penalty or 0.0,
+                      repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                      logit_bias=_token_bias(self.logit_bias), min_tokens=self.min_tokens,
+                      bad_words=self.bad_words,
+                      prompt_logprobs=(None if self.prompt_logprobs is None
+                                       else _check_count(self.prompt_logprobs, "prompt_logprobs")),
                       output_kind=RequestOutputKind.DELTA)      # what is new each step: no copies
         try:
             return SamplingParams(**kwargs)
@@ -78,11 +80,41 @@ class _SamplingFields(BaseModel):
             raise ApiError(400, str(e).removeprefix("SamplingParams."), param) from None
 
 
+    def num_logprobs(self) -> Optional[int]:
+        """SamplingParams.logprobs: how many top alternatives each token's logprobs list (None: none)."""
+        raise NotImplementedError
+
+
+def _token_bias(bias: Optional[dict[str, float]]) -> Optional[dict[int, float]]:
+    """OpenAI's logit_bias (token ids as JSON keys, so strings) with integer keys."""
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        try:
+            out[int(key)] = value
+        except ValueError:
+            raise ApiError(400, f"logit_bias: key {key!r} is not a token id", "logit_bias") from None
+    return out
+
+
+def _check_count(value, name: str) -> int:
+    if isinstance(value, bool) or not 0 <= value <= MAX_LOGPROBS:
+        raise ApiError(400, f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}", name)
+    return value
+
+
 class CompletionRequest(_SamplingFields):
     prompt: Union[str, list[int], list[str], list[list[int]]]
     echo: bool = False
     suffix: Optional[str] = None
     best_of: Optional[int] = None
+
+    def num_logprobs(self) -> Optional[int]:
+        if self.top_logprobs is not None:
+            raise ApiError(400, "top_logprobs is a chat completions field; /v1/completions takes "
+                                "logprobs: <count>", "top_logprobs")
+        return None if self.logprobs is None else _check_count(self.logprobs, "logprobs")
 
 
 class ChatMessage(BaseModel):
@@ -101,3 +133,13 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Optional[Union[str, dict]] = None
     parallel_tool_calls: Optional[bool] = None
     chat_template_kwargs: Optional[dict] = None
+
+    def num_logprobs(self) -> Optional[int]:
+        if self.logprobs not in (None, True, False):
+            raise ApiError(400, f"logprobs must be a boolean in chat completions (top_logprobs gives the "
+                                f"count), got {self.logprobs!r}", "logprobs")
+        if self.top_logprobs is not None:
+            _check_count(self.top_logprobs, "top_logprobs")
+            if not self.logprobs:
+                raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None

@@ -1,5 +1,11 @@
 """Verify drafts against the target: lossless rejection sampling, greedy included, with no host sync.
 
+Deterministic drafts (pipespec's MTP drafter: the head's argmax) take a shortcut that is the same in
+distribution and more: each row draws the token plain decoding draws at that position (keyed by
+seed and position), and a draft is accepted exactly when it equals it, so a seeded request's output
+is identical with and without speculation, at every PP size. Drafts drawn from a distribution
+(`draft_probs`) go through rejection sampling, as follows.
+
 For draft j of a request (distribution q_j, token d_j) and the target's processed distribution p_j at
 the same row: accept while u_j * q_j(d_j) <= p_j(d_j); at the first rejection draw from
 normalize(max(p_j - q_j, 0)); if every draft is accepted draw a bonus token from p at the row after
@@ -39,6 +45,13 @@ def rejection_sample(target_logits: torch.Tensor, draft_ids: torch.Tensor, num_d
     pos = first_position[:, None] + torch.arange(rows, device=device)[None, :]          # [B, K+1]
     flat = _repeat_rows(st, rows)
     p = processed_probs(target_logits.reshape(b * rows, vocab), flat).reshape(b, rows, vocab)
+    if draft_probs is None:
+        # deterministic drafts: every row draws the token plain decoding would draw at its position
+        # (same keyed noise, `sample`), and a draft is accepted exactly when it is that token. A draft
+        # then passes with probability p(draft), as rejection sampling with a one-hot q accepts it,
+        # and a seeded request's output is the same with and without speculation
+        drawn = draw(p.reshape(b * rows, vocab), flat.seed, pos.reshape(-1)).reshape(b, rows)
+        return _accept_matching(drawn, draft_ids, num_drafts)
 
     drafts = draft_ids.clamp(0, vocab - 1)
     if draft_probs is None:
@@ -79,7 +92,12 @@ def verify_greedy(target_logits, draft_ids, num_drafts):
     """Greedy rows with deterministic drafts: accept while the draft is the argmax (the general path
     computes the same thing with one-hot distributions; this one skips the softmax). No host read:
     a CUDA graph's forward runs it for every step (`stage/cuda_graphs.py`)."""
-    best = greedy_tokens(target_logits)                                                     # [B, K+1]
+    return _accept_matching(greedy_tokens(target_logits), draft_ids, num_drafts)
+
+
+def _accept_matching(best, draft_ids, num_drafts):
+    """Accept each line's drafts while each equals the token its row chose (best [B, K+1]); the
+    tokens up to and including the first row whose draft differs (or the row after the last)."""
     k = best.shape[1] - 1
     col = torch.arange(k, device=best.device)[None, :]
     accept = (best[:, :k] == draft_ids) & (col < num_drafts[:, None])

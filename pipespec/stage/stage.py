@@ -36,6 +36,7 @@ from pipespec.model.linear_state import LinearFlags, LinearMeta, allocate_states
 from pipespec.parallel import TensorParallel
 from pipespec.placement import resolve_device, resolve_dtype
 from pipespec.plan import StepPlan, StepResult, position_margin
+from pipespec.sampling import append_logprobs, append_prompt_logprobs, apply_penalties
 from pipespec.speculative.loading import build_proposer
 from pipespec.stage import memory
 from pipespec.stage.carry import Carry
@@ -244,24 +245,50 @@ class Stage:
     def _verify_and_finish(self, plan: StepPlan, inp: StepInput, ctx: ForwardContext | None,
                            hidden: torch.Tensor, logits: torch.Tensor | None) -> torch.Tensor:
         """Last stage: verify each sampling request's line (no drafts: plain sampling), then finish;
-        the StepResult data. `ctx` None: the step was replayed from a CUDA graph, whose forward
-        computed every row's `logits` and verified greedily, and whose finish graph drafts."""
-        k, s = inp.num_spec_tokens, inp.num_lines
+        the StepResult data, with the logprobs the plan asks for. `ctx` None: the step was replayed
+        from a CUDA graph, whose forward computed every row's `logits` and verified greedily, and
+        whose finish graph drafts."""
         drafting = self.drafter is not None and plan.drafting
-        if s == 0:
+        if inp.num_lines:
+            data = self._verify_lines(plan, inp, ctx, hidden, logits, drafting)
+        else:
             if drafting:      # keep the MTP KV written where later steps attend
                 self.drafter.write_kv(ctx, inp.mtp_input_ids, hidden)
-            return StepResult.empty(plan.step_id, plan.num_reqs, k).data
-        if ctx is None and plan.sampling.all_greedy:
-            return self.graphs.finish(drafting=drafting)
-        if logits is None:     # eager: the LM head at verify rows only
-            logits = self.model.compute_logits(hidden[inp.verify_rows.reshape(-1)])
-        # greedy verification reads no sampling tensor: spare their upload
-        sampling = None if plan.sampling.all_greedy else plan.sampling.to(self.device)
-        tokens, num_sampled = verify(logits.view(s, k + 1, -1), inp, sampling)
-        if ctx is None:
-            return self.graphs.finish(tokens, num_sampled, drafting)
-        return self._finish(ctx, inp, hidden, tokens, num_sampled, drafting)
+            data = StepResult.empty(plan.step_id, plan.num_reqs, inp.num_spec_tokens).data
+        if plan.num_prompt_logprobs >= 0:     # rows of prefill chunks: never a CUDA graph's steady step
+            rows = plan.prompt_logprob_rows.to(self.device)
+            data = append_prompt_logprobs(data, self.model.compute_logits(hidden[rows]),
+                                          plan.prompt_logprob_ids.to(self.device), plan.num_prompt_logprobs)
+        return data
+
+    def _verify_lines(self, plan: StepPlan, inp: StepInput, ctx: ForwardContext | None, hidden: torch.Tensor,
+                      logits: torch.Tensor | None, drafting: bool) -> torch.Tensor:
+        k, s = inp.num_spec_tokens, inp.num_lines
+        # a step that processes its logits verifies them eagerly, never by the graph's greedy shortcut
+        shortcut = ctx is None and plan.sampling.all_greedy and not plan.adjusts_logits
+        if not shortcut or plan.num_logprobs >= 0:
+            if logits is None:     # eager: the LM head at verify rows only
+                logits = self.model.compute_logits(hidden[inp.verify_rows.reshape(-1)])
+            logits = logits.view(s, k + 1, -1)
+        if shortcut:
+            data = self.graphs.finish(drafting=drafting)
+        else:
+            # greedy verification reads no sampling tensor: spare their upload
+            sampling = None if plan.sampling.all_greedy else plan.sampling.to(self.device)
+            processed = logits
+            if plan.adjusts_logits:           # penalties, bias, bans (logprobs stay the raw model's)
+                processed = apply_penalties(logits, inp.draft_ids, inp.line_drafts,
+                                            *(None if t is None else t.to(self.device) for t in
+                                              (plan.penalties, plan.penalty_tokens, plan.bias_entries,
+                                               plan.bias_values)))
+            tokens, num_sampled = verify(processed, inp, sampling)
+            if ctx is None:
+                data = self.graphs.finish(tokens, num_sampled, drafting)
+            else:
+                data = self._finish(ctx, inp, hidden, tokens, num_sampled, drafting)
+        if plan.num_logprobs >= 0:            # of the raw logits at the verify rows (`plan.result_width`)
+            data = append_logprobs(data, logits, inp.sampling_reqs, k, plan.num_logprobs)
+        return data
 
     def _finish(self, ctx: ForwardContext, inp: StepInput, hidden: torch.Tensor, tokens: torch.Tensor,
                 num_sampled: torch.Tensor, drafting: bool) -> torch.Tensor:
