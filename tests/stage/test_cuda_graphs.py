@@ -63,6 +63,40 @@ def test_adaptive_k_replays_a_graph_set_per_k_and_matches_eager():
     assert got == want
 
 
+def test_penalties_and_logprobs_are_the_same_with_graphs():
+    """Greedy with penalties verifies eagerly on the graph's logits (no greedy shortcut); logprobs
+    read the graph's logits: tokens equal eager's, logprobs equal to float tolerance."""
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=3, repetition_penalty=1.3,
+                            presence_penalty=0.5, frequency_penalty=0.2)
+    outs = []
+    for eager in (True, False):
+        with LLM(speculative_config=spec, enforce_eager=eager, **KW) as llm:
+            outs.append([o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)])
+            assert eager or llm.engine.executor.stage.graphs.replays > 10
+    for e, g in zip(*outs):
+        assert e.token_ids == g.token_ids
+        for le, lg in zip(e.logprobs, g.logprobs):
+            assert le.keys() == lg.keys()
+            assert all(abs(le[t].logprob - lg[t].logprob) < 1e-3 for t in le)
+
+
+def test_retired_speculation_replays_graphs_without_the_drafter():
+    """Adaptive K retired (forced): K = 0 steps replay the K = 0 set's forward and its finish graph
+    without the drafter; the MTP KV is left alone and the output is plain decoding's."""
+    import torch
+    with LLM(**KW) as plain:
+        want = _greedy(plain)
+    with LLM(speculative_config={"method": "mtp", "num_speculative_tokens": 2, "adaptive": True}, **KW) as llm:
+        llm.engine.k_policy.retired = True
+        stage = llm.engine.executor.stage
+        mtp_kv = [c.key.clone() for c in stage.drafter.kv_caches]
+        got = _greedy(llm)
+        assert stage.graphs.by_k[0].replays > 20
+        assert all(torch.equal(a, c.key) for a, c in zip(mtp_kv, stage.drafter.kv_caches))
+    assert got == want
+
+
 def test_sampled_output_is_the_same_with_graphs():
     """Seeded sampling (keyed by seed and position) draws the same tokens replayed or eager."""
     spec = {"method": "mtp", "num_speculative_tokens": 3}
