@@ -80,11 +80,11 @@ def bucket(num_reqs: int) -> int:
 
 
 class AdaptiveK:
-    def __init__(self, max_k: int, num_micro_batches: int = 1, seed: int = 0):
-        self.max_k = max_k
+    def __init__(self, num_spec_tokens: int, num_micro_batches: int = 1, seed: int = 0):
+        self.num_spec_tokens = num_spec_tokens
         self.hold = 2 * num_micro_batches + 2     # steps an explored k is kept (each micro-batch turns over)
-        self._reached = [0.0] * max_k             # decayed counts: draft j was verified (1..j-1 accepted)
-        self._accepted = [0.0] * max_k            # ... and accepted
+        self._reached = [0.0] * num_spec_tokens             # decayed counts: draft j was verified (1..j-1 accepted)
+        self._accepted = [0.0] * num_spec_tokens            # ... and accepted
         self._costs: dict[int, list[deque]] = {}     # bucket -> per k, the last steady-step seconds
         self._visits: dict[int, int] = {}            # bucket -> steps chosen for it
         self._measured_at: dict[int, list[int]] = {}  # bucket -> per k, the choice count at its last cost
@@ -93,7 +93,7 @@ class AdaptiveK:
         self._in_use: int | None = None           # the last k chosen as the best (not explored)
         self._zero_run = 0                        # decisions in a row, on measured costs, that k = 0 was best
         self.retired = False                      # speculation retired for good (module docstring)
-        self.k_steps = [0] * (max_k + 1)          # how often each k was chosen (stats, /metrics)
+        self.k_steps = [0] * (num_spec_tokens + 1)          # how often each k was chosen (stats, /metrics)
 
     # -- what it measures ----------------------------------------------------------------------
 
@@ -111,10 +111,10 @@ class AdaptiveK:
         """A steady decode step of num_reqs requests with k drafts each took `seconds`."""
         b = bucket(num_reqs)
         self._window(b)[k].append(seconds)
-        self._measured_at.setdefault(b, [-1] * (self.max_k + 1))[k] = sum(self.k_steps)
+        self._measured_at.setdefault(b, [-1] * (self.num_spec_tokens + 1))[k] = sum(self.k_steps)
 
     def _window(self, b: int) -> list[deque]:
-        return self._costs.setdefault(b, [deque(maxlen=COST_WINDOW) for _ in range(self.max_k + 1)])
+        return self._costs.setdefault(b, [deque(maxlen=COST_WINDOW) for _ in range(self.num_spec_tokens + 1)])
 
     def costs(self, b: int) -> list[float | None]:
         """Seconds per steady step of bucket b for each k (None: fewer than MIN_SAMPLES measured)."""
@@ -158,8 +158,8 @@ class AdaptiveK:
         best = self._in_use = best_k(self.acceptance(), costs, self._in_use)
         self._note_best(b, best, measured=not unmeasured)
         if self._rng.random() < EXPLORE / self.hold:     # each exploration holds its k `hold` steps
-            at = self._measured_at.get(b, [-1] * (self.max_k + 1))
-            return self._hold_k(min((k for k in range(self.max_k + 1) if k != best), key=lambda k: at[k]))
+            at = self._measured_at.get(b, [-1] * (self.num_spec_tokens + 1))
+            return self._hold_k(min((k for k in range(self.num_spec_tokens + 1) if k != best), key=lambda k: at[k]))
         return best
 
     def _nearest_measured(self, b: int) -> int | None:
@@ -180,8 +180,8 @@ class AdaptiveK:
 class KSequence(AdaptiveK):
     """`k_sequence`: the steps' K in turn, repeating (tests, benchmarks); measures like AdaptiveK."""
 
-    def __init__(self, sequence: Sequence[int], max_k: int, num_micro_batches: int = 1):
-        super().__init__(max_k, num_micro_batches)
+    def __init__(self, sequence: Sequence[int], num_spec_tokens: int, num_micro_batches: int = 1):
+        super().__init__(num_spec_tokens, num_micro_batches)
         self.sequence, self._next = tuple(sequence), 0
 
     def _choose(self, b: int) -> int:

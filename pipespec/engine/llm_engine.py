@@ -34,9 +34,8 @@ from pipespec.engine.adaptive_k import make_policy
 from pipespec.engine.detokenizer import IncrementalDetokenizer
 from pipespec.engine.logits_inputs import bad_words_token_ids
 from pipespec.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from pipespec.engine.request import Request
+from pipespec.engine.request import Request, engine_seed_base, unseeded_request_seed
 from pipespec.engine.scheduler import ScheduledBatch, Scheduler
-from pipespec.engine.seeds import engine_seed_base, unseeded_request_seed
 from pipespec.engine.spec_stats import SpecDecodeStats
 from pipespec.engine.stages import build_executor, check_max_model_len
 from pipespec.placement import weights_dtype

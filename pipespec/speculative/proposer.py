@@ -63,8 +63,9 @@ class MTPProposer(nn.Module):
     @torch.inference_mode()
     def propose(self, target_ctx: ForwardContext, mtp_input_ids: torch.Tensor, line_tables: torch.Tensor,
                 hidden: torch.Tensor, last_rows: torch.Tensor, last_tokens: torch.Tensor,
-                num_tokens: int | None = None) -> torch.Tensor:
-        """Drafts [S, k] for the S requests that sampled this step (k = num_tokens, at most K; None: K).
+                num_spec_tokens: int | None = None) -> torch.Tensor:
+        """Drafts [S, k] for the S requests that sampled this step (k = num_spec_tokens: the step's K, at
+        most the config's; None: the config's).
 
         mtp_input_ids: [T] each row's next token (a line's last row: a placeholder); line_tables:
         [S, W] the block table of each sampling request; hidden: [T, H] the target's final hidden;
@@ -75,7 +76,7 @@ class MTPProposer(nn.Module):
         later step's drafts attend to the MTP KV of every earlier position, and only this step has the
         target's hidden states for these rows. The LM head and the chained steps are what it skips.
         """
-        k = self.num_spec_tokens if num_tokens is None else num_tokens
+        k = self.num_spec_tokens if num_spec_tokens is None else num_spec_tokens
         shifted = mtp_input_ids.clone()
         shifted[last_rows] = last_tokens
         embed = self._embed_weight()

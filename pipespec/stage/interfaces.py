@@ -53,7 +53,7 @@ class Drafter(Protocol):
 
     def propose(self, target_ctx: ForwardContext, mtp_input_ids: torch.Tensor, line_tables: torch.Tensor,
                 hidden: torch.Tensor, last_rows: torch.Tensor, last_tokens: torch.Tensor,
-                num_tokens: int | None = None) -> torch.Tensor:
+                num_spec_tokens: int | None = None) -> torch.Tensor:
         """Drafts [S, k] for a step's lines, from the target's final `hidden`; no host sync."""
 
     def write_kv(self, target_ctx: ForwardContext, mtp_input_ids: torch.Tensor, hidden: torch.Tensor) -> None:

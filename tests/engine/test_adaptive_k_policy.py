@@ -58,7 +58,7 @@ def _simulate(policy: AdaptiveK, accept: float, cost, steps: int, batch: int = 8
     (0.6, lambda k: 1 + 0.3 * k, 1),       # 1.6/1.3 = 1.23 beats 1.96/1.6 = 1.225 and 2.18/1.9
 ])
 def test_policy_measures_then_settles_on_the_best_k(accept, cost, want):
-    policy = AdaptiveK(max_k=3)
+    policy = AdaptiveK(num_spec_tokens=3)
     chosen = _simulate(policy, accept, cost, 400)
     late = chosen[200:]
     speed = [expected_tokens([accept] * 3, k) / cost(k) for k in range(4)]
@@ -72,7 +72,7 @@ def test_policy_measures_then_settles_on_the_best_k(accept, cost, want):
 
 
 def test_policy_follows_a_change_of_acceptance():
-    policy = AdaptiveK(max_k=2)
+    policy = AdaptiveK(num_spec_tokens=2)
     _simulate(policy, 0.95, lambda k: 1 + 0.2 * k, 300)
     late = _simulate(policy, 0.02, lambda k: 1 + 0.2 * k, 600, seed=2)[300:]
     assert late.count(0) / len(late) > 0.85
@@ -91,7 +91,7 @@ def test_a_k_measured_slow_while_warming_up_is_measured_again():
             return 5.0 if calls[0] <= 3 else 1.0
         return (1.75, 2.0)[k - 1]
 
-    chosen = _simulate(AdaptiveK(max_k=2), 0.55, cost, 3000)
+    chosen = _simulate(AdaptiveK(num_spec_tokens=2), 0.55, cost, 3000)
     assert chosen[20:60].count(2) > 30                 # misled first
     assert chosen[-500:].count(0) / 500 > 0.85
 
@@ -102,7 +102,7 @@ def test_a_near_tie_does_not_flip_the_k_in_use():
     assert best_k([0.6, 0.6], [1.0, 1.3, 1.6], in_use=2) == 2 and best_k([0.6, 0.6], [1.0, 1.3, 1.6]) == 1
     assert best_k([0.6, 0.6], [1.0, 1.3, 2.0], in_use=2) == 1
     for seed in range(3):
-        policy, in_use = AdaptiveK(max_k=3), []
+        policy, in_use = AdaptiveK(num_spec_tokens=3), []
         choose = policy.choose
         policy.choose = lambda n: (choose(n), in_use.append(policy._in_use))[0]      # noqa: E731
         _simulate(policy, 0.6, lambda k: 1 + 0.3 * k, 3000, seed=seed)
@@ -111,7 +111,7 @@ def test_a_near_tie_does_not_flip_the_k_in_use():
 
 
 def test_a_step_slowed_by_other_work_does_not_mark_its_k_as_costly():
-    policy = AdaptiveK(max_k=1)
+    policy = AdaptiveK(num_spec_tokens=1)
     for seconds in (1.0, 1.0, 1.0):
         policy.record_step(8, 0, seconds)
     for seconds in (1.1, 40.0, 1.1):             # one step stalled (the machine was busy)
@@ -123,7 +123,7 @@ def test_a_step_slowed_by_other_work_does_not_mark_its_k_as_costly():
 
 
 def test_a_batch_size_met_in_passing_borrows_a_neighbours_figures_one_that_lasts_is_measured():
-    policy = AdaptiveK(max_k=2)
+    policy = AdaptiveK(num_spec_tokens=2)
     _simulate(policy, 0.9, lambda k: 1 + 0.1 * k, 100, batch=16)       # bucket 16: all k measured
     assert None not in policy.costs(16)
     # the last requests finishing: a few steps at 8, then 4 -- no sweep, the choice of bucket 16
@@ -161,7 +161,7 @@ def test_config_parses_the_cli_form():
 
 
 def test_drafts_that_never_pay_at_the_smallest_batch_retire_speculation():
-    policy = AdaptiveK(max_k=2)
+    policy = AdaptiveK(num_spec_tokens=2)
     chosen = _simulate(policy, 0.3, lambda k: 1 + 0.6 * k, 200, batch=1)
     assert policy.retired and not policy.drafting() and policy.as_dict()["retired"]
     first_retired = next(i for i in range(len(chosen)) if all(k == 0 for k in chosen[i:]))
@@ -171,7 +171,7 @@ def test_drafts_that_never_pay_at_the_smallest_batch_retire_speculation():
 
 
 def test_a_busy_batch_that_finds_no_drafts_best_does_not_retire_what_a_small_one_gains():
-    policy = AdaptiveK(max_k=2)
+    policy = AdaptiveK(num_spec_tokens=2)
     cost = {1: lambda k: 1 + 0.05 * k, 64: lambda k: 1 + 0.9 * k}
     _simulate(policy, 0.7, cost[1], 100, batch=1)
     late = _simulate(policy, 0.7, cost[64], 300, batch=64)[150:]
@@ -180,6 +180,6 @@ def test_a_busy_batch_that_finds_no_drafts_best_does_not_retire_what_a_small_one
 
 
 def test_only_a_measured_policy_retires():
-    seq = KSequence([0], max_k=2)
+    seq = KSequence([0], num_spec_tokens=2)
     _simulate(seq, 0.0, lambda k: 1 + k, 100, batch=1)
     assert not seq.retired and seq.drafting()
