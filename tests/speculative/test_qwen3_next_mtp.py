@@ -13,7 +13,6 @@ full-attention block, MoE in the MoE models), under pipeline parallelism.
 """
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import torch
@@ -136,12 +135,17 @@ def _acceptance(folder: str, prompts, pp: int = 1, rewire=None, misalign: bool =
         if rewire is not None:
             drafter.layers[0].combine = rewire(drafter.layers[0])
         if misalign:          # row t gets its own token x_t instead of x_{t+1}
-            real = drafter.propose
+            buffers = llm.engine.executor.stage.buffers
+            write, real, step = buffers.write, drafter.propose, {}
 
-            def propose(ctx, layout, hidden, last_rows, last_tokens, *k):
-                unshifted = dataclasses.replace(layout, mtp_input_ids=layout.input_ids)
-                return real(ctx, unshifted, hidden, last_rows, layout.input_ids[last_rows], *k)
-            drafter.propose = propose
+            def record(plan, pad_to=None):
+                step["input"] = inp = write(plan, pad_to)
+                return inp
+
+            def propose(ctx, mtp_input_ids, line_tables, hidden, last_rows, last_tokens, *k):
+                ids = step["input"].input_ids
+                return real(ctx, ids, line_tables, hidden, last_rows, ids[last_rows], *k)
+            buffers.write, drafter.propose = record, propose
         _generate(llm, prompts)
         return llm.stats()["spec_decode"]["draft_acceptance_rate"]
 
