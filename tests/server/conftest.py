@@ -1,5 +1,7 @@
-"""A live `pipespec serve` process on a free port, shared by the server tests."""
+"""A live `pipespec serve` process on a free port, shared by the server tests, and the official openai
+client on it."""
 import pytest
+from openai import OpenAI
 
 from tests.live_server import LiveServer
 
@@ -17,3 +19,13 @@ def small_server():
     s = LiveServer("--max-model-len", "32", "--max-num-seqs", "8")
     yield s
     s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return OpenAI(base_url=f"{server.url}/v1", api_key="sk-test", timeout=120, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id

@@ -1,22 +1,10 @@
 """Logprobs through the official `openai` client: completions' `logprobs: N` and chat's
 `logprobs: true, top_logprobs: N`, whole and streamed, equal to the engine's own."""
 import pytest
-from openai import OpenAI
 
 from pipespec import SamplingParams
 
-KEY = "sk-test"
 PROMPT = "The capital of France is"
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return OpenAI(base_url=f"{server.url}/v1", api_key=KEY, timeout=120, max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
 
 
 def test_completion_logprobs_equal_the_engines(client, model, _session_llm):

@@ -1,18 +1,4 @@
 """n > 1 through the official `openai` client: n choices, seeded as n requests with seeds seed + i."""
-import pytest
-from openai import OpenAI
-
-KEY = "sk-test"
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return OpenAI(base_url=f"{server.url}/v1", api_key=KEY, timeout=120, max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
 
 
 def test_completions_n(client, model):

@@ -11,16 +11,6 @@ from tests.live_server import metric
 KEY = "sk-test"
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return OpenAI(base_url=f"{server.url}/v1", api_key=KEY, timeout=120, max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
-
-
 def test_models_lists_the_served_model(client, model):
     models = client.models.list().data
     assert [m.id for m in models] == [model]

@@ -1,21 +1,10 @@
 """Penalties, logit_bias, min_tokens and bad_words through the official `openai` client."""
 import pytest
-from openai import BadRequestError, OpenAI
+from openai import BadRequestError
 
 from pipespec import SamplingParams
 
-KEY = "sk-test"
 PROMPT = "The cat sat on the mat. The cat"
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return OpenAI(base_url=f"{server.url}/v1", api_key=KEY, timeout=120, max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
 
 
 def test_penalties_equal_the_engines(client, model, _session_llm):

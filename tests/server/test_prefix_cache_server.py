@@ -5,18 +5,11 @@ import time
 
 import httpx
 import pytest
-from openai import OpenAI
 
 from tests.live_server import metric
 
-KEY = "sk-test"
 PROMPT = ("A long shared system prompt for a support bot that answers questions about trains, "
           "timetables, delays and refunds, politely and briefly. " * 3)
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return OpenAI(base_url=f"{server.url}/v1", api_key=KEY, timeout=120, max_retries=0)
 
 
 def _metrics(server, settled=lambda text: True) -> str:
