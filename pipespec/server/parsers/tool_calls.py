@@ -319,17 +319,23 @@ class ToolCallFormat:
     def extract(self, text: str, tools: list[dict] | None = None) -> tuple[str, list[ParsedCall]]:
         """(content, calls) of a whole output."""
         s = self.stream(tools)
-        content, calls = [], []
-        for e in s.feed(text) + s.finish():
-            if isinstance(e, str):
-                content.append(e)
-            elif isinstance(e, ParsedCall):
-                calls.append(e)
-            elif isinstance(e, CallStart):
-                calls.append(ParsedCall(e.name, ""))
-            else:
-                calls[-1] = ParsedCall(calls[-1].name, calls[-1].arguments + e.text)
-        return "".join(content), calls
+        return collect(s.feed(text) + s.finish())
+
+
+def collect(events: list) -> tuple[str, list[ParsedCall]]:
+    """(content, calls) from a stream's events: text, whole calls, and calls started then grown by
+    argument fragments."""
+    content, calls = [], []
+    for e in events:
+        if isinstance(e, str):
+            content.append(e)
+        elif isinstance(e, ParsedCall):
+            calls.append(e)
+        elif isinstance(e, CallStart):
+            calls.append(ParsedCall(e.name, ""))
+        else:
+            calls[-1] = ParsedCall(calls[-1].name, calls[-1].arguments + e.text)
+    return "".join(content), calls
 
 
 TOOL_CALL_PARSERS = {f.name: f for f in (

@@ -3,7 +3,7 @@ import logging
 
 import pytest
 
-from pipespec.server.parsers.tool_calls import (TOOL_CALL_PARSERS, CallArgs, CallStart, ParsedCall, tool_call_format,
+from pipespec.server.parsers.tool_calls import (TOOL_CALL_PARSERS, CallArgs, CallStart, ParsedCall, collect, tool_call_format,
                                                 typed_value)
 from tests.server.parsers.conftest import splits
 
@@ -46,19 +46,12 @@ SAMPLES = {
 def streamed(fmt, pieces):
     s = fmt.stream(TOOLS)
     events = [e for p in pieces for e in s.feed(p)] + s.finish()
-    content, calls = [], []
     for e in events:
         if isinstance(e, str):
             assert "<tool_call" not in e and "｜" not in e, f"markup leaked into content: {e!r}"
-            content.append(e)
-        elif isinstance(e, ParsedCall):
-            calls.append(e)
-        elif isinstance(e, CallStart):
-            calls.append(ParsedCall(e.name, ""))
-        else:
+        elif not isinstance(e, (ParsedCall, CallStart)):
             assert isinstance(e, CallArgs) and e.text
-            calls[-1] = ParsedCall(calls[-1].name, calls[-1].arguments + e.text)
-    return "".join(content), calls
+    return collect(events)
 
 
 SAMPLES["qwen3"] = (SAMPLES["hermes"].rsplit("<tool_call>", 1)[0]                  # one call of each form
