@@ -3,8 +3,8 @@ import logging
 
 import pytest
 
-from pipespec.server.parsers.tool_calls import (TOOL_CALL_PARSERS, CallArgs, CallStart, ParsedCall, collect, tool_call_format,
-                                                typed_value)
+from pipespec.server.parsers.tool_calls import (TOOL_CALL_PARSERS, CallArgs, CallStart, ParsedCall, collect,
+                                                tool_call_format, typed_value)
 from tests.server.parsers.conftest import splits
 
 TOOLS = [
