@@ -100,24 +100,30 @@ def test_sigterm_ends_open_streams_with_abort_and_done(tmp_path):
           f"{plain[0].usage.completion_tokens} tokens; exit 0 after {exit_time:.2f}s")
 
 
-def test_request_finishing_within_the_grace_period_ends_naturally(tmp_path):
-    server = LiveServer("--shutdown-timeout", "60", log=tmp_path / "server.log", log_level="INFO")
-    events = []
+def _stream_and_signal(tmp_path, grace: str, max_tokens: int, signals: dict[int, int]):
+    """A server with `--shutdown-timeout grace` streams one completion; after the n-th event it is
+    sent signals[n]. (events, exit code, seconds from the first signal to the exit, log)."""
+    server = LiveServer("--shutdown-timeout", grace, log=tmp_path / "server.log", log_level="INFO")
+    events, signalled = [], None
     try:
         with httpx.stream("POST", f"{server.url}/v1/completions", timeout=120,
-                          json={"prompt": "Once upon a time", "max_tokens": 24, "ignore_eos": True,
+                          json={"prompt": "Once upon a time", "max_tokens": max_tokens, "ignore_eos": True,
                                 "stream": True}) as r:
             for line in r.iter_lines():
                 if line.startswith("data: "):
                     events.append(line[6:])
-                    if len(events) == 2:
-                        server.proc.send_signal(signal.SIGTERM)
-                        signalled = time.monotonic()
+                    if len(events) in signals:
+                        server.proc.send_signal(signals[len(events)])
+                        signalled = signalled or time.monotonic()
         code = server.proc.wait(60)
         exit_time = time.monotonic() - signalled
     finally:
         server.stop()
-    log = server.output()
+    return events, code, exit_time, server.output()
+
+
+def test_request_finishing_within_the_grace_period_ends_naturally(tmp_path):
+    events, code, exit_time, log = _stream_and_signal(tmp_path, "60", 24, {2: signal.SIGTERM})
     assert code == 0, log[-3000:]
     assert events[-1] == "[DONE]"
     assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
@@ -150,25 +156,7 @@ def _model(server: LiveServer) -> str:
 
 
 def test_second_ctrl_c_aborts_at_once(tmp_path):
-    server = LiveServer("--shutdown-timeout", "120", log=tmp_path / "server.log", log_level="INFO")
-    events = []
-    try:
-        with httpx.stream("POST", f"{server.url}/v1/completions", timeout=120,
-                          json={"prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True,
-                                "stream": True}) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    events.append(line[6:])
-                    if len(events) == 2:
-                        server.proc.send_signal(signal.SIGINT)
-                        signalled = time.monotonic()
-                    elif len(events) == 6:
-                        server.proc.send_signal(signal.SIGINT)
-        code = server.proc.wait(60)
-        exit_time = time.monotonic() - signalled
-    finally:
-        server.stop()
-    log = server.output()
+    events, code, exit_time, log = _stream_and_signal(tmp_path, "120", 1500, {2: signal.SIGINT, 6: signal.SIGINT})
     assert code == 0, log[-3000:]
     assert events[-1] == "[DONE]" and json.loads(events[-2])["choices"][0]["finish_reason"] == "abort"
     assert exit_time < 30, f"{exit_time:.1f}s: the second Ctrl-C did not cut the 120 s grace period short"
