@@ -170,32 +170,42 @@ def _member(key: str, value) -> str:
     return f"{json.dumps(key, ensure_ascii=False)}: {json.dumps(value, ensure_ascii=False)}"
 
 
-def _scan_qwen3_coder(block: str, schemas: dict, final: bool) -> list[tuple[str, list[str], bool]]:
-    """The calls of a block so far, each (name, its complete parameters as JSON members, closed).
-    On a growing block (final=False) the result only grows: a call appears once its name is
-    whole, a parameter once its end is seen, and nothing seen changes later."""
+def _scan_calls(pattern: re.Pattern, close_tag: str, block: str, final: bool, members, what: str) -> list:
+    """The calls of a block so far, each (name, its complete parameters as JSON members, closed), for
+    formats that wrap each call in `pattern` (group 1 its name, group 2 its body, ending at
+    `close_tag` or the block's end). On a growing block (final=False) the result only grows: a call
+    appears once its name is whole, a parameter once `members(name, body, closed)` sees its end,
+    and nothing seen changes later. `what`: the format, for the error of a final block that is not."""
     calls = []
-    for m in _FUNCTION.finditer(block):
+    for m in pattern.finditer(block):
         try:
             name = _name(m.group(1))
         except BadCall:
             if final:
                 raise
             break
-        closed = final or m.group(0).endswith("</function>")
-        body, props, members, seen = m.group(2), schemas.get(name, {}), [], set()
+        closed = final or m.group(0).endswith(close_tag)
+        calls.append((name, members(name, m.group(2), closed), closed))
+    if final and (not calls or pattern.sub("", block).strip()):
+        raise BadCall(what)
+    return calls
+
+
+def _scan_qwen3_coder(block: str, schemas: dict, final: bool) -> list[tuple[str, list[str], bool]]:
+    """<function=NAME><parameter=K>V</parameter>...</function> calls (`_scan_calls`)."""
+    def members(name: str, body: str, closed: bool) -> list[str]:
+        props, out, seen = schemas.get(name, {}), [], set()
         for p in _PARAMETER.finditer(body):
             if not (closed or p.group(0).endswith("</parameter>") or p.end() < len(body)):
                 break                                  # the value may still grow
             key = p.group(1).strip()
             if key not in seen:                        # a repeated parameter: the first one counts
                 seen.add(key)
-                members.append(_member(key, typed_value(_strip_one_newline(p.group(2)), props.get(key),
-                                                        default_json=False)))
-        calls.append((name, members, closed))
-    if final and (not calls or _FUNCTION.sub("", block).strip()):
-        raise BadCall("not <function=NAME>...</function>")
-    return calls
+                out.append(_member(key, typed_value(_strip_one_newline(p.group(2)), props.get(key),
+                                                    default_json=False)))
+        return out
+
+    return _scan_calls(_FUNCTION, "</function>", block, final, members, "not <function=NAME>...</function>")
 
 
 def _scan_qwen3(block: str, schemas: dict, final: bool) -> list[tuple[str, list[str], bool]]:
@@ -214,7 +224,7 @@ _ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re
 
 def _scan_glm(block: str, schemas: dict, final: bool) -> list[tuple[str, list[str], bool]]:
     """One call per block; its name is whole at the first <arg_key> (or the block's end), each
-    argument at its </arg_value> (as _scan_qwen3_coder: the result only grows with the block)."""
+    argument at its </arg_value> (as `_scan_calls`: the result only grows with the block)."""
     head, key_tag, _ = block.partition("<arg_key>")
     if not key_tag and not final:
         return []
@@ -264,19 +274,10 @@ _DSML_PARAM = re.compile(r'<｜DSML｜parameter\s+name="([^"]*)"\s+string="(true
 
 
 def _scan_deepseek_v32(block: str, schemas: dict, final: bool) -> list[tuple[str, list[str], bool]]:
-    """The invokes so far (as _scan_qwen3_coder: a call once its name is whole, a parameter at its
-    closing tag, closed at </｜DSML｜invoke>)."""
-    calls = []
-    for m in _INVOKE.finditer(block):
-        try:
-            name = _name(m.group(1))
-        except BadCall:
-            if final:
-                raise
-            break
-        closed = final or m.group(0).endswith("</｜DSML｜invoke>")
-        members, seen = [], set()
-        for p in _DSML_PARAM.finditer(m.group(2)):
+    """<｜DSML｜invoke name="NAME"> calls of <｜DSML｜parameter> members (`_scan_calls`)."""
+    def members(name: str, body: str, closed: bool) -> list[str]:
+        out, seen = [], set()
+        for p in _DSML_PARAM.finditer(body):
             key, raw = p.group(1), p.group(3)
             if p.group(2) == "true":
                 value = raw
@@ -289,13 +290,13 @@ def _scan_deepseek_v32(block: str, schemas: dict, final: bool) -> list[tuple[str
                     break
             if key not in seen:
                 seen.add(key)
-                members.append(_member(key, value))
-        if final and _DSML_PARAM.sub("", m.group(2)).strip():
+                out.append(_member(key, value))
+        if final and _DSML_PARAM.sub("", body).strip():
             raise BadCall('not a sequence of <｜DSML｜parameter name="K" string="..."> parameters')
-        calls.append((name, members, closed))
-    if final and (not calls or _INVOKE.sub("", block).strip()):
-        raise BadCall('not a sequence of <｜DSML｜invoke name="NAME"> calls')
-    return calls
+        return out
+
+    return _scan_calls(_INVOKE, "</｜DSML｜invoke>", block, final, members,
+                       'not a sequence of <｜DSML｜invoke name="NAME"> calls')
 
 
 @dataclasses.dataclass(frozen=True)
