@@ -47,8 +47,8 @@ class GrammarCompiler:
         try:
             import llguidance
         except ImportError:
-            raise ValueError(f"structured output needs the llguidance library, which is not installed: "
-                             f"{INSTALL_HINT}") from None
+            raise ValueError(f"structured_outputs: structured output needs the llguidance library, which is not "
+                             f"installed: {INSTALL_HINT}") from None
         with self._lock:
             if self._ll_tokenizer is None:
                 self._ll_tokenizer = llguidance.LLTokenizer(self._tokenizer.backend_json(), n_vocab=self.vocab_size,
