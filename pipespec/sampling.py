@@ -49,15 +49,17 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
     def __post_init__(self):
-        set_ = [name for name in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, name)]
-        if len(set_) != 1:
+        given = [name for name in self.KINDS if getattr(self, name)]
+        if len(given) != 1:
             raise ValueError("SamplingParams.structured_outputs: give exactly one of json, regex, choice, grammar "
-                             f"or json_object, got {set_ or 'none'}")
-        kind = set_[0]
+                             f"or json_object, got {given or 'none'}")
+        kind = given[0]
         value = getattr(self, kind)
-        ok = {"json": isinstance(value, (str, dict)), "regex": isinstance(value, str), "grammar": isinstance(value, str),
+        ok = {"json": isinstance(value, (str, dict)), "regex": isinstance(value, str),
+              "grammar": isinstance(value, str),
               "choice": isinstance(value, (list, tuple)) and all(isinstance(c, str) and c for c in value),
               "json_object": value is True}[kind]
         if not ok:
@@ -67,7 +69,7 @@ class StructuredOutputsParams:
 
     @property
     def kind(self) -> str:
-        return next(name for name in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, name))
+        return next(name for name in self.KINDS if getattr(self, name))
 
 
 @dataclass(frozen=True)

@@ -305,7 +305,7 @@ class Scheduler:
         if not self.async_scheduling or req.in_flight != 1:
             return False
         if req.num_pending_samples and (req.adjusts_logits or req.grammar is not None):
-            return False                   # its logits processing (or grammar mask) needs the token the step in flight samples
+            return False     # its logits processing (or grammar mask) needs the token the step in flight samples
         n = req.num_expected_tokens
         return not req.num_pending_samples or (n - req.num_prompt_tokens < req.max_tokens
                                                and n + self._last_k + self.num_spec_tokens < self.max_model_len)

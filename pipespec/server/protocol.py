@@ -120,9 +120,13 @@ class _SamplingFields(BaseModel):
         """The engine's refusal of the grammar ("structured_outputs.<kind>: ..."), named by the field the
         body gave it in."""
         name = self.structured_field()
-        detail = message.split(": ", 1)[1] if ": " in message else message
-        schema = message.startswith("structured_outputs.json:") and self.response_format is not None
-        where = "response_format.json_schema.schema" if schema else name
+        engine_where, detail = message.split(": ", 1)
+        if name == "structured_outputs":
+            where = engine_where                 # the body's own names
+        elif name == "response_format" and engine_where == "structured_outputs.json":
+            where = "response_format.json_schema.schema"
+        else:
+            where = name
         return ApiError(400, f"{where}: {detail}", name)
 
 
@@ -133,7 +137,7 @@ class _SamplingFields(BaseModel):
 
 _STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
                       "guided_grammar")
-_STRUCTURED_KINDS = {"json", "regex", "choice", "grammar", "json_object"}
+_STRUCTURED_KINDS = set(StructuredOutputsParams.KINDS)
 
 
 def _response_format(rf: dict) -> dict:

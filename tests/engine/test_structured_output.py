@@ -28,7 +28,8 @@ LARK = 'start: "The answer is " NUMBER "."\nNUMBER: /[0-9]{1,4}/'
 
 
 def _chat(tokenizer, text: str) -> list[int]:
-    return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}]), add_special_tokens=False)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": text}])
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
 @pytest.fixture(scope="module")
