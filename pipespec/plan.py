@@ -70,10 +70,15 @@ class StepPlan:
     penalty_tokens: torch.Tensor | None = None
     bias_entries: torch.Tensor | None = None
     bias_values: torch.Tensor | None = None
+    # structured output (`pipespec.sampling.apply_token_bitmask`; None: no line is constrained): the
+    # constrained lines int64 [G] (indices into S) and each one's 1 + K verify rows' token bitmasks,
+    # int32 [G * (1 + K), ceil(V / 32)] (built by `pipespec.engine.structured`)
+    grammar_lines: torch.Tensor | None = None
+    grammar_masks: torch.Tensor | None = None
 
     @property
     def adjusts_logits(self) -> bool:
-        return self.penalties is not None or self.bias_entries is not None
+        return self.penalties is not None or self.bias_entries is not None or self.grammar_masks is not None
 
     def __post_init__(self):
         b, device = self.seq_lens.shape[0], self.seq_lens.device

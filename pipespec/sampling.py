@@ -39,6 +39,40 @@ class RequestOutputKind(enum.IntEnum):
 
 
 @dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Structured output, as vLLM names it: exactly one of a JSON schema (`json`, a dict or its JSON
+    text), a regular expression, a list of choices, a grammar (Lark or GBNF), or `json_object` (any
+    JSON object). Compiled by the engine when the request is added (`pipespec.engine.structured`)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+    def __post_init__(self):
+        given = [name for name in self.KINDS if getattr(self, name)]
+        if len(given) != 1:
+            raise ValueError("SamplingParams.structured_outputs: give exactly one of json, regex, choice, grammar "
+                             f"or json_object, got {given or 'none'}")
+        kind = given[0]
+        value = getattr(self, kind)
+        ok = {"json": isinstance(value, (str, dict)), "regex": isinstance(value, str),
+              "grammar": isinstance(value, str),
+              "choice": isinstance(value, (list, tuple)) and all(isinstance(c, str) and c for c in value),
+              "json_object": value is True}[kind]
+        if not ok:
+            want = {"json": "a JSON schema (a dict or its JSON text)", "regex": "a string", "grammar": "a string",
+                    "choice": "a list of non-empty strings", "json_object": "True"}[kind]
+            raise ValueError(f"SamplingParams.structured_outputs.{kind}: must be {want}, got {value!r}")
+
+    @property
+    def kind(self) -> str:
+        return next(name for name in self.KINDS if getattr(self, name))
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling controls, named as vLLM names them."""
 
@@ -69,6 +103,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     min_tokens: int = 0             # no EOS or stop token id before this many generated tokens
     bad_words: list[str] | None = None    # never generated (each as the model's tokens would spell it)
+    # the output follows a JSON schema, regex, choice or grammar (masks on the last stage); it ends
+    # ("stop") when the grammar is complete
+    structured_outputs: StructuredOutputsParams | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
     stop_hold: int = field(init=False, repr=False)      # characters a DELTA output holds back
 
@@ -118,6 +155,8 @@ class SamplingParams:
         if self.bad_words is not None and (not isinstance(self.bad_words, (list, tuple)) or not all(
                 isinstance(w, str) and w.strip() for w in self.bad_words)):
             bad("bad_words", "must be a list of non-empty strings")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            bad("structured_outputs", "must be a StructuredOutputsParams or None")
         if not isinstance(self.output_kind, RequestOutputKind):
             bad("output_kind", f"must be one of {', '.join(f'RequestOutputKind.{k.name}' for k in RequestOutputKind)}")
         object.__setattr__(self, "stop_strings", tuple(stops))
@@ -346,3 +385,14 @@ def apply_penalties(logits: torch.Tensor, draft_ids: torch.Tensor, num_drafts: t
     x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
     out[line, row, tok] = x - frequency * count - presence * (count > 0).float()
     return out
+
+
+def apply_token_bitmask(logits: torch.Tensor, lines: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
+    """Structured output: logits [S, R, V] (a float32 copy the caller owns) with -inf at every token
+    the grammar forbids at each verify row of lines [G] (indices into S); masks int32 [G * R, ceil(V / 32)]
+    (bit t % 32 of word t // 32 set: token t allowed; `pipespec.engine.structured`)."""
+    g, r, v = lines.shape[0], logits.shape[1], logits.shape[2]
+    bits = torch.arange(32, device=masks.device, dtype=torch.int32)
+    allowed = ((masks[:, :, None] >> bits) & 1).bool().reshape(g, r, -1)[:, :, :v]
+    logits[lines] = logits[lines].masked_fill(~allowed, float("-inf"))
+    return logits

@@ -83,6 +83,10 @@ class Tokenizer:
         except TemplateSyntaxError as e:
             raise ValueError(f"the chat template does not compile: {e.message} (line {e.lineno})") from None
 
+    def backend_json(self) -> str:
+        """The tokenizer as tokenizers' JSON (what a grammar library builds its token view from)."""
+        return self._tok.to_str()
+
     def save_json(self, path: Path) -> None:
         self._tok.save(str(path))
 

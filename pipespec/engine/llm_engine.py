@@ -38,6 +38,7 @@ from pipespec.engine.request import Request, engine_seed_base, unseeded_request_
 from pipespec.engine.scheduler import ScheduledBatch, Scheduler
 from pipespec.engine.spec_stats import SpecDecodeStats
 from pipespec.engine.stages import build_executor, check_max_model_len
+from pipespec.engine.structured import GrammarCompiler
 from pipespec.placement import weights_dtype
 from pipespec.plan import StepResult, position_margin
 from pipespec.runtime.pipeline_executor import PipelineExecutor
@@ -115,6 +116,7 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._seed_base = engine_seed_base(config.model.seed)
         self._token_texts: dict[int, str] = {}       # token id -> its text, for logprobs
+        self.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size)    # structured output
         logger.info("engine ready: %s, %d layers, max_model_len=%d, %d KV blocks, async scheduling %s, "
                     "prefix caching %s, in %.1fs", self.model_name, source.arch.num_layers, self.max_model_len,
                     num_blocks, "on" if async_scheduling else "off", "on" if caching else "off", time.perf_counter() - t0)
@@ -179,6 +181,8 @@ class LLMEngine:
             if t >= vocab:
                 raise ValueError(f"logit_bias names token id {t}, outside the vocabulary (size {vocab})")
         req.set_bad_words(bad_words_token_ids(self.tokenizer, params.bad_words))
+        if params.structured_outputs is not None:
+            req.grammar = self.grammars.compile(params.structured_outputs)
         return req
 
     def make_requests(self, request_id: str, prompt, params: SamplingParams) -> list[Request]:
@@ -324,6 +328,13 @@ class LLMEngine:
             delta = req.detokenizer.add(token)
             if token in req.stop_ids:
                 return self.scheduler.finish(req, "stop", token)
+            if req.grammar is not None:
+                if not req.grammar.advance(token):
+                    logger.error("request %s: its grammar refused token %d, which its mask allowed: %s",
+                                 req.request_id, token, req.grammar.error)
+                    return self.scheduler.finish(req, "abort")
+                if req.grammar.complete:       # the output is whole: nothing but an end token could follow
+                    return self.scheduler.finish(req, "stop")
             if params.stop_strings and delta:
                 stop = req.detokenizer.find_stop(params.stop_strings, len(delta),
                                                  params.include_stop_str_in_output)

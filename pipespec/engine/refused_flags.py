@@ -24,8 +24,10 @@ REFUSED_FLAGS: dict[str, str] = {
     "--speculative-model": "use --speculative-config '{\"method\": \"mtp\", \"num_speculative_tokens\": K}' "
                            "(pipespec drafts with MTP heads only)",
     "--num-speculative-tokens": "use --speculative-config '{\"method\": \"mtp\", \"num_speculative_tokens\": K}'",
-    "--guided-decoding-backend": "structured output (JSON schema, grammar) is not implemented",
-    "--structured-outputs-config": "structured output (JSON schema, grammar) is not implemented",
+    "--guided-decoding-backend": "structured output always uses llguidance (pip install 'pipespec[structured]'); "
+                                 "there is no backend to choose",
+    "--structured-outputs-config": "structured output always uses llguidance (pip install 'pipespec[structured]'); "
+                                   "there is nothing to configure",
     "--ssl-keyfile": "no TLS in the server: put a TLS-terminating proxy in front of it",
     "--ssl-certfile": "no TLS in the server: put a TLS-terminating proxy in front of it",
     "--ssl-ca-certs": "no TLS in the server: put a TLS-terminating proxy in front of it",

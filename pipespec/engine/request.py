@@ -22,7 +22,7 @@ class Request:
                  "state_slot", "state_commit", "num_cached_blocks", "cache_parent", "finish_reason", "stop_reason",
                  "detokenizer", "sent_tokens", "sent_chars", "logprobs", "cumulative_logprob",
                  "prompt_logprobs", "num_prompt_logprob_rows", "token_counts", "bad_words_ids",
-                 "static_bias", "static_bias_values", "adjusts_logits", "prefix_leader")
+                 "static_bias", "static_bias_values", "adjusts_logits", "prefix_leader", "grammar")
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  params: SamplingParams, seed: int, max_tokens: int, eos_ids: frozenset[int]):
@@ -70,6 +70,8 @@ class Request:
         # n > 1: the first of its siblings, whose computed prompt blocks it takes from the prefix
         # cache (it waits to be admitted until they are cached); None: none
         self.prefix_leader: Request | None = None
+        # structured output: its grammar matcher (`engine/structured.py`), at the end of its tokens
+        self.grammar = None
 
     def set_bad_words(self, seqs: tuple[tuple[int, ...], ...]) -> None:
         """The bad words as token sequences (`logits_inputs.bad_words_token_ids`)."""

@@ -48,6 +48,7 @@ from pipespec.engine.block_allocator import ROOT, BlockAllocator
 from pipespec.engine.host_tensors import float32_tensor, int64_tensor
 from pipespec.engine.logits_inputs import logits_inputs
 from pipespec.engine.request import Request, RequestStatus
+from pipespec.engine.structured import grammar_inputs
 from pipespec.plan import StepPlan, StepResult, draft_chain_overrun
 from pipespec.sampling import SamplingTensors
 
@@ -303,8 +304,8 @@ class Scheduler:
         in flight is always the last one scheduled.)"""
         if not self.async_scheduling or req.in_flight != 1:
             return False
-        if req.num_pending_samples and req.adjusts_logits:
-            return False                   # its logits processing needs the token the step in flight samples
+        if req.num_pending_samples and (req.adjusts_logits or req.grammar is not None):
+            return False     # its logits processing (or grammar mask) needs the token the step in flight samples
         n = req.num_expected_tokens
         return not req.num_pending_samples or (n - req.num_prompt_tokens < req.max_tokens
                                                and n + self._last_k + self.num_spec_tokens < self.max_model_len)
@@ -415,6 +416,7 @@ class Scheduler:
             prompt_logprob_ids=int64_tensor(lp_ids) if lp_max >= 0 else None,
             num_prompt_logprobs=lp_max,
             **logits_inputs(samplers, sampler_drafts, k + 1),
+            **grammar_inputs(samplers, sampler_drafts, k + 1),
         ), (lp_counts if lp_max >= 0 else None)
 
     def complete(self, batch: ScheduledBatch, result: StepResult | None = None) -> None:

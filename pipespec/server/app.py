@@ -140,12 +140,14 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             return await _respond_many(body, [prompt], params, chat=True)
         return await _respond(request, body, prompt, params, chat=True, parser=parser)
 
-    async def start(prompt, params, id_prefix: str, index: int | None = None) -> list[_Generation]:
+    async def start(body, prompt, params, id_prefix: str, index: int | None = None) -> list[_Generation]:
         """Admit one prompt's requests (params.n), or raise the API error its refusal maps to
         (`index`: its place in a list of prompts, named in a 400)."""
         try:
             streams, prompt_ids = await engine.add_request(prompt, params, id_prefix)
         except ValueError as e:
+            if str(e).startswith("structured_outputs"):     # the grammar does not compile, or no library
+                raise body.structured_error(str(e)) from None
             if index is None:
                 raise ApiError(400, str(e), _param_of(str(e))) from None
             raise ApiError(400, f"prompt[{index}]: {e}", "prompt") from None
@@ -158,7 +160,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                 for request_id, outputs in streams]
 
     async def _respond(request: Request, body, prompt, params, chat: bool, parser=None):
-        gen, = await start(prompt, params, "chatcmpl" if chat else "cmpl")
+        gen, = await start(body, prompt, params, "chatcmpl" if chat else "cmpl")
         object_name = "chat.completion" if chat else "text_completion"
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -186,7 +188,8 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         gens: list[_Generation] = []
         try:
             for i, prompt in enumerate(prompts):
-                gens += await start(prompt, params, "chatcmpl" if chat else "cmpl", i if len(prompts) > 1 else None)
+                gens += await start(body, prompt, params, "chatcmpl" if chat else "cmpl",
+                                    i if len(prompts) > 1 else None)
         except BaseException:
             for gen in gens:
                 gen.close()

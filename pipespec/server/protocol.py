@@ -5,7 +5,7 @@ from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pipespec.sampling import MAX_LOGPROBS, RequestOutputKind, SamplingParams
+from pipespec.sampling import MAX_LOGPROBS, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 
 class ApiError(Exception):
@@ -51,6 +51,14 @@ class _SamplingFields(BaseModel):
     min_tokens: int = 0
     bad_words: Optional[list[str]] = None
     user: Optional[str] = None
+    # structured output: OpenAI's response_format, vLLM's structured_outputs (json, regex, choice,
+    # grammar, json_object) and its older guided_* names; at most one of them
+    response_format: Optional[dict] = None
+    structured_outputs: Optional[dict] = None
+    guided_json: Optional[Union[str, dict]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
 
     def refuse_unsupported(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -72,6 +80,7 @@ class _SamplingFields(BaseModel):
                       bad_words=self.bad_words,
                       prompt_logprobs=(None if self.prompt_logprobs is None
                                        else _check_count(self.prompt_logprobs, "prompt_logprobs")),
+                      structured_outputs=self.structured_outputs_params(),
                       output_kind=RequestOutputKind.DELTA)      # what is new each step: no copies
         try:
             return SamplingParams(**kwargs)
@@ -79,10 +88,72 @@ class _SamplingFields(BaseModel):
             param = str(e).split(":", 1)[0].removeprefix("SamplingParams.")
             raise ApiError(400, str(e).removeprefix("SamplingParams."), param) from None
 
+    def structured_field(self) -> Optional[str]:
+        """The body field that asks for structured output (None: none does); ApiError if several do."""
+        given = [name for name in _STRUCTURED_FIELDS if getattr(self, name) is not None]
+        if self.response_format is not None and self.response_format.get("type") == "text":
+            given.remove("response_format")      # OpenAI's default: plain text
+        if len(given) > 1:
+            raise ApiError(400, f"{' and '.join(given)}: give at most one way of structuring the output", given[1])
+        return given[0] if given else None
+
+    def structured_outputs_params(self) -> Optional[StructuredOutputsParams]:
+        name = self.structured_field()
+        if name is None:
+            return None
+        if name == "response_format":
+            spec = _response_format(self.response_format)
+        elif name == "structured_outputs":
+            unknown = set(self.structured_outputs) - _STRUCTURED_KINDS
+            if unknown:
+                raise ApiError(400, f"structured_outputs: unknown keys {sorted(unknown)} (pipespec takes "
+                                    f"{', '.join(sorted(_STRUCTURED_KINDS))})", name)
+            spec = {k: v for k, v in self.structured_outputs.items() if v is not None}
+        else:
+            spec = {name.removeprefix("guided_"): getattr(self, name)}
+        try:
+            return StructuredOutputsParams(**spec)
+        except ValueError as e:
+            raise ApiError(400, f"{name}: {str(e).split(': ', 1)[1]}", name) from None
+
+    def structured_error(self, message: str) -> ApiError:
+        """The engine's refusal of the grammar ("structured_outputs.<kind>: ..."), named by the field the
+        body gave it in."""
+        name = self.structured_field()
+        engine_where, detail = message.split(": ", 1)
+        if name == "structured_outputs":
+            where = engine_where                 # the body's own names
+        elif name == "response_format" and engine_where == "structured_outputs.json":
+            where = "response_format.json_schema.schema"
+        else:
+            where = name
+        return ApiError(400, f"{where}: {detail}", name)
+
 
     def num_logprobs(self) -> Optional[int]:
         """SamplingParams.logprobs: how many top alternatives each token's logprobs list (None: none)."""
         raise NotImplementedError
+
+
+_STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                      "guided_grammar")
+_STRUCTURED_KINDS = set(StructuredOutputsParams.KINDS)
+
+
+def _response_format(rf: dict) -> dict:
+    """OpenAI's response_format as StructuredOutputsParams fields."""
+    kind = rf.get("type")
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind != "json_schema":
+        raise ApiError(400, f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+                       "response_format")
+    spec = rf.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+        raise ApiError(400, "response_format.json_schema.schema: a JSON schema object is required "
+                            "({\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}})",
+                       "response_format")
+    return {"json": spec["schema"]}
 
 
 def _token_bias(bias: Optional[dict[str, float]]) -> Optional[dict[int, float]]:

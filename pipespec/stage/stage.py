@@ -36,7 +36,7 @@ from pipespec.model.linear_state import LinearFlags, LinearMeta, allocate_states
 from pipespec.parallel import TensorParallel
 from pipespec.placement import resolve_device, resolve_dtype
 from pipespec.plan import StepPlan, StepResult, position_margin
-from pipespec.sampling import append_logprobs, append_prompt_logprobs, apply_penalties
+from pipespec.sampling import append_logprobs, append_prompt_logprobs, apply_penalties, apply_token_bitmask
 from pipespec.speculative.loading import build_proposer
 from pipespec.stage import memory
 from pipespec.stage.carry import Carry
@@ -276,11 +276,15 @@ class Stage:
             # greedy verification reads no sampling tensor: spare their upload
             sampling = None if plan.sampling.all_greedy else plan.sampling.to(self.device)
             processed = logits
-            if plan.adjusts_logits:           # penalties, bias, bans (logprobs stay the raw model's)
+            if plan.penalties is not None or plan.bias_entries is not None:
+                # penalties, bias, bans (logprobs stay the raw model's)
                 processed = apply_penalties(logits, inp.draft_ids, inp.line_drafts,
                                             *(None if t is None else t.to(self.device) for t in
                                               (plan.penalties, plan.penalty_tokens, plan.bias_entries,
                                                plan.bias_values)))
+            if plan.grammar_masks is not None:     # structured output: what the grammar forbids is -inf
+                processed = apply_token_bitmask(logits.float().clone() if processed is logits else processed,
+                                                plan.grammar_lines.to(self.device), plan.grammar_masks.to(self.device))
             tokens, num_sampled = verify(processed, inp, sampling)
             if ctx is None:
                 data = self.graphs.finish(tokens, num_sampled, drafting)
