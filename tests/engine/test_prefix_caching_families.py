@@ -1,7 +1,8 @@
 """Prefix caching in every family with paged attention, at PP = 1, 2 and 3: Llama and Qwen3 (GQA),
-DeepSeek-V3 (MLA: the latent cache is reused by block id) and GLM-5 (MLA plus the sparse-attention
-indexer, whose per-token keys are reused by the same block ids), with the checkpoint's own MTP
-layer where it ships one. A second round of prompts reuses the first round's prompts and answers;
+MiMo (Qwen2 blocks, its own MTP layer), GLM-4.5 (GQA, MoE), DeepSeek-V3 (MLA: the latent cache is
+reused by block id), DeepSeek-V3.2 and GLM-5 (MLA plus the sparse-attention indexer, whose per-token
+keys are reused by the same block ids), with the checkpoint's own MTP layer where it ships one
+(the hybrid families: test_prefix_caching_hybrid.py). A second round of prompts reuses the first round's prompts and answers;
 its greedy output equals a run with the cache off, and the cache was really hit."""
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from pipespec import LLM, SamplingParams
 from tests.conftest import assert_engine_clean
 from tests.model.deepseek import tiny
+from tests.model.mtp import tiny_families as tf
 
 KWARGS = dict(dtype="float32", device="cpu", max_model_len=160, block_size=16, num_kv_blocks=64,
               max_num_seqs=8, max_num_batched_tokens=24)
@@ -21,8 +23,11 @@ MAX_TOKENS = 10
 def folders(tmp_path_factory, tokenizer, tiny_models):
     root = tmp_path_factory.mktemp("prefix-cache-families")
     out = {family: str(tiny_models[family][0]) for family in ("llama", "qwen3")}
-    for shape, extra in (("lora_yarn", {}), ("glm5", dict(index_topk=8, index_n_heads=16))):
+    for shape, extra in (("lora_yarn", {}), ("glm", {}), ("v32", dict(index_topk=8)),
+                         ("glm5", dict(index_topk=8, index_n_heads=16))):
         out[shape] = str(tiny.write_with_mtp(root / shape, shape, seed=31, tokenizer=tokenizer, **extra))
+    out["mimo"] = str(tf.write_checkpoint(root / "mimo", "mimo", tf.echo_tensors("mimo", 1, 11, 0.1, 0.05), 1,
+                                          tokenizer))
     return out
 
 
@@ -53,7 +58,8 @@ _REFERENCE: dict[str, list] = {}
 
 @pytest.mark.parametrize("family,pp,k", [("llama", 1, 0), ("llama", 3, 0), ("qwen3", 2, 0),
                                          ("lora_yarn", 1, 2), ("lora_yarn", 2, 3), ("lora_yarn", 3, 1),
-                                         ("glm5", 2, 2), ("glm5", 3, 3)])
+                                         ("mimo", 2, 2), ("glm", 2, 2), ("v32", 3, 1), ("glm5", 2, 2),
+                                         ("glm5", 3, 3)])
 def test_cache_on_equals_cache_off(family, pp, k, folders, first_round):
     if family not in _REFERENCE:
         with LLM(model=folders[family], enable_prefix_caching=False, **KWARGS) as llm:
