@@ -145,6 +145,8 @@ class Scheduler:
         self.state_snapshots = None
         if enable_prefix_caching and num_state_snapshots:
             self.state_snapshots = BlockAllocator(num_state_snapshots, enable_caching=True)
+        self.num_snapshot_restores = 0     # requests admitted restoring a snapshot
+        self.num_snapshot_saves = 0        # snapshots registered (a new prefix's)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -286,6 +288,7 @@ class Scheduler:
                 if restore >= 0:               # (most recently used now)
                     self.state_snapshots.take([restore])
                     self.state_snapshots.free([restore])
+                    self.num_snapshot_restores += 1
             req.snapshot_points = points
             req.block_ids.extend(self.allocator.allocate(need))
             req.state_slot = self.state_slots.allocate(1)[0]
@@ -577,6 +580,7 @@ class Scheduler:
         for req, slot, at in saves:
             if not req.finished and req.num_cached_blocks * bs == at:
                 snapshots.cache(slot, req.cache_parent, ())
+                self.num_snapshot_saves += snapshots.cache_id(slot) != ROOT
             snapshots.free([slot])
 
     def reset_prefix_cache(self) -> int:
@@ -591,7 +595,9 @@ class Scheduler:
         q, h = self.prefix_cache_queries, self.prefix_cache_hits
         stats = {"queries": q, "hits": h, "hit_rate": h / q if q else 0.0, "cached_blocks": self.allocator.num_cached}
         if self.state_snapshots is not None:
-            stats["cached_state_snapshots"] = self.state_snapshots.num_cached
+            stats.update(cached_state_snapshots=self.state_snapshots.num_cached,
+                         state_snapshot_restores=self.num_snapshot_restores,
+                         state_snapshot_saves=self.num_snapshot_saves)
         return stats
 
 
