@@ -5,7 +5,6 @@ token; a block shared by running requests surviving one of them being aborted or
 stats, reset and the switch."""
 from __future__ import annotations
 
-
 import pytest
 import torch
 
