@@ -154,8 +154,9 @@ class Stage:
             n = self._num_snapshots()
             if n:
                 self.state_snapshots = StateSnapshots.allocate(self._state_shapes(), n, self.dtype, self.device)
-                logger.info("prefix cache: %d snapshots of this stage's linear-attention states, %.1f MiB each",
-                            n, state_bytes(self._state_shapes(), 1, 0, self.dtype) / 2**20)
+                each = state_bytes(self._state_shapes(), 1, 0, self.dtype) / 2**20
+                logger.info("prefix cache: %d snapshots of this stage's linear-attention states fit, %.1f MiB "
+                            "each, %.1f MiB in all (--prefix-cache-state-snapshots)", n, each, n * each)
         self.num_blocks = num_blocks
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB) on %s", num_blocks, self.block_size,
                     num_blocks * self._bytes_per_block() / 2**20, self.device)

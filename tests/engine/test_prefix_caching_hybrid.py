@@ -84,7 +84,6 @@ def test_cache_on_equals_cache_off_and_snapshots_are_restored(kind, pp, k, check
         got = _two_rounds(llm, first_round)
         stats = llm.stats()
         assert_engine_clean(llm)
-        assert llm.engine.scheduler.state_snapshots.num_free == llm.engine.scheduler.state_snapshots.num_blocks
     assert got == expected
     cache = stats["prefix_cache"]
     # the first round's prompts were admitted together (nothing cached yet) and saved snapshots at
