@@ -36,7 +36,12 @@ prompt (61 MiB each on Qwen3.5-35B-A3B, the KV of ~3,000 tokens) and still lose 
 these two points sit where prompts share. A snapshot slot is handed out again only after the step
 that restores it was planned, and every stage runs steps in plan order with a step's restores
 before its saves, so no restore reads a snapshot rewritten after it was planned; no reference is
-held for it.
+held for it. The MTP layer of these families is a gated full-attention block
+(`model/mtp/qwen3_next.py`: `linear=False`), so its KV is reused by block like the target's, keyed
+with the token after the block (`_key_extra`), and it has no state to snapshot. Cutting a prefill
+chunk at a snapshot point is the simplest correct scheme: a stage only ever holds the state after a
+chunk's last row, so saving inside a chunk would need a second state per line written mid-kernel;
+the cost is at most two extra chunk boundaries per prompt.
 
 No head-of-line blocking: while the engine holds other requests, one request's prefill chunk takes at
 most `long_prefill_token_threshold` tokens of a step (a quarter of the budget unless set), so a long

@@ -1,7 +1,7 @@
 """Prefix caching of hybrid models (Qwen3.5, Qwen3-Next: Gated DeltaNet layers) end to end, on tiny
 real-layout checkpoints with their MTP layer (a gated full-attention block, so its KV is cached by
 block like the target's): greedy and seeded outputs with the cache on equal those with it off at
-PP = 1 and 2 with MTP K = 1 and 2, the second round of requests restoring snapshots of the linear-
+PP = 1 and 2 with MTP K = 1 and 2 (and under async scheduling), the second round of requests restoring snapshots of the linear-
 attention states (a restore that copied nothing, or the wrong state, changes the output); with one
 snapshot slot, evictions keep the outputs equal; sizing and switch."""
 from __future__ import annotations
@@ -75,12 +75,14 @@ def _reference(kind: str, k: int, checkpoints, first_round) -> list:
     return _REFERENCE[kind, k]
 
 
-@pytest.mark.parametrize("kind,pp,k", [("qwen3_5", 1, 1), ("qwen3_next", 1, 2), ("qwen3_5", 2, 2),
-                                       ("qwen3_next", 2, 1)])
-def test_cache_on_equals_cache_off_and_snapshots_are_restored(kind, pp, k, checkpoints, first_round):
+# (async scheduling: a request's next chunk is planned before the step saving its snapshot returns)
+@pytest.mark.parametrize("kind,pp,k,async_", [("qwen3_5", 1, 1, False), ("qwen3_next", 1, 2, False),
+                                              ("qwen3_5", 2, 2, False), ("qwen3_next", 2, 1, False),
+                                              ("qwen3_5", 1, 2, True)])
+def test_cache_on_equals_cache_off_and_snapshots_are_restored(kind, pp, k, async_, checkpoints, first_round):
     expected = _reference(kind, k, checkpoints, first_round)
     with LLM(model=checkpoints[kind], pipeline_parallel_size=pp, check_collectives=pp > 1,
-             speculative_config=_spec(k), **KWARGS) as llm:
+             speculative_config=_spec(k), async_scheduling=async_, **KWARGS) as llm:
         got = _two_rounds(llm, first_round)
         stats = llm.stats()
         assert_engine_clean(llm)
