@@ -1,9 +1,10 @@
 """Prefix caching of hybrid models (Qwen3.5, Qwen3-Next: Gated DeltaNet layers) end to end, on tiny
 real-layout checkpoints with their MTP layer (a gated full-attention block, so its KV is cached by
 block like the target's): greedy and seeded outputs with the cache on equal those with it off at
-PP = 1 and 2 with MTP K = 1 and 2 (and under async scheduling), the second round of requests restoring snapshots of the linear-
-attention states (a restore that copied nothing, or the wrong state, changes the output); with one
-snapshot slot, evictions keep the outputs equal; sizing and switch."""
+PP = 1 and 2 with MTP K = 1 and 2 (and under async scheduling), the second round of requests
+restoring snapshots of the linear-attention states (a restore that copied nothing, or the wrong
+state, changes the output); with one snapshot slot, evictions keep the outputs equal; sizing and
+switch."""
 from __future__ import annotations
 
 import logging
