@@ -51,6 +51,11 @@ SHAPES = {
                                             num_key_value_heads=2, linear_num_key_heads=16, linear_num_value_heads=32,
                                             num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
                                             shared_expert_intermediate_size=512, tie_word_embeddings=False)),
+    # small enough for a CPU (benchmarks/prefix_cache_hybrid.py): 8 layers, every 4th full attention
+    "qwen3_5_cpu_small": ("qwen3_5", dict(_HYBRID, hidden_size=512, num_hidden_layers=8, num_attention_heads=4,
+                                          num_key_value_heads=2, head_dim=128, linear_num_key_heads=4,
+                                          linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64,
+                                          intermediate_size=1536, vocab_size=8192, tie_word_embeddings=True)),
     "glm_flash": ("deepseek_v3", dict(_MLA, hidden_size=2048, num_hidden_layers=47, intermediate_size=10240,
                                       first_k_dense_replace=1, n_routed_experts=64, num_experts_per_tok=4,
                                       moe_intermediate_size=1536, n_shared_experts=1, num_attention_heads=20,

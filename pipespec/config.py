@@ -74,6 +74,9 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.90   # fraction of GPU memory the engine may fill
     # vLLM's name: reuse the KV of full blocks of a prompt's prefix already computed (engine/scheduler.py)
     enable_prefix_caching: bool = True
+    # models with linear-attention layers: prefix-cache snapshots of their states each stage keeps
+    # (engine/scheduler.py says where they are taken); None: max_num_seqs, 0: none (no prefix caching)
+    prefix_cache_state_snapshots: int | None = None
 
     def __post_init__(self):
         _require(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
@@ -84,6 +87,9 @@ class CacheConfig:
                  f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
         _require(isinstance(self.enable_prefix_caching, bool),
                  f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
+        n = self.prefix_cache_state_snapshots
+        _require(n is None or (isinstance(n, int) and not isinstance(n, bool) and n >= 0),
+                 f"prefix_cache_state_snapshots must be an integer >= 0, got {n!r}")
         _require(0.0 < self.gpu_memory_utilization <= 1.0,
                  f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
@@ -284,6 +290,15 @@ class EngineConfig:
     @property
     def num_spec_tokens(self) -> int:
         return self.speculative.num_speculative_tokens if self.speculative else 0
+
+    @property
+    def num_state_snapshots(self) -> int:
+        """Prefix-cache snapshots of linear-attention states (models with such layers): the driver
+        allocates them, every stage with such layers keeps that many of its own layers' states."""
+        c = self.cache
+        if not c.enable_prefix_caching:
+            return 0
+        return self.scheduler.max_num_seqs if c.prefix_cache_state_snapshots is None else c.prefix_cache_state_snapshots
 
     def async_scheduling_on(self, device_type: str) -> bool:
         """Whether the driver schedules step n + 1 while a stage on a `device_type` device runs step n: asked for,

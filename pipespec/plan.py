@@ -44,6 +44,11 @@ class StepPlan:
     # int64 [B] after a step that verified drafts: its accepted count, i.e. which row's candidate
     # state every stage commits before running the request again; -1: nothing to commit
     state_commit: torch.Tensor | None = None
+    # int64 [B, 2] prefix caching of linear-attention states, per request: the snapshot every stage
+    # copies into its state slot before the step (a prefix-cache hit), and the snapshot it copies
+    # that slot into after the step (its prefill reached a snapshot boundary); -1: none. None: no
+    # request does either (`engine/scheduler.py`, "Linear-attention states")
+    state_snapshots: torch.Tensor | None = None
     # int64 [B] async scheduling (one stage): the row of the previous step's result whose sampled
     # token is the request's first input row here, unknown to the driver when it built this plan
     # (input_ids holds a placeholder); -1: input_ids holds it. None: no request carries one

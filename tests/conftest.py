@@ -115,6 +115,8 @@ def assert_engine_clean(llm: LLM) -> None:
     assert not sched.running and not sched.waiting, (sched.running, list(sched.waiting))
     assert sched.allocator.num_free == sched.allocator.num_blocks, \
         f"{sched.allocator.num_blocks - sched.allocator.num_free} KV blocks leaked"
+    snapshots = sched.state_snapshots       # (hybrid models' prefix cache: none held between steps)
+    assert snapshots is None or snapshots.num_free == snapshots.num_blocks, "state snapshot slots leaked"
 
 
 # -- the default model ---------------------------------------------------------------------------

@@ -58,8 +58,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "prefill each prompt in one step, which must fit --max-num-batched-tokens)")
     g.add_argument("--no-chunked-prefill", action="store_true", help="the same as --no-enable-chunked-prefill")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="reuse the KV cache of prompt prefixes already computed (full blocks; off by itself "
-                        "for models with linear-attention layers); --no-enable-prefix-caching turns it off")
+                   help="reuse the KV cache of prompt prefixes already computed (full blocks); "
+                        "--no-enable-prefix-caching turns it off")
+    g.add_argument("--prefix-cache-state-snapshots", type=int, default=None, metavar="N",
+                   help="models with linear-attention layers (Qwen3.5/3.6, Qwen3-Next): snapshots of those "
+                        "layers' states the prefix cache keeps (a hit needs one where it ends), each the size of "
+                        "a request's state (61 MiB on Qwen3.5-35B-A3B); default: --max-num-seqs; 0: no prefix "
+                        "caching for such models")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="plan step n + 1 while the device runs step n, speculative steps included (default: "
                         "on with one stage on a GPU; --no-async-scheduling turns it off)")
@@ -96,6 +101,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 load_format=args.load_format, quantization=args.quantization,
                 block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                 enable_prefix_caching=args.enable_prefix_caching,
+                prefix_cache_state_snapshots=args.prefix_cache_state_snapshots,
                 kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_chunked_prefill=not args.no_chunked_prefill and args.enable_chunked_prefill is not False,

@@ -13,6 +13,9 @@ compare keys for equality, so two different prefixes can never share a block. Th
 id* is a serial number given at registration and never reused (0: no parent), not the parent's block
 id: a block id is reused after eviction, and a child keyed by it would then match a new parent with
 other contents. A child whose parent was evicted just becomes unreachable and ages out of the LRU.
+
+The scheduler keeps its snapshots of linear-attention states in one too: a "block" is then a snapshot
+slot, keyed by the cache id of the KV block that ends where the snapshot was taken (no tokens).
 """
 from __future__ import annotations
 
@@ -125,6 +128,14 @@ class BlockAllocator:
             blocks.append(b)
             parent = self._cache_id[b]
         return blocks, parent
+
+    def find(self, parent_id: int, tokens: tuple = ()) -> int | None:
+        """The cached block under the key (parent_id, tokens), or None."""
+        return self._cached.get((parent_id, tokens))
+
+    def cache_id(self, block: int) -> int:
+        """A cached block's cache id (ROOT: not cached)."""
+        return self._cache_id[block]
 
     def num_evictable(self, blocks) -> int:
         """How many of these cached blocks nobody references (taking them uses up free room)."""

@@ -96,19 +96,26 @@ class LLMEngine:
         micro_batches = 1 if async_scheduling else self.executor.max_in_flight
         # adaptive K (speculative_config.adaptive): the policy picks each step's K; None: K is fixed
         self.k_policy = make_policy(config.speculative, micro_batches)
-        caching = config.cache.enable_prefix_caching
+        caching, snapshots = config.cache.enable_prefix_caching, 0
         if caching and source.arch.hybrid is not None:
             # a prefix's KV is not enough here: its linear-attention layers need their recurrent and
-            # conv states at the prefix's end, which live per request, not per block
-            logger.info("prefix caching off: %s has linear-attention (Gated DeltaNet) layers, whose "
-                        "recurrent state is not block-addressable", self.model_name)
-            caching = False
+            # conv states at the prefix's end, kept as snapshots (scheduler.py, "Linear-attention states")
+            snapshots = config.num_state_snapshots
+            if snapshots:
+                logger.info("prefix caching of %s's linear-attention (Gated DeltaNet) states: %d snapshots "
+                            "(--prefix-cache-state-snapshots), taken at block boundaries of prompts",
+                            self.model_name, snapshots)
+            else:
+                logger.info("prefix caching off: %s has linear-attention (Gated DeltaNet) layers and "
+                            "prefix_cache_state_snapshots is 0", self.model_name)
+                caching = False
         self.scheduler = Scheduler(config.scheduler, block_size, num_blocks, self.max_model_len,
                                    num_micro_batches=micro_batches,
                                    num_spec_tokens=config.num_spec_tokens,
                                    choose_k=self.k_policy.choose if self.k_policy else None,
                                    drafting=self.k_policy.drafting if self.k_policy else None,
-                                   async_scheduling=async_scheduling, enable_prefix_caching=caching)
+                                   async_scheduling=async_scheduling, enable_prefix_caching=caching,
+                                   num_state_snapshots=snapshots)
         self.spec_stats = SpecDecodeStats(config.num_spec_tokens, self.k_policy)
         self._last_result_at = 0.0
         self.requests: dict[str, Request] = {}

@@ -19,9 +19,9 @@ class Request:
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "token_ids", "num_prompt_tokens", "params", "seed",
                  "max_tokens", "stop_ids", "eos_ids", "status", "num_computed_tokens", "block_ids",
                  "in_flight", "num_pending_tokens", "num_pending_samples", "carry_row", "draft_ids",
-                 "state_slot", "state_commit", "num_cached_blocks", "cache_parent", "finish_reason", "stop_reason",
-                 "detokenizer", "sent_tokens", "sent_chars", "logprobs", "cumulative_logprob",
-                 "prompt_logprobs", "num_prompt_logprob_rows", "token_counts", "bad_words_ids",
+                 "state_slot", "state_commit", "num_cached_blocks", "cache_parent", "snapshot_points",
+                 "finish_reason", "stop_reason", "detokenizer", "sent_tokens", "sent_chars", "logprobs",
+                 "cumulative_logprob", "prompt_logprobs", "num_prompt_logprob_rows", "token_counts", "bad_words_ids",
                  "static_bias", "static_bias_values", "adjusts_logits", "prefix_leader", "grammar")
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
@@ -48,6 +48,7 @@ class Request:
         self.draft_ids: list[int] = []              # MTP drafts to verify in the next step
         self.num_cached_blocks = 0                  # its first blocks registered in the prefix cache
         self.cache_parent = 0                       # the last one's cache id (0: none)
+        self.snapshot_points: tuple[int, ...] = ()  # prefill positions to snapshot linear-attention states at
         self.state_slot: int | None = None          # linear-attention state slot while running
         self.state_commit = -1                      # candidate state the next plan commits (-1: none)
         self.finish_reason: str | None = None

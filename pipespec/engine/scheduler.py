@@ -17,6 +17,32 @@ request's own blocks, and the last token of the prompt always is (its logits are
 from a cached block. Preemption, abort and finish drop references; a block stays while any
 request holds it.
 
+Linear-attention states (Qwen3.5/3.6, Qwen3-Next: `num_state_snapshots`): a prefix's KV blocks are
+not enough there, its Gated DeltaNet layers need their conv and recurrent states at the prefix's end,
+one state per request, not per block. So the scheduler keeps snapshots of them at block-aligned
+prompt positions, in slots of their own with their own LRU (an allocator like the KV blocks', keyed
+by the cache id of the KV block ending at the snapshot, which names the exact prefix). A hit then
+needs both: the longest cached chain of full blocks whose last block has a snapshot. The plan names,
+per request, a snapshot to restore into its state slot before the step and one to save its slot
+into after it (`StepPlan.state_snapshots`); each stage copies its own layers' states. A snapshot is
+taken where a prefill chunk ends, so chunks are cut at the request's snapshot points
+(`_snapshot_cut`): the state after a chunk is the state at its end, exactly, and nowhere else inside
+it. Two points per prompt, chosen when it is admitted (`_restorable`): the last block boundary before
+its last token (a repeated prompt, the next turn of a conversation, n > 1 siblings restore it); and,
+where the KV cache holds the prompt's blocks further than any snapshot, the end of that chain: an
+earlier prompt went on differently from there (a shared system prompt), so later ones sharing the
+same start restore it. Snapshots every N blocks would cost a snapshot per N blocks of every long
+prompt (61 MiB each on Qwen3.5-35B-A3B, the KV of ~3,000 tokens) and still lose up to N blocks;
+these two points sit where prompts share. A snapshot slot is handed out again only after the step
+that restores it was planned, and every stage runs steps in plan order with a step's restores
+before its saves, so no restore reads a snapshot rewritten after it was planned; no reference is
+held for it. The MTP layer of these families is a gated full-attention block
+(`model/mtp/qwen3_next.py`: `linear=False`), so its KV is reused by block like the target's, keyed
+with the token after the block (`_key_extra`), and it has no state to snapshot. Cutting a prefill
+chunk at a snapshot point is the simplest correct scheme: a stage only ever holds the state after a
+chunk's last row, so saving inside a chunk would need a second state per line written mid-kernel;
+the cost is at most two extra chunk boundaries per prompt.
+
 No head-of-line blocking: while the engine holds other requests, one request's prefill chunk takes at
 most `long_prefill_token_threshold` tokens of a step (a quarter of the budget unless set), so a long
 prompt shares every step with the decodes and the short prompts that arrive after it instead of
@@ -76,6 +102,8 @@ class ScheduledBatch:
     k_changed: bool = False       # the step before it had another K
     prompt_logprob_rows: list[int] | None = None    # rows each line scores prompt tokens at (None: none)
     submitted_at: float = 0.0     # when the driver handed it to the executor (adaptive K's step cost)
+    # (request, snapshot slot, position) of each linear-attention state snapshot the step saves
+    snapshot_saves: list[tuple[Request, int, int]] | None = None
 
     @property
     def steady(self) -> bool:
@@ -91,12 +119,15 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, block_size: int, num_blocks: int, max_model_len: int,
                  num_micro_batches: int = 1, num_spec_tokens: int = 0,
                  choose_k: Callable[[int], int] | None = None, async_scheduling: bool = False,
-                 enable_prefix_caching: bool = False, drafting: Callable[[], bool] | None = None):
+                 enable_prefix_caching: bool = False, drafting: Callable[[], bool] | None = None,
+                 num_state_snapshots: int = 0):
         """`choose_k(num_reqs)`: the K of a step of that many requests (adaptive K); None: always
         `num_spec_tokens`, the config's K (which also sizes the KV room drafts need). `drafting()`:
         False once adaptive K retired speculation (`StepPlan.drafting`); None: always True.
         `async_scheduling`: a request of the step in flight may be scheduled again (`_continues`).
-        `enable_prefix_caching`: reuse cached full KV blocks of a prompt's prefix (module docstring)."""
+        `enable_prefix_caching`: reuse cached full KV blocks of a prompt's prefix (module docstring).
+        `num_state_snapshots`: a model with linear-attention layers, whose prefix cache keeps that many
+        snapshots of their states (module docstring); 0: a model without such layers."""
         if async_scheduling and num_micro_batches > 1:
             raise ValueError("async scheduling needs one micro-batch in flight")
         self.async_scheduling = async_scheduling
@@ -117,6 +148,11 @@ class Scheduler:
         # one linear-attention state slot per running request (models with Gated DeltaNet layers;
         # cheap bookkeeping otherwise), allocated and freed beside its KV blocks
         self.state_slots = BlockAllocator(config.max_num_seqs)
+        self.state_snapshots = None
+        if enable_prefix_caching and num_state_snapshots:
+            self.state_snapshots = BlockAllocator(num_state_snapshots, enable_caching=True)
+        self.num_snapshot_restores = 0     # requests admitted restoring a snapshot
+        self.num_snapshot_saves = 0        # snapshots registered (a new prefix's)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -179,10 +215,17 @@ class Scheduler:
         shared = len(self.running) + len(self.waiting) > 1
         chunk_limit = self.config.prefill_chunk_limit if shared and self.config.enable_chunked_prefill else 0
         picked: list[tuple[Request, int, int]] = []
+        snapshots: dict[Request, tuple[int, int]] = {}      # (restore, save) of the lines that have either
+        saves: list[tuple[Request, int, int]] = []
 
-        def take(req: Request, n: int, d: int) -> None:
+        def take(req: Request, n: int, d: int, restore: int = -1, save: bool = False) -> None:
             nonlocal budget
             req.in_flight += 1             # from now on no preemption picks it as a victim
+            if restore >= 0 or save:
+                slot = self.state_snapshots.allocate(1)[0] if save else -1
+                snapshots[req] = (restore, slot)
+                if save:
+                    saves.append((req, slot, req.num_scheduled_tokens + n))
             picked.append((req, n + d, d))
             budget -= n + d
 
@@ -194,6 +237,9 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue                   # preempted to make room for one picked before it
             n = self._chunk(req, budget, chunk_limit)
+            save = False
+            if req.snapshot_points:
+                n, save = self._snapshot_cut(req.num_scheduled_tokens, n, req.snapshot_points)
             d = self._num_drafts(req, budget - n)
             need = self._blocks_needed(req, self._tokens_with_draft_room(req, n + d))
             if req.in_flight and not self.allocator.can_allocate(need):
@@ -207,7 +253,7 @@ class Scheduler:
                 continue                   # it preempted itself
             if need:
                 req.block_ids.extend(self.allocator.allocate(need))
-            take(req, n, d)
+            take(req, n, d, save=save)
 
         while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
                and len(picked) < cap):
@@ -219,6 +265,9 @@ class Scheduler:
             lookup = self.enable_prefix_caching and (req.prompt_logprobs is None
                                                      or req.num_prompt_logprob_rows >= req.num_prompt_tokens)
             hits, parent = self._cached_prefix(req) if lookup else ((), ROOT)
+            restore, points, save = -1, (), False
+            if self.state_snapshots is not None:
+                hits, parent, restore, points = self._restorable(req, hits)
             if hits:
                 req.block_ids.extend(hits)
                 req.num_computed_tokens = len(hits) * self.block_size
@@ -226,6 +275,8 @@ class Scheduler:
             n = n if n <= budget or self.config.enable_chunked_prefill else 0
             if n:
                 n = self._chunk(req, budget, chunk_limit)
+                if points:
+                    n, save = self._snapshot_cut(req.num_computed_tokens, n, points)
                 need = self._blocks_needed(req, self._tokens_with_draft_room(req, n))
                 # (taking a cached block nobody holds uses up room too)
                 room = need + (self.allocator.num_evictable(hits) if hits else 0)
@@ -240,13 +291,18 @@ class Scheduler:
                 req.num_cached_blocks, req.cache_parent = len(hits), parent
                 self.prefix_cache_queries += req.num_tokens
                 self.prefix_cache_hits += req.num_computed_tokens
+                if restore >= 0:               # (most recently used now)
+                    self.state_snapshots.take([restore])
+                    self.state_snapshots.free([restore])
+                    self.num_snapshot_restores += 1
+            req.snapshot_points = points
             req.block_ids.extend(self.allocator.allocate(need))
             req.state_slot = self.state_slots.allocate(1)[0]
             req.state_commit = -1
             req.status = RequestStatus.RUNNING
             req.draft_ids = []          # (re)starting from a prefill: old drafts are stale
             self.running.append(req)
-            take(req, n, 0)
+            take(req, n, 0, restore, save)
 
         if not picked:
             return None
@@ -255,7 +311,7 @@ class Scheduler:
         lines = self._pad_lines([(r, n - d + min(d, k), min(d, k)) for r, n, d in picked], k)
         self._step_id += 1
         k_changed, self._last_k = k != self._last_k, k
-        plan, prompt_rows = self._build_plan(lines, k)
+        plan, prompt_rows = self._build_plan(lines, k, snapshots)
         for row, line in enumerate(lines):
             line.req.num_pending_tokens += line.rows - line.num_draft_rows
             line.req.num_pending_samples += line.samples
@@ -264,7 +320,8 @@ class Scheduler:
             # (a plan continuing it names one; the device puts the right one in, `carry_in`)
             line.req.state_commit = 0 if line.num_draft_rows else -1
         requests, rows, drafts, draft_rows, samples = map(list, zip(*lines))
-        return ScheduledBatch(plan, requests, rows, drafts, draft_rows, samples, k_changed, prompt_rows)
+        return ScheduledBatch(plan, requests, rows, drafts, draft_rows, samples, k_changed, prompt_rows,
+                              snapshot_saves=saves or None)
 
     def _waits_for_leader(self, req: Request) -> bool:
         """n > 1: a sibling waits while the first one is computing the prompt's full blocks, which it
@@ -343,8 +400,10 @@ class Scheduler:
         return (req.num_expected_tokens + self._carried_drafts(req) + self.num_spec_tokens
                 + draft_chain_overrun(self.num_spec_tokens))
 
-    def _build_plan(self, lines: list[_Line], k: int) -> tuple[StepPlan, list[int] | None]:
-        """The plan, and the prompt-logprob rows of each line (None: no line asks for any)."""
+    def _build_plan(self, lines: list[_Line], k: int,
+                    snapshots: dict[Request, tuple[int, int]]) -> tuple[StepPlan, list[int] | None]:
+        """The plan, and the prompt-logprob rows of each line (None: no line asks for any).
+        `snapshots`: (restore, save) state snapshots of the lines that have any."""
         bs = self.block_size
         input_ids, positions, slots, qsl, seq_lens, sampling_reqs, samplers = [], [], [], [0], [], [], []
         lp_rows, lp_ids, lp_counts, lp_max = [], [], [], -1
@@ -409,6 +468,8 @@ class Scheduler:
             state_slots=int64_tensor([line.req.state_slot for line in lines]),
             state_commit=int64_tensor([line.req.state_commit for line in lines]),
             carried=int64_tensor(carried) if num_carried else None,
+            state_snapshots=(int64_tensor([x for line in lines for x in snapshots.get(line.req, (-1, -1))])
+                             .view(-1, 2) if snapshots else None),
             num_spec_tokens=k,
             drafting=self.drafting is None or self.drafting(),
             num_logprobs=max((r.params.logprobs for r in samplers if r.params.logprobs is not None), default=-1),
@@ -442,6 +503,8 @@ class Scheduler:
             # step's result names it (until then the plans continuing it carry it in on the device)
             if not req.in_flight:
                 req.state_commit = accepted if rows else -1
+        if batch.snapshot_saves:
+            self._keep_snapshots(batch.snapshot_saves)
 
     # -- prefix caching -----------------------------------------------------------------------
 
@@ -486,14 +549,63 @@ class Scheduler:
             parent = self.allocator.cache(blocks[i], parent, tuple(ids[i * bs:(i + 1) * bs + extra]))
         req.num_cached_blocks, req.cache_parent = full, parent
 
+    def _restorable(self, req: Request, hits) -> tuple[list[int], int, int, tuple[int, ...]]:
+        """Linear-attention models: the longest start of the cached chain `hits` whose last block has
+        a snapshot of the states where it ends, that block's cache id (ROOT: none), the snapshot (-1:
+        none), and where `req`'s prefill takes snapshots (module docstring): the last block boundary
+        before its last token, and the end of the cached chain when no snapshot reaches it."""
+        bs, snapshots = self.block_size, self.state_snapshots
+        chain_end, parent, restore = len(hits) * bs, ROOT, -1
+        hits = list(hits)
+        while hits:
+            parent = self.allocator.cache_id(hits[-1])
+            found = snapshots.find(parent)
+            if found is not None:
+                restore = found
+                break
+            hits.pop()
+        if not hits:
+            parent = ROOT
+        start, last = len(hits) * bs, (req.num_tokens - 1) // bs * bs
+        return hits, parent, restore, tuple(sorted({p for p in (chain_end, last) if p > start}))
+
+    def _snapshot_cut(self, start: int, n: int, points: tuple[int, ...]) -> tuple[int, bool]:
+        """A prefill chunk of n tokens from `start`, cut at the first snapshot point past `start`
+        when it reaches it and a snapshot slot is free (the state after a chunk is the only one a stage
+        holds, so a snapshot is taken at a chunk's end); and whether it ends at that point."""
+        point = next((p for p in points if p > start), None)
+        if point is None or start + n < point or not self.state_snapshots.can_allocate(1):
+            return n, False
+        return point - start, True
+
+    def _keep_snapshots(self, saves: list[tuple[Request, int, int]]) -> None:
+        """A step's saved snapshots: each is registered under the cache id of the request's KV block
+        ending where it was taken (registered by `complete` just before, the request's computed tokens
+        having reached it), then left to the LRU. A request that ended meanwhile registered nothing: its
+        snapshot is dropped, as is one whose prefix another snapshot already holds."""
+        bs, snapshots = self.block_size, self.state_snapshots
+        for req, slot, at in saves:
+            if not req.finished and req.num_cached_blocks * bs == at:
+                snapshots.cache(slot, req.cache_parent, ())
+                self.num_snapshot_saves += snapshots.cache_id(slot) != ROOT
+            snapshots.free([slot])
+
     def reset_prefix_cache(self) -> int:
-        """Forget every cached block; the number forgotten. Requests holding blocks keep them (what
-        they register later hangs from cache ids that are gone: unreachable, it ages out)."""
+        """Forget every cached block and state snapshot; the number of blocks forgotten. Requests
+        holding blocks keep them (what they register later hangs from cache ids that are gone:
+        unreachable, it ages out)."""
+        if self.state_snapshots is not None:
+            self.state_snapshots.reset_cache()
         return self.allocator.reset_cache()
 
     def prefix_cache_stats(self) -> dict:
         q, h = self.prefix_cache_queries, self.prefix_cache_hits
-        return {"queries": q, "hits": h, "hit_rate": h / q if q else 0.0, "cached_blocks": self.allocator.num_cached}
+        stats = {"queries": q, "hits": h, "hit_rate": h / q if q else 0.0, "cached_blocks": self.allocator.num_cached}
+        if self.state_snapshots is not None:
+            stats.update(cached_state_snapshots=self.state_snapshots.num_cached,
+                         state_snapshot_restores=self.num_snapshot_restores,
+                         state_snapshot_saves=self.num_snapshot_saves)
+        return stats
 
 
 def sampling_tensors(reqs: list[Request]) -> SamplingTensors:

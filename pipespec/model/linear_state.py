@@ -61,10 +61,39 @@ def allocate_states(shapes: list[StateShape], slots: int, rows: int, dtype: torc
 
 
 def state_bytes(shapes: list[StateShape], slots: int, rows: int, dtype: torch.dtype) -> int:
-    """What `allocate_states` takes: committed plus `rows` candidates per slot."""
+    """What `allocate_states` takes: committed plus `rows` candidates per slot (rows 0: what
+    `StateSnapshots.allocate` takes for `slots` snapshots)."""
     item = torch.empty((), dtype=dtype).element_size()
     return sum(slots * (1 + rows) * (s.conv_width * s.conv_dim * item + s.heads * s.key_dim * s.value_dim * 4)
                for s in shapes)
+
+
+@dataclass
+class StateSnapshots:
+    """Prefix-cache snapshots of every local linear-attention layer's committed state, in slots the
+    driver allocates (`StepPlan.state_snapshots` names them): a request's state at a block-aligned
+    prompt position, restored into another request's state slot when its prompt starts the same."""
+
+    conv: list[torch.Tensor]  # per layer [snapshots, conv_width, conv_dim]
+    rec: list[torch.Tensor]   # per layer float32 [snapshots, heads, key_dim, value_dim]
+
+    @classmethod
+    def allocate(cls, shapes: list[StateShape], n: int, dtype: torch.dtype, device) -> "StateSnapshots":
+        return cls([torch.zeros(n, s.conv_width, s.conv_dim, dtype=dtype, device=device) for s in shapes],
+                   [torch.zeros(n, s.heads, s.key_dim, s.value_dim, dtype=torch.float32, device=device)
+                    for s in shapes])
+
+    def restore(self, states: list[LinearState], snapshots: torch.Tensor, slots: torch.Tensor) -> None:
+        """Snapshot snapshots[i] into state slot slots[i] (int64 index tensors on the states' device)."""
+        for state, conv, rec in zip(states, self.conv, self.rec):
+            state.conv[slots] = conv[snapshots]
+            state.rec[slots] = rec[snapshots]
+
+    def save(self, states: list[LinearState], slots: torch.Tensor, snapshots: torch.Tensor) -> None:
+        """State slot slots[i]'s committed state into snapshot snapshots[i]."""
+        for state, conv, rec in zip(states, self.conv, self.rec):
+            conv[snapshots] = state.conv[slots]
+            rec[snapshots] = state.rec[slots]
 
 
 @dataclass(frozen=True)

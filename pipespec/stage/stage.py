@@ -32,7 +32,7 @@ from pipespec.checkpoint.source import ModelSource
 from pipespec.config import EngineConfig
 from pipespec.model.attention import CacheShape, ForwardContext, allocate_caches, cache_bytes_per_block, choose_backend
 from pipespec.model.layers import prefer_column_major
-from pipespec.model.linear_state import LinearFlags, LinearMeta, allocate_states, state_bytes
+from pipespec.model.linear_state import LinearFlags, LinearMeta, StateSnapshots, allocate_states, state_bytes
 from pipespec.parallel import TensorParallel
 from pipespec.placement import resolve_device, resolve_dtype
 from pipespec.plan import StepPlan, StepResult, position_margin
@@ -72,6 +72,7 @@ class Stage:
                 prefer_column_major(module)
         self.kv_caches = None
         self.linear_states = None          # Gated DeltaNet layers: per-request state slots
+        self.state_snapshots = None        # and the prefix cache's snapshots of them
         self.num_blocks = 0
         self.graphs: GraphsByK | None = None
         self.trace = DraftTrace() if config.parallel.check_collectives else None
@@ -114,12 +115,17 @@ class Stage:
         weights = sum(t.numel() * t.element_size() for m in self.modules_with_weights()
                       for t in (*m.parameters(), *m.buffers()))
         # linear-attention states are a fixed amount, like the weights
-        fixed = weights + state_bytes(self._state_shapes(), self._state_slots(), self.num_spec_tokens + 1, self.dtype)
+        shapes = self._state_shapes()
+        fixed = (weights + state_bytes(shapes, self._state_slots(), self.num_spec_tokens + 1, self.dtype)
+                 + state_bytes(shapes, self._num_snapshots(), 0, self.dtype))
         return memory.available_kv_blocks(self.config, self.model.arch, self.device, fixed,
                                           self._bytes_per_block())
 
     def _state_shapes(self) -> list:
         return self.model.state_shapes()
+
+    def _num_snapshots(self) -> int:
+        return self.config.num_state_snapshots if self._state_shapes() else 0
 
     def _state_slots(self) -> int:
         # one per request the scheduler may run, and one more, never handed out, that takes the
@@ -145,6 +151,12 @@ class Stage:
             # a slot per request and a candidate per verify row
             self.linear_states = allocate_states(self._state_shapes(), self._state_slots(),
                                                  self.num_spec_tokens + 1, self.dtype, self.device)
+            n = self._num_snapshots()
+            if n:
+                self.state_snapshots = StateSnapshots.allocate(self._state_shapes(), n, self.dtype, self.device)
+                each = state_bytes(self._state_shapes(), 1, 0, self.dtype) / 2**20
+                logger.info("prefix cache: %d snapshots of this stage's linear-attention states fit, %.1f MiB "
+                            "each, %.1f MiB in all (--prefix-cache-state-snapshots)", n, each, n * each)
         self.num_blocks = num_blocks
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB) on %s", num_blocks, self.block_size,
                     num_blocks * self._bytes_per_block() / 2**20, self.device)
@@ -199,6 +211,7 @@ class Stage:
                                   else f"did not sample (its last sampling step was {self._sampled_step})"))
         bucket = self.graphs.bucket_for(plan) if self.graphs is not None else None
         inp = self.buffers.write(plan, pad_to=bucket)
+        self._copy_snapshots(plan, restore=True)
         if self.trace is not None:
             self.trace.record(plan.step_id, self.buffers.embedded_drafts(), embeds=self.is_first,
                               verifies=self.is_last)
@@ -207,6 +220,7 @@ class Stage:
         else:
             ctx, logits = self._context(plan, inp), None
             hidden, residual = run_target(self.model, ctx, inp.input_ids, inbound)
+        self._copy_snapshots(plan, restore=False)
         if not self.is_last:
             out = torch.stack((hidden, residual))
             self._bounded_wait(f"step {plan.step_id}")
@@ -216,6 +230,27 @@ class Stage:
         if self.carry is not None:
             self._sampled_step = plan.step_id
         return data
+
+    def _copy_snapshots(self, plan: StepPlan, restore: bool) -> None:
+        """Prefix caching of linear-attention states (`StepPlan.state_snapshots`): before the step,
+        restore the snapshots its hits name into their requests' slots; after the forward, save the
+        slots of the requests whose prefill reached a snapshot boundary. All restores of a step come
+        before all its saves, and a stage runs steps in plan order, so a snapshot the driver hands
+        out again for a save is read by every restore planned before (`Scheduler`)."""
+        if plan.state_snapshots is None or self.linear_states is None:
+            return
+        column = plan.state_snapshots[:, 0 if restore else 1]
+        picked = column >= 0
+        if not bool(picked.any()):
+            return
+        if self.state_snapshots is None:
+            raise RuntimeError(f"step {plan.step_id} names linear-attention state snapshots, which this stage "
+                               "does not keep (prefix_cache_state_snapshots differs between driver and stage)")
+        snapshots, slots = column[picked].to(self.device), plan.state_slots[picked].to(self.device)
+        if restore:
+            self.state_snapshots.restore(self.linear_states, snapshots, slots)
+        else:
+            self.state_snapshots.save(self.linear_states, slots, snapshots)
 
     def _bounded_wait(self, what: str) -> None:
         """TP on CUDA: the collectives may be in a replayed graph, out of NCCL's watchdog's sight;
