@@ -134,3 +134,19 @@ def test_cli_flag():
         assert engine_kwargs(build_parser().parse_args(command))["prefix_cache_state_snapshots"] is None
         args = build_parser().parse_args([*command, "--prefix-cache-state-snapshots", "5"])
         assert engine_kwargs(args)["prefix_cache_state_snapshots"] == 5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
+def test_on_a_gpu_with_cuda_graphs(kind, checkpoints, first_round):
+    """The snapshots' copies on the device, beside states that CUDA graphs read and write: cache on
+    equals cache off (both replaying graphs, MTP K = 2), and the second round restored snapshots."""
+    kw = dict(KWARGS, device="cuda", num_kv_blocks=None, gpu_memory_utilization=0.2)
+    runs = {}
+    for caching in (False, True):
+        with LLM(model=checkpoints[kind], enable_prefix_caching=caching, speculative_config=_spec(2), **kw) as llm:
+            runs[caching] = _two_rounds(llm, first_round)
+            stats = llm.stats()
+            assert llm.engine.executor.stage.graphs.replays > 0
+    assert runs[True] == runs[False]
+    assert stats["prefix_cache"]["state_snapshot_restores"] >= 4, stats["prefix_cache"]

@@ -147,3 +147,23 @@ def test_greedy_with_grammars_lossless_under_mtp(pp, k, async_scheduling, prompt
     assert stats["spec_decode"]["num_accepted_tokens"] > 0
     if async_scheduling:          # the unconstrained request still ran ahead
         assert stats["num_carried_rows"] > 0
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_masks_through_cuda_graphs(prompts):
+    """On a GPU (bf16, CUDA graphs): the outputs follow their grammars, and greedy output with the
+    masks is the same with and without MTP (K = 2), drafts accepted."""
+    outs = {}
+    for k in (0, 2):
+        spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
+        with LLM(device="cuda", gpu_memory_utilization=0.1, speculative_config=spec) as llm:
+            outs[k] = [o.outputs[0].text for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                                                _params(60), use_tqdm=False)]
+            assert llm.engine.executor.stage.graphs.replays > 0
+            if k:
+                assert llm.stats()["spec_decode"]["num_accepted_tokens"] > 0
+    person, code, city, obj, answer, _ = outs[0]
+    jsonschema.validate(json.loads(person), PERSON)
+    assert re.fullmatch(REGEX, code) and city in CHOICES and isinstance(json.loads(obj), dict)
+    assert re.fullmatch(r"The answer is [0-9]{1,4}\.", answer), answer
+    assert outs[2] == outs[0]
