@@ -149,11 +149,36 @@ def tokenizer(_session_llm):
 
 
 @pytest.fixture(scope="session")
-def hf_model(model_path):
-    """transformers' own reading of the same GGUF: the oracle for logits and greedy text."""
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(str(model_path.parent), gguf_file=model_path.name,
-                                                 dtype=torch.float32)
+def hf_model(model_path, pytestconfig):
+    """transformers' own reading of the same GGUF: the oracle for logits and greedy text.
+
+    Reading the GGUF (de-quantizing every tensor) takes tens of seconds of CPU, and every xdist worker
+    needs the oracle: the first to get here saves transformers' reading in pytest's cache folder (keyed
+    by the file and the transformers version) and the others, and later runs, load that copy."""
+    import transformers
+    from filelock import FileLock
+    from safetensors.torch import load_model, save_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    def read_gguf():
+        return AutoModelForCausalLM.from_pretrained(str(model_path.parent), gguf_file=model_path.name,
+                                                    dtype=torch.float32).eval()
+    if getattr(pytestconfig, "cache", None) is None:          # -p no:cacheprovider
+        return read_gguf()
+    stat = model_path.stat()
+    key = f"{model_path.stem}-{stat.st_size}-{int(stat.st_mtime)}-transformers-{transformers.__version__}"
+    folder = pytestconfig.cache.mkdir("hf_oracle") / key
+    with FileLock(str(folder) + ".lock", timeout=600):
+        if not folder.exists():
+            model = read_gguf()
+            # (save_pretrained refuses a model read from a GGUF: its config and weights as they are)
+            partial = folder.with_name(folder.name + ".partial")      # renamed when whole
+            model.config.save_pretrained(partial)
+            save_model(model, str(partial / "model.safetensors"))
+            partial.rename(folder)
+            return model
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=torch.float32)
+    load_model(model, str(folder / "model.safetensors"))
     return model.eval()
 
 

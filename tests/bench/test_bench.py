@@ -56,15 +56,19 @@ def test_throughput(tmp_path):
     assert "Throughput:" in proc.stdout and "requests/s" in proc.stdout
 
 
-def test_serve_against_a_live_server(tmp_path):
-    server = LiveServer("--max-num-seqs", "8", "--max-model-len", "256", "--api-key", "sk-bench")
-    try:
-        out = tmp_path / "serve.json"
-        proc = bench("serve", "--base-url", server.url, "--api-key", "sk-bench", "--num-prompts", "6",
-                     "--random-input-len", "16", "--random-output-len", "5", "--max-concurrency", "3",
-                     "--request-rate", "20", "--metric-percentiles", "50,99", "--output-json", str(out))
-    finally:
-        server.stop()
+@pytest.fixture(scope="module")
+def server():
+    """One live server for the `bench serve` tests (its start costs more than either test's requests)."""
+    s = LiveServer("--max-num-seqs", "8", "--max-model-len", "512", "--api-key", "sk-bench")
+    yield s
+    s.stop()
+
+
+def test_serve_against_a_live_server(tmp_path, server):
+    out = tmp_path / "serve.json"
+    proc = bench("serve", "--base-url", server.url, "--api-key", "sk-bench", "--num-prompts", "6",
+                 "--random-input-len", "16", "--random-output-len", "5", "--max-concurrency", "3",
+                 "--request-rate", "20", "--metric-percentiles", "50,99", "--output-json", str(out))
     r = json.loads(out.read_text())
     assert r["completed"] == 6 and r["failed"] == 0
     assert r["total_input_tokens"] == 6 * 16 and r["total_output_tokens"] == 6 * 5
@@ -90,25 +94,23 @@ def test_percentile_matches_linear_interpolation():
     assert percentile([0.0, 10.0], 90) == 9.0
 
 
-def test_serve_shared_prefix_and_multi_turn(tmp_path):
-    server = LiveServer("--max-num-seqs", "8", "--max-model-len", "512")
-    try:
-        out = tmp_path / "prefix.json"
-        bench("serve", "--base-url", server.url, "--num-prompts", "3", "--random-prefix-len", "40",
-              "--random-input-len", "8", "--random-output-len", "3", "--output-json", str(out))
-        r = json.loads(out.read_text())
-        assert r["completed"] == 3 and r["total_input_tokens"] == 3 * (40 + 8) and r["random_prefix_len"] == 40
-        out = tmp_path / "turns.json"
-        proc = bench("serve", "--base-url", server.url, "--num-prompts", "2", "--multi-turn", "3",
-                     "--random-input-len", "10", "--random-output-len", "4", "--max-concurrency", "2",
-                     "--output-json", str(out))
-        metrics = httpx.get(f"{server.url}/metrics").text
-    finally:
-        server.stop()
+def test_serve_shared_prefix_and_multi_turn(tmp_path, server):
+    hits_before = metric(httpx.get(f"{server.url}/metrics").text, "pipespec:prefix_cache_hits_total")
+    out = tmp_path / "prefix.json"
+    bench("serve", "--base-url", server.url, "--api-key", "sk-bench", "--num-prompts", "3", "--random-prefix-len",
+          "40", "--random-input-len", "8", "--random-output-len", "3", "--output-json", str(out))
+    r = json.loads(out.read_text())
+    assert r["completed"] == 3 and r["total_input_tokens"] == 3 * (40 + 8) and r["random_prefix_len"] == 40
+    out = tmp_path / "turns.json"
+    proc = bench("serve", "--base-url", server.url, "--api-key", "sk-bench", "--num-prompts", "2", "--multi-turn",
+                 "3", "--random-input-len", "10", "--random-output-len", "4", "--max-concurrency", "2",
+                 "--output-json", str(out))
+    metrics = httpx.get(f"{server.url}/metrics").text
     r = json.loads(out.read_text())
     assert r["completed"] == 2 * 3 and r["failed"] == 0 and r["multi_turn"] == 3
     assert r["median_ttft_first_turn_ms"] > 0 and r["median_ttft_later_turns_ms"] > 0
     # each turn resends the last one: more input than 6 single lines
     assert r["total_input_tokens"] > 6 * 10 * 2
     assert "Median TTFT, later turns (ms):" in proc.stdout
-    assert metric(metrics, "pipespec:prefix_cache_hits_total") > 0
+    # (the hits of these runs: the server is shared with the test above)
+    assert metric(metrics, "pipespec:prefix_cache_hits_total") > hits_before

@@ -28,6 +28,21 @@ def _run(tmp_path, *flags, timeout=120):
     return proc, time.monotonic() - t0
 
 
+def _main(capsys, caplog, *argv: str) -> tuple[int, str, str, str]:
+    """`pipespec ARGV` through its own entry point in this process, for the runs that end before any
+    engine starts (a process each cost more than the check; tests/cli runs the command as a process):
+    (exit code, stdout, stderr, INFO log)."""
+    import logging
+    from pipespec.cli import main
+    caplog.set_level(logging.INFO)
+    try:
+        code = main(list(argv))
+    except SystemExit as e:                 # argparse's own refusals
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err, caplog.text
+
+
 @pytest.mark.serial
 def test_gen_time_bounds_all_generation_and_the_plan_predicts_the_total(tmp_path):
     # 64 held-out prompts of up to 64 tokens at 4 at once take minutes on this CPU: only the budget
@@ -100,24 +115,33 @@ def test_init_head_trains_on_from_a_head_file(tmp_path):
     assert abs(float(got.group(2)) / 100 - recorded["agreement"]) <= 0.02, (got.group(0), recorded)
 
 
-def test_init_head_and_draft_vocab_refuse_bad_flags_before_anything_runs(tmp_path):
-    proc, _ = _run(tmp_path, "--init-head", "bundled", "--block-intermediate", "3072", "--gen-time", "0", timeout=60)
-    assert proc.returncode == 2 and "--init-head takes the head's weights and width from its file" in proc.stderr
-    proc, _ = _run(tmp_path, "--init-head", str(tmp_path / "none.safetensors"), "--gen-time", "0", timeout=60)
-    assert proc.returncode == 2 and "none.safetensors: no such file" in proc.stderr, proc.stderr
-    assert "engine ready" not in proc.stderr and "read the training data" not in proc.stderr
-    proc, _ = _run(tmp_path, "--draft-vocab", "50000", "--gen-time", "0", timeout=60)
-    assert proc.returncode == 2 and "--draft-vocab must be in 1..49152" in proc.stderr, proc.stderr
-    proc, _ = _run(tmp_path, "--draft-vocab", "64", "--gen-time", "0", timeout=60)
-    assert proc.returncode == 2 and "--draft-vocab counts the tokens of the training answers, and there are none" \
-        in proc.stderr, proc.stderr
+def test_init_head_and_draft_vocab_refuse_bad_flags_before_anything_runs(tmp_path, capsys, caplog):
+    def run(*flags):
+        return _main(capsys, caplog, "train-mtp", "--out", str(tmp_path / "head.safetensors"), *SMALL, *flags)
+    code, _, err, _ = run("--init-head", "bundled", "--block-intermediate", "3072", "--gen-time", "0")
+    assert code == 2 and "--init-head takes the head's weights and width from its file" in err
+    code, _, err, log = run("--init-head", str(tmp_path / "none.safetensors"), "--gen-time", "0")
+    assert code == 2 and "none.safetensors: no such file" in err, err
+    assert "engine ready" not in log and "read the training data" not in log
+    code, _, err, _ = run("--draft-vocab", "50000", "--gen-time", "0")
+    assert code == 2 and "--draft-vocab must be in 1..49152" in err, err
+    # text windows but no chat answers (from a data cache: building windows of text takes seconds)
+    cache = tmp_path / "text_only.json"
+    cache.write_text(json.dumps({"chat": [], "heldout": [], "text": [{"ids": h["ids"][:32], "start": 0}
+                                                                     for h in json.loads(CHECK_SET.read_text())]}))
+    code, _, err, log = run("--draft-vocab", "64", "--gen-time", "0", "--data-cache", str(cache))
+    assert code == 2 and "--draft-vocab counts the tokens of the training answers, and there are none" \
+        in err, err
+    assert "plan:" in log and "engine ready" not in log      # (the log is seen: the plan came first)
+    assert "0 chat answers (8 text windows only)" in log
 
 
-def test_nothing_to_train_on_is_a_clear_error(tmp_path):
-    proc, wall = _run(tmp_path, "--gen-time", "0", "--text-tokens", "0", timeout=60)
-    assert proc.returncode == 2, proc.stderr
-    assert "error: no training data: 0 chat answers and 0 text windows; raise --gen-time" in proc.stderr
-    assert "engine ready" not in proc.stderr                          # --gen-time 0: no generation at all
+def test_nothing_to_train_on_is_a_clear_error(tmp_path, capsys, caplog):
+    code, _, err, log = _main(capsys, caplog, "train-mtp", "--out", str(tmp_path / "head.safetensors"), *SMALL,
+                              "--gen-time", "0", "--text-tokens", "0")
+    assert code == 2, err
+    assert "error: no training data: 0 chat answers and 0 text windows; raise --gen-time" in err
+    assert "plan:" in log and "engine ready" not in log               # --gen-time 0: no generation at all
 
 
 def test_payoff_model_on_synthetic_tables():
@@ -173,7 +197,7 @@ def test_cpu_defaults_fit_the_budget_the_memory_planned_and_log_without_a_termin
     assert "still running: training: step" in log
 
 
-def test_eval_mtp_warns_about_a_head_that_would_slow_decoding(tmp_path, default_source):
+def test_eval_mtp_warns_about_a_head_that_would_slow_decoding(tmp_path, default_source, capsys, caplog):
     # an untrained head (random weights): train-mtp's warning, in the same words
     from pipespec.model.mtp import DeepSeekMTP, save_mtp
 
@@ -183,10 +207,8 @@ def test_eval_mtp_warns_about_a_head_that_would_slow_decoding(tmp_path, default_
     samples = tmp_path / "samples.json"
     samples.write_text(json.dumps([{"ids": h["ids"][:80], "start": h["start"]}
                                    for h in json.loads(CHECK_SET.read_text())[:4]]))
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[2]), TQDM_DISABLE="1")
-    proc = subprocess.run([sys.executable, "-m", "pipespec", "eval-mtp", "--head", str(tmp_path / "random.safetensors"),
-                           "--device", "cpu", "--data", str(samples), "--steps", "2"],
-                          capture_output=True, text=True, env=env, timeout=120)
-    assert proc.returncode == 0, proc.stderr
+    code, out, err, _ = _main(capsys, caplog, "eval-mtp", "--head", str(tmp_path / "random.safetensors"),
+                              "--device", "cpu", "--data", str(samples), "--steps", "2")
+    assert code == 0, err
     assert re.search(r"WARNING: this head would make decoding slower: its held-out step-1 agreement is "
-                     r"[\d.]+%, .*must exceed \d+% to pay\. Train it longer", proc.stdout), proc.stdout
+                     r"[\d.]+%, .*must exceed \d+% to pay\. Train it longer", out), out
