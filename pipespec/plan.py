@@ -220,6 +220,19 @@ class StepResult:
         return [(f[j * w], r[base + j * w + 1], r[base + j * w + 2:base + j * w + 2 + n], f[j * w + 2 + n:(j + 1) * w])
                 for j in range(r[k + 1])]
 
+    def logprob_records(self, row: int, count: int, num_logprobs: int) -> list[int]:
+        """The packed logprob columns of the first `count` tokens `tokens(row)` gives, each token's
+        cut to `num_logprobs` top ids and logprobs (`outputs.LogprobRecords`); no float conversion."""
+        n, base = self.num_logprobs, result_width(self.num_spec_tokens)
+        w, r = logprob_width(n), self.rows[row]
+        if num_logprobs == n:
+            return r[base:base + count * w]
+        out, m = [], num_logprobs
+        for at in range(base, base + count * w, w):
+            out += r[at:at + 2 + m]
+            out += r[at + 2 + n:at + 2 + n + m]
+        return out
+
     def drafts(self, row: int) -> list[int]:
         """Draft ids proposed for the request's next step (empty when it did not sample)."""
         k = self.num_spec_tokens

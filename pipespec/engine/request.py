@@ -6,6 +6,7 @@ import secrets
 from array import array
 
 from pipespec.engine.logits_inputs import TokenCounts, static_bias
+from pipespec.engine.outputs import LogprobRecords
 from pipespec.sampling import SamplingParams
 
 
@@ -20,7 +21,7 @@ class Request:
                  "max_tokens", "stop_ids", "eos_ids", "status", "num_computed_tokens", "block_ids",
                  "in_flight", "num_pending_tokens", "num_pending_samples", "carry_row", "draft_ids",
                  "state_slot", "state_commit", "num_cached_blocks", "cache_parent", "finish_reason", "stop_reason",
-                 "detokenizer", "sent_tokens", "sent_chars", "logprobs", "cumulative_logprob",
+                 "detokenizer", "sent_tokens", "sent_chars", "logprobs",
                  "prompt_logprobs", "num_prompt_logprob_rows", "token_counts", "bad_words_ids",
                  "static_bias", "static_bias_values", "adjusts_logits", "prefix_leader")
 
@@ -54,9 +55,9 @@ class Request:
         self.stop_reason: int | str | None = None
         self.detokenizer = None
         self.sent_tokens = self.sent_chars = 0      # output tokens and text characters DELTA outputs gave
-        # with SamplingParams.logprobs: one {token id: Logprob} per output token, and their sum
-        self.logprobs: list | None = [] if params.logprobs is not None else None
-        self.cumulative_logprob = 0.0
+        # with SamplingParams.logprobs: one packed record per output token (the engine names the
+        # function that gives a token's text, for the {id: Logprob} dicts an output builds from them)
+        self.logprobs = LogprobRecords(params.logprobs, str) if params.logprobs is not None else None
         # with SamplingParams.prompt_logprobs: None (the first token has none), then one {id: Logprob}
         # per prompt token; and how many prompt tokens a step scheduled so far scores (the first: 1)
         self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
