@@ -289,11 +289,11 @@ class LLMEngine:
                 if self.k_policy is not None:
                     self.k_policy.record_acceptance(d, len(tokens) - 1)
             if tokens:
-                before = req.num_tokens
+                before = len(req.token_ids)
                 self._append(req, tokens)
                 if req.logprobs is not None:      # (of the tokens appended: a stop may end it early)
-                    req.logprobs.columns.extend(result.logprob_records(row, req.num_tokens - before,
-                                                                       req.logprobs.num_logprobs))
+                    req.logprobs.columns.frombytes(result.logprob_records(row, len(req.token_ids) - before,
+                                                                          req.logprobs.num_logprobs))
                 if req.finished or req.params.output_kind is not RequestOutputKind.FINAL_ONLY:
                     outputs.append(self._output(req))
                 if req.finished:

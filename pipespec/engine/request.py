@@ -23,7 +23,8 @@ class Request:
                  "state_slot", "state_commit", "num_cached_blocks", "cache_parent", "finish_reason", "stop_reason",
                  "detokenizer", "sent_tokens", "sent_chars", "logprobs",
                  "prompt_logprobs", "num_prompt_logprob_rows", "token_counts", "bad_words_ids",
-                 "static_bias", "static_bias_values", "adjusts_logits", "prefix_leader")
+                 "static_bias", "static_bias_values", "row_bans", "penalty_values", "adjusts_logits",
+                 "prefix_leader")
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  params: SamplingParams, seed: int, max_tokens: int, eos_ids: frozenset[int]):
@@ -74,8 +75,12 @@ class Request:
 
     def set_bad_words(self, seqs: tuple[tuple[int, ...], ...]) -> None:
         """The bad words as token sequences (`logits_inputs.bad_words_token_ids`)."""
+        p = self.params
         self.bad_words_ids = seqs
-        self.static_bias, self.static_bias_values = static_bias(self.params, seqs)
+        self.static_bias, self.static_bias_values = static_bias(p, seqs)
+        # whether some bans depend on the tokens before a row (`logits_inputs._row_bans`)
+        self.row_bans = p.min_tokens > 0 or any(len(s) > 1 for s in seqs)
+        self.penalty_values = array("f", (p.repetition_penalty, p.presence_penalty, p.frequency_penalty)).tobytes()
 
     @property
     def num_tokens(self) -> int:
