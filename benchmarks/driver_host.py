@@ -15,6 +15,9 @@ the figures are the cache's bookkeeping with no hits (registering blocks, lookin
 `--features plain logprobs penalties` measures requests asking for sampling features (top-5 logprobs;
 repetition, presence and frequency penalties with a logit_bias), each against plain greedy requests.
 
+`--clock cpu` times the driver thread's CPU time instead of elapsed time: on a shared, loaded machine
+elapsed time also counts the time other processes held the core.
+
 `--base PATH` measures another source tree (a `git worktree` of an older commit) in the same call,
 each run in a fresh process, the two trees alternating, so a ratio compares like with like.
 
@@ -89,16 +92,19 @@ def child(args) -> None:
               num_kv_blocks=args.batch * ((args.prompt_len + args.new_tokens) // 16 + 8), **caching)
     eng = llm.engine
     spent = collections.Counter()
+    # cpu: the driver thread's CPU time, which leaves out the time other processes held the core
+    # (a shared machine); wall: elapsed time
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
 
     def timed(owner, name, phase):
         fn = getattr(owner, name)
 
         def wrapper(*a, **kw):
-            t0 = time.perf_counter()
+            t0 = clock()
             try:
                 return fn(*a, **kw)
             finally:
-                spent[phase] += time.perf_counter() - t0
+                spent[phase] += clock() - t0
         setattr(owner, name, wrapper)
 
     timed(eng.scheduler, "schedule", "schedule")
@@ -159,6 +165,8 @@ def main():
                     help="the engine's prefix cache in each configuration (default: the engine's default)")
     ap.add_argument("--features", nargs="+", default=["plain"], choices=list(FEATURES),
                     help="sampling features every request asks for, in each configuration")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="elapsed time, or the driver thread's CPU time (steadier on a loaded machine)")
     ap.add_argument("--base", type=Path, help="another source tree to measure in the same call")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
@@ -181,7 +189,7 @@ def main():
                     cmd = [sys.executable, str(HERE / "driver_host.py"), "--child", "--model", str(model),
                            "--head", str(head), "--batch", str(batch), "--prompt-len", str(prompt_len),
                            "--k", str(k), "--new-tokens", str(args.new_tokens), "--runs", str(args.runs),
-                           "--prefix-caching", cache, "--features", features]
+                           "--prefix-caching", cache, "--features", features, "--clock", args.clock]
                     out = subprocess.run(cmd + ["--stream"] * args.stream, env=dict(os.environ, PYTHONPATH=str(root)),
                                          check=True, capture_output=True, text=True, cwd=root, timeout=3600)
                     figures[name].append(json.loads(out.stdout.strip().splitlines()[-1]))

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
+import numpy as np
 import torch
 
 from pipespec.sampling import SamplingTensors, logprob_width, unpack_logprobs
@@ -191,8 +192,9 @@ class StepResult:
     @cached_property
     def rows(self) -> list[list[int]]:
         """The rows as Python lists, converted once: the driver reads every row of every step, and
-        one `tolist` costs less than two tensor reads per row."""
-        return self.data.tolist()
+        one `tolist` costs less than two tensor reads per row. Only the token columns: the logprob
+        columns are copied out as bytes (`logprob_records`)."""
+        return self.data[:, :result_width(self.num_spec_tokens)].tolist()
 
     def tokens(self, row: int) -> list[int]:
         k = self.num_spec_tokens
@@ -226,9 +228,26 @@ class StepResult:
         k, n = self.num_spec_tokens, self.num_logprobs
         if n < 0:
             return []
-        r, f, w, base = self.rows[row], self._logprob_floats[row], logprob_width(n), result_width(k)
+        r, f, w, base = self.data[row].tolist(), self._logprob_floats[row], logprob_width(n), result_width(k)
         return [(f[j * w], r[base + j * w + 1], r[base + j * w + 2:base + j * w + 2 + n], f[j * w + 2 + n:(j + 1) * w])
                 for j in range(r[k + 1])]
+
+    def logprob_records(self, row: int, count: int, num_logprobs: int) -> bytes:
+        """The packed logprob columns of the first `count` tokens `tokens(row)` gives, each token's
+        cut to `num_logprobs` top ids and logprobs (`outputs.LogprobRecords`), as int64 bytes."""
+        n, base = self.num_logprobs, result_width(self.num_spec_tokens)
+        w = logprob_width(n)
+        if num_logprobs != n:
+            m = num_logprobs
+            tokens = self.data[row, base:base + count * w].numpy().reshape(count, w)
+            return np.concatenate((tokens[:, :2 + m], tokens[:, 2 + n:2 + n + m]), axis=1).tobytes()
+        at = 8 * (row * self.data.shape[1] + base)         # (the common case: one bytes slice)
+        return self._bytes[at:at + 8 * count * w]
+
+    @cached_property
+    def _bytes(self) -> bytes:
+        """The data as bytes, copied once (a row's slice of them then costs no tensor op)."""
+        return self.data.contiguous().numpy().tobytes()
 
     def drafts(self, row: int) -> list[int]:
         """Draft ids proposed for the request's next step (empty when it did not sample)."""

@@ -33,7 +33,7 @@ from pipespec.config import EngineConfig
 from pipespec.engine.adaptive_k import make_policy
 from pipespec.engine.detokenizer import IncrementalDetokenizer
 from pipespec.engine.logits_inputs import bad_words_token_ids
-from pipespec.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from pipespec.engine.outputs import CompletionOutput, Logprob, RequestOutput, SampleLogprobs
 from pipespec.engine.request import Request, engine_seed_base, unseeded_request_seed
 from pipespec.engine.scheduler import ScheduledBatch, Scheduler
 from pipespec.engine.spec_stats import SpecDecodeStats
@@ -183,6 +183,8 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else unseeded_request_seed(self._seed_base, arrival)
         req = Request(request_id, text, ids, params, seed, max_tokens, frozenset(self.tokenizer.eos_token_ids))
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+        if req.logprobs is not None:
+            req.logprobs.token_text = self._token_text
         vocab = self.arch.vocab_size
         for t in params.logit_bias or ():
             if t >= vocab:
@@ -298,7 +300,11 @@ class LLMEngine:
                 if self.k_policy is not None:
                     self.k_policy.record_acceptance(d, len(tokens) - 1)
             if tokens:
-                self._append(req, tokens, result.logprobs(row) if req.logprobs is not None else None)
+                before = len(req.token_ids)
+                self._append(req, tokens)
+                if req.logprobs is not None:      # (of the tokens appended: a stop may end it early)
+                    req.logprobs.columns.frombytes(result.logprob_records(row, len(req.token_ids) - before,
+                                                                          req.logprobs.num_logprobs))
                 if req.finished or req.params.output_kind is not RequestOutputKind.FINAL_ONLY:
                     outputs.append(self._output(req))
                 if req.finished:
@@ -321,15 +327,12 @@ class LLMEngine:
         if self.k_policy is not None and batch.steady:
             self.k_policy.record_step(len(batch.requests), batch.plan.num_spec_tokens, now - start)
 
-    def _append(self, req: Request, tokens: list[int], logprobs: list | None = None) -> None:
-        """`logprobs`: (logprob, rank, top ids, top logprobs) of each token (`StepResult.logprobs`)."""
+    def _append(self, req: Request, tokens: list[int]) -> None:
         params = req.params
-        for i, token in enumerate(tokens):
+        for token in tokens:
             req.token_ids.append(token)
             if req.token_counts is not None:
                 req.token_counts.add(token)
-            if logprobs is not None:
-                self._add_logprob(req, token, logprobs[i])
             if token in req.eos_ids:       # before its text: an end token's text is never output
                 return self.scheduler.finish(req, "stop")
             delta = req.detokenizer.add(token)
@@ -364,15 +367,6 @@ class LLMEngine:
                 req.prompt_logprobs.append(entry)
             first += count
 
-    def _add_logprob(self, req: Request, token: int, row: tuple) -> None:
-        """The token's {id: Logprob}: the sampled token's and the request's top N, as vLLM gives them."""
-        lp, rank, top_ids, top_lps = row
-        n = req.params.logprobs
-        entry = {t: Logprob(v, r + 1, self._token_text(t)) for r, (t, v) in enumerate(zip(top_ids[:n], top_lps[:n]))}
-        entry[token] = Logprob(lp, rank, self._token_text(token))
-        req.logprobs.append(entry)
-        req.cumulative_logprob += lp
-
     def _token_text(self, token: int) -> str:
         """One token's text, as logprobs name it (cached: a top-N list repeats the same few ids)."""
         text = self._token_texts.get(token)
@@ -395,9 +389,9 @@ class LLMEngine:
             first += req.sent_tokens
             req.sent_tokens = req.num_output_tokens
         completion = CompletionOutput(0, text, req.token_ids[first:], req.finish_reason, req.stop_reason)
-        if req.logprobs is not None:
-            completion.logprobs = req.logprobs[first - req.num_prompt_tokens:]
-            completion.cumulative_logprob = req.cumulative_logprob
+        if req.logprobs is not None:      # (the {id: Logprob} dicts are built when they are read)
+            completion.logprobs = SampleLogprobs(req.logprobs, first - req.num_prompt_tokens, completion.token_ids)
+            completion.cumulative_logprob = req.logprobs.cumulative()
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], req.finished, error,
                              prompt_logprobs)
 

@@ -6,7 +6,8 @@ the driver knows the drafts it sends: a row's output is used only when every dra
 
 A step sends every penalized request's whole count table (a stage keeps nothing between steps), so
 each request keeps its table as a flat C array updated token by token (`TokenCounts`), and a plan
-concatenates the arrays: the per-step cost is a copy, not a Python loop over the tokens.
+joins the arrays: the per-step cost is a copy, not a Python loop over the tokens; likewise each
+request keeps its penalties and the biases that hold at every row packed (`Request.set_bad_words`).
 """
 from __future__ import annotations
 
@@ -66,53 +67,66 @@ def bad_words_token_ids(tokenizer, words: list[str] | None) -> tuple[tuple[int, 
     return tuple(seqs)
 
 
-def _with_lines(flat: array, width: int, per_line: list[int]) -> torch.Tensor:
+def _with_lines(flat: bytes, width: int, per_line) -> np.ndarray:
     """int64 [P, 1 + width]: the lines' concatenated `width`-wide rows, each led by its line index."""
-    rows = np.frombuffer(flat, dtype=np.int64).reshape(-1, width) if len(flat) else np.zeros((0, width), np.int64)
+    rows = np.frombuffer(flat, dtype=np.int64).reshape(-1, width)
     lines = np.repeat(np.arange(len(per_line), dtype=np.int64), per_line)
-    return torch.from_numpy(np.concatenate((lines[:, None], rows), axis=1))
+    return np.concatenate((lines[:, None], rows), axis=1)
+
+
+def _row_bans(req, line_drafts: list[int], entries: array, values: array) -> None:
+    """The bans of `req`'s verify rows that depend on the tokens before each row: end tokens while
+    min_tokens is not reached, the last token of a bad word whose other tokens precede the row."""
+    left = req.params.min_tokens - req.num_output_tokens
+    if left > 0:
+        for t in req.eos_ids | req.stop_ids:
+            entries.extend((t, 0, left))
+            values.append(_BANNED)
+    if req.bad_words_ids:
+        out = req.token_ids[req.num_prompt_tokens:]
+        for seq in req.bad_words_ids:
+            if len(seq) == 1:
+                continue                                # (a static entry)
+            prefix = list(seq[:-1])
+            for j in range(len(line_drafts) + 1):       # row j follows the first j drafts
+                ctx = out + line_drafts[:j] if j else out
+                if len(ctx) >= len(prefix) and ctx[len(ctx) - len(prefix):] == prefix:
+                    entries.extend((seq[-1], j, j + 1))
+                    values.append(_BANNED)
 
 
 def logits_inputs(samplers: list, drafts: list[list[int]], num_rows: int) -> dict:
     """StepPlan fields (`penalties`, `penalty_tokens`, `bias_entries`, `bias_values`) for sampling
     lines `samplers` verifying `drafts` (each line's real drafts), lines of `num_rows` = 1 + K rows;
-    empty when no sampler adjusts its logits."""
+    empty when no sampler adjusts its logits.
+
+    A step of many penalized requests costs a few C-level joins of the arrays they keep (their
+    counts, their static biases): per request, only list comprehensions, and Python work only for
+    the requests whose bans change from row to row (`_row_bans`)."""
     if not any(r.adjusts_logits for r in samplers):
         return {}
-    pen, known, known_per_line = array("f"), array("q"), []
-    entries, values, entries_per_line = array("q"), array("f"), []
-    any_penalty = False
-    for req, line_drafts in zip(samplers, drafts):
-        p = req.params
-        pen.extend((p.repetition_penalty, p.presence_penalty, p.frequency_penalty))
-        counts = req.token_counts
-        if counts is not None:
-            any_penalty = True
-            known += counts.entries
-        known_per_line.append(len(counts.entries) // 3 if counts is not None else 0)
-        n0 = len(values)
-        entries += req.static_bias
-        values += req.static_bias_values
-        left = p.min_tokens - req.num_output_tokens
-        if left > 0:
-            for t in req.eos_ids | req.stop_ids:
-                entries.extend((t, 0, left))
-                values.append(_BANNED)
-        if req.bad_words_ids:
-            out = req.token_ids[req.num_prompt_tokens:]
-            for seq in req.bad_words_ids:
-                if len(seq) == 1:
-                    continue                                # (a static entry)
-                prefix = list(seq[:-1])
-                for j in range(len(line_drafts) + 1):       # row j follows the first j drafts
-                    ctx = out + line_drafts[:j] if j else out
-                    if len(ctx) >= len(prefix) and ctx[len(ctx) - len(prefix):] == prefix:
-                        entries.extend((seq[-1], j, j + 1))
-                        values.append(_BANNED)
-        entries_per_line.append(len(values) - n0)
-    fields = {"bias_entries": _with_lines(entries, 3, entries_per_line),
-              "bias_values": torch.frombuffer(values, dtype=torch.float32) if values else torch.empty(0)}
-    if any_penalty:
-        fields["penalties"] = torch.frombuffer(pen, dtype=torch.float32).view(-1, 3)
-        fields["penalty_tokens"] = _with_lines(known, 3, known_per_line)
+    fields = {}
+    static = [r.static_bias for r in samplers]
+    entries = _with_lines(b"".join(static), 3, [len(e) // 3 for e in static])
+    values = b"".join([r.static_bias_values for r in samplers])
+    varying = [(line, r, d) for line, (r, d) in enumerate(zip(samplers, drafts)) if r.row_bans]
+    if varying:
+        more, more_values, more_lines = array("q"), array("f"), []
+        for line, req, line_drafts in varying:
+            n0 = len(more_values)
+            _row_bans(req, line_drafts, more, more_values)
+            more_lines += [line] * (len(more_values) - n0)
+        rows = np.frombuffer(more, dtype=np.int64).reshape(-1, 3)
+        entries = np.concatenate((entries, np.concatenate((np.array(more_lines, dtype=np.int64)[:, None], rows), 1)))
+        values += more_values.tobytes()
+    fields["bias_entries"] = torch.from_numpy(entries)
+    fields["bias_values"] = torch.frombuffer(bytearray(values), dtype=torch.float32) if values else torch.empty(0)
+    if any(r.token_counts is not None for r in samplers):
+        tables = [r.token_counts.entries if r.token_counts is not None else _NO_COUNTS for r in samplers]
+        fields["penalties"] = torch.frombuffer(bytearray(b"".join([r.penalty_values for r in samplers])),
+                                               dtype=torch.float32).view(-1, 3)
+        fields["penalty_tokens"] = torch.from_numpy(_with_lines(b"".join(tables), 3, [len(t) // 3 for t in tables]))
     return fields
+
+
+_NO_COUNTS = array("q")

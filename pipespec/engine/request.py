@@ -6,6 +6,7 @@ import secrets
 from array import array
 
 from pipespec.engine.logits_inputs import TokenCounts, static_bias
+from pipespec.engine.outputs import LogprobRecords
 from pipespec.sampling import SamplingParams
 
 
@@ -21,8 +22,9 @@ class Request:
                  "in_flight", "num_pending_tokens", "num_pending_samples", "carry_row", "draft_ids",
                  "state_slot", "state_commit", "num_cached_blocks", "cache_parent", "snapshot_points",
                  "finish_reason", "stop_reason", "detokenizer", "sent_tokens", "sent_chars", "logprobs",
-                 "cumulative_logprob", "prompt_logprobs", "num_prompt_logprob_rows", "token_counts", "bad_words_ids",
-                 "static_bias", "static_bias_values", "adjusts_logits", "prefix_leader", "grammar")
+                 "prompt_logprobs", "num_prompt_logprob_rows", "token_counts", "bad_words_ids",
+                 "static_bias", "static_bias_values", "row_bans", "penalty_values", "adjusts_logits",
+                 "prefix_leader", "grammar")
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  params: SamplingParams, seed: int, max_tokens: int, eos_ids: frozenset[int]):
@@ -55,9 +57,9 @@ class Request:
         self.stop_reason: int | str | None = None
         self.detokenizer = None
         self.sent_tokens = self.sent_chars = 0      # output tokens and text characters DELTA outputs gave
-        # with SamplingParams.logprobs: one {token id: Logprob} per output token, and their sum
-        self.logprobs: list | None = [] if params.logprobs is not None else None
-        self.cumulative_logprob = 0.0
+        # with SamplingParams.logprobs: one packed record per output token (the engine names the
+        # function that gives a token's text, for the {id: Logprob} dicts an output builds from them)
+        self.logprobs = LogprobRecords(params.logprobs, str) if params.logprobs is not None else None
         # with SamplingParams.prompt_logprobs: None (the first token has none), then one {id: Logprob}
         # per prompt token; and how many prompt tokens a step scheduled so far scores (the first: 1)
         self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
@@ -76,8 +78,12 @@ class Request:
 
     def set_bad_words(self, seqs: tuple[tuple[int, ...], ...]) -> None:
         """The bad words as token sequences (`logits_inputs.bad_words_token_ids`)."""
+        p = self.params
         self.bad_words_ids = seqs
-        self.static_bias, self.static_bias_values = static_bias(self.params, seqs)
+        self.static_bias, self.static_bias_values = static_bias(p, seqs)
+        # whether some bans depend on the tokens before a row (`logits_inputs._row_bans`)
+        self.row_bans = p.min_tokens > 0 or any(len(s) > 1 for s in seqs)
+        self.penalty_values = array("f", (p.repetition_penalty, p.presence_penalty, p.frequency_penalty)).tobytes()
 
     @property
     def num_tokens(self) -> int:

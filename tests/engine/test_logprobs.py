@@ -128,3 +128,42 @@ def test_prompt_logprobs_equal_transformers_in_chunks_and_with_prefix_caching(hf
         outs = llm.generate([LONG, PROMPTS[0]], [params[0], plain], use_tqdm=False)
     _check_prompt_logprobs(outs[0], hf_model, 2)
     assert outs[1].prompt_logprobs is None
+
+
+def test_logprobs_of_deltas_a_stop_and_pickling(no_spec):
+    """Logprobs are kept packed and read into {id: Logprob} when an output is read: a DELTA stream's
+    pieces join into the whole answer's; a stop token that ends a request in the middle of a step's
+    accepted drafts leaves one entry per token kept; a pickled output holds a plain list."""
+    import pickle
+    from pipespec import RequestOutputKind
+    params, want = no_spec
+    stop = want[0].token_ids[5]          # a token the first answer samples (with drafts before and after it)
+    with LLM(**DEFAULT_LLM_KWARGS, speculative_config={"method": "mtp", "num_speculative_tokens": 2}) as llm:
+        eng = llm.engine
+        eng.add_request("delta", PROMPTS[1], SamplingParams(temperature=0, max_tokens=24, logprobs=3, ignore_eos=True,
+                                                            output_kind=RequestOutputKind.DELTA))
+        eng.add_request("stop", PROMPTS[0], SamplingParams(temperature=0, max_tokens=24, logprobs=3, ignore_eos=True,
+                                                           stop_token_ids=[stop]))
+        pieces, last = [], {}
+        while eng.has_unfinished_requests():
+            for out in eng.step():
+                last[out.request_id] = out
+                if out.request_id == "delta":
+                    pieces.append(out.outputs[0])
+        assert_engine_clean(llm)
+    ids = [t for p in pieces for t in p.token_ids]
+    entries = [e for p in pieces for e in p.logprobs]
+    assert ids == want[1].token_ids and len(pieces) > 2
+    assert len(entries) == len(ids)
+    for a, b in zip(entries, want[1].logprobs):
+        assert set(a) == set(b) and all(abs(a[t].logprob - b[t].logprob) < 1e-4 and a[t].rank == b[t].rank for t in a)
+    assert pieces[-1].cumulative_logprob == pytest.approx(want[1].cumulative_logprob, abs=1e-4)
+    stopped = last["stop"].outputs[0]
+    cut = want[0].token_ids.index(stop) + 1
+    assert stopped.finish_reason == "stop" and stopped.token_ids == want[0].token_ids[:cut]
+    assert len(stopped.logprobs) == cut and stopped.cumulative_logprob == pytest.approx(
+        sum(e[t].logprob for t, e in zip(stopped.token_ids, stopped.logprobs)), abs=1e-9)
+    for t, a, b in zip(stopped.token_ids, stopped.logprobs, want[0].logprobs):
+        assert set(a) == set(b) and abs(a[t].logprob - b[t].logprob) < 1e-4
+    copy = pickle.loads(pickle.dumps(stopped))
+    assert type(copy.logprobs) is list and copy.logprobs == stopped.logprobs
