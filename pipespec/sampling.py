@@ -77,6 +77,9 @@ class SamplingParams:
     """Per-request sampling controls, named as vLLM names them."""
 
     n: int = 1                      # sequences per prompt (the engine runs n requests sharing its KV)
+    # (vLLM v0's) sequences generated per prompt, of which the n with the highest cumulative logprob
+    # are returned; None: n
+    best_of: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1                 # -1 or 0: disabled
@@ -115,6 +118,8 @@ class SamplingParams:
 
         if not _is_int(self.n) or self.n < 1:
             bad("n", "must be an integer >= 1")
+        if self.best_of is not None and (not _is_int(self.best_of) or self.best_of < self.n):
+            bad("best_of", f"must be None or an integer >= n ({self.n})")
         if not _is_number(self.temperature) or self.temperature < 0 or self.temperature != self.temperature:
             bad("temperature", "must be a number >= 0")
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
@@ -162,6 +167,11 @@ class SamplingParams:
         object.__setattr__(self, "stop_strings", tuple(stops))
         # the longest stop string less one: text that may still turn out to begin one
         object.__setattr__(self, "stop_hold", max(map(len, stops), default=1) - 1)
+
+    @property
+    def sequences(self) -> int:
+        """How many sequences run for one prompt: best_of (when given), else n."""
+        return self.n if self.best_of is None else self.best_of
 
     @property
     def greedy(self) -> bool:

@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 from pipespec.checkpoint.tokenizer import read_chat_template
 from pipespec.config import EngineConfig
 from pipespec.engine.llm_engine import LLMEngine
-from pipespec.engine.outputs import RequestOutput
+from pipespec.engine.outputs import RequestOutput, best_of
 from pipespec.sampling import RequestOutputKind, SamplingParams
 
 
@@ -49,8 +49,13 @@ class LLM:
                 raise ValueError(f"prompt {i}: {e}") from None
         done = self._run([req for group in groups for req in group], use_tqdm)
         outputs, at = [], 0
-        for group in groups:            # n > 1: one output with a completion per sequence
+        for group, p in zip(groups, params):     # n > 1: one output with a completion per sequence
             outs, at = done[at:at + len(group)], at + len(group)
+            if len(group) > p.n:        # best_of: the n with the highest cumulative logprob
+                outs = [outs[i] for i in best_of([out.outputs[0].cumulative_logprob for out in outs], p.n)]
+                if p.logprobs is None:  # (kept only to rank them)
+                    for out in outs:
+                        out.outputs[0].logprobs = None
             if len(group) > 1:
                 for i, out in enumerate(outs):
                     out.outputs[0].index = i

@@ -195,20 +195,26 @@ class LLMEngine:
         return req
 
     def make_requests(self, request_id: str, prompt, params: SamplingParams) -> list[Request]:
-        """The requests of one prompt: n of them (`request_id`-0 .. -{n-1}) when params.n > 1, each
-        drawing as a request of its own with seed `seed + i` would, the later ones taking the first
-        one's prompt KV blocks from the prefix cache (`Request.prefix_leader`)."""
-        n = params.n if isinstance(params, SamplingParams) else 1
+        """The requests of one prompt: `params.sequences` of them (`request_id`-0 .. -{k-1}) when more
+        than one, each drawing as a request of its own with seed `seed + i` would, the later ones
+        taking the first one's prompt KV blocks from the prefix cache (`Request.prefix_leader`). With
+        best_of > n each one keeps its sampled tokens' logprobs (logprobs=0 at least), which rank them
+        (`best_of_outputs`)."""
+        n = params.sequences if isinstance(params, SamplingParams) else 1
         if n == 1:
             return [self.make_request(request_id, prompt, params)]
         limit = self.config.scheduler.max_num_seqs
         if n > limit:
-            raise ValueError(f"n={n} is more sequences than the engine runs at once (max_num_seqs={limit})")
+            name = "n" if n == params.n else "best_of"
+            raise ValueError(f"{name}={n} is more sequences than the engine runs at once (max_num_seqs={limit})")
         if any(f"{request_id}-{i}" in self.requests for i in range(n)):
             raise ValueError(f"request id {request_id!r} is already in use")
+        ranked = n > params.n
         reqs = []
         for i in range(n):
-            child = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+            child = dataclasses.replace(params, n=1, best_of=None,
+                                        seed=None if params.seed is None else params.seed + i,
+                                        logprobs=0 if ranked and params.logprobs is None else params.logprobs)
             reqs.append(self.make_request(f"{request_id}-{i}", prompt, child))
         if self.scheduler.enable_prefix_caching:
             for req in reqs[1:]:

@@ -118,3 +118,9 @@ class RequestOutput:
     error: str | None = None              # set when an engine failure ended the request
     # with SamplingParams.prompt_logprobs: None for the first prompt token, then each one's {id: Logprob}
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+
+def best_of(cumulative_logprobs: list[float], n: int) -> list[int]:
+    """best_of: the places of the n sequences with the highest cumulative logprob, best first (the
+    earlier sequence first on a tie)."""
+    return sorted(range(len(cumulative_logprobs)), key=lambda i: -cumulative_logprobs[i])[:n]

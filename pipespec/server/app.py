@@ -13,6 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pipespec
 from pipespec.engine.llm_engine import EngineDeadError
+from pipespec.engine.outputs import Logprob, best_of
 from pipespec.server.async_engine import AsyncEngine, QueueFullError
 from pipespec.server.body_limit import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from pipespec.server.chat_request import ChatOptions, prepare_chat
@@ -106,12 +107,9 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
-        if body.echo or body.suffix or (body.best_of not in (None, 1)):
-            param = "echo" if body.echo else "suffix" if body.suffix else "best_of"
-            raise ApiError(400, f"{param} is not supported by pipespec", param)
         prompts = completion_prompts(body.prompt)
         params = body.sampling_params(body.max_tokens, 16)
-        if len(prompts) > 1 or params.n > 1:
+        if len(prompts) > 1 or params.sequences > 1:
             return await _respond_many(body, prompts, params, chat=False)
         return await _respond(request, body, prompts[0], params, chat=False)
 
@@ -156,8 +154,15 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         except EngineDeadError as e:
             raise ApiError(503, str(e), kind="engine_error") from None
         metrics.prompt_tokens.inc(len(prompt_ids))
-        return [_Generation(engine, metrics, request_id, outputs, len(prompt_ids), log_requests, params.logprobs)
+        gens = [_Generation(engine, metrics, request_id, outputs, len(prompt_ids), log_requests, params.logprobs,
+                            getattr(body, "prompt_logprobs", None) is not None)
                 for request_id, outputs in streams]
+        if getattr(body, "echo", False):        # completions: the text (and logprobs) start with the prompt
+            text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids, skip_special_tokens=False)
+            first = tokenizer.decode(prompt_ids[:1], skip_special_tokens=False)
+            for gen in gens:
+                gen.echo = (text, first)
+        return gens
 
     async def _respond(request: Request, body, prompt, params, chat: bool, parser=None):
         gen, = await start(body, prompt, params, "chatcmpl" if chat else "cmpl")
@@ -185,11 +190,13 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     async def _respond_many(body, prompts: list, params, chat: bool):
         """Several choices run side by side: n per prompt, index = the prompt's place in the list
         times n plus the sequence's (the first of them keeps the id of the whole response)."""
+        groups: list[list[_Generation]] = []      # each prompt's
         gens: list[_Generation] = []
         try:
             for i, prompt in enumerate(prompts):
-                gens += await start(body, prompt, params, "chatcmpl" if chat else "cmpl",
-                                    i if len(prompts) > 1 else None)
+                groups.append(await start(body, prompt, params, "chatcmpl" if chat else "cmpl",
+                                          i if len(prompts) > 1 else None))
+                gens += groups[-1]
         except BaseException:
             for gen in gens:
                 gen.close()
@@ -205,12 +212,19 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         finally:
             for gen in gens:
                 gen.close()
+        if params.sequences > params.n:     # best_of (never streamed): each prompt's n most likely sequences
+            results = dict(zip(map(id, gens), results))
+            usage = _total_usage(gens)
+            gens = [group[i] for group in groups for i in best_of([g.cumulative_logprob for g in group], params.n)]
+            results = [results[id(gen)] for gen in gens]
+        else:
+            usage = _total_usage(gens)
         choices = [{"index": i, "finish_reason": finish, "logprobs": gen.format_logprobs(gen.logprobs, chat),
                     **({"message": {"role": "assistant", "content": text}} if chat else {"text": text}),
                     **({"prompt_logprobs": gen.prompt_logprobs} if gen.prompt_logprobs is not None else {})}
                    for i, (gen, (text, finish)) in enumerate(zip(gens, results))]
         return {"id": gens[0].request_id, "object": object_name, "created": int(time.time()),
-                "model": model_name, "choices": choices, "usage": _total_usage(gens)}
+                "model": model_name, "choices": choices, "usage": usage}
 
     app.state.metrics = metrics
     return app
@@ -241,8 +255,9 @@ _FIELDS = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_
 
 
 def _param_of(message: str) -> str | None:
-    if message.startswith("n="):
-        return "n"
+    for name in ("n", "best_of"):
+        if message.startswith(f"{name}="):
+            return name
     for name in ("prompt_token_ids", "prompt", "max_tokens", "messages", "logit_bias"):
         if name in message:
             return name
@@ -254,13 +269,17 @@ class _Generation:
     the engine) into text deltas, and keeps its metrics."""
 
     def __init__(self, engine: AsyncEngine, metrics: Metrics, request_id: str, outputs: asyncio.Queue,
-                 num_prompt_tokens: int, log_requests: bool = False, num_logprobs: int | None = None):
+                 num_prompt_tokens: int, log_requests: bool = False, num_logprobs: int | None = None,
+                 want_prompt_logprobs: bool = False):
         self.engine, self.metrics, self.request_id, self.outputs = engine, metrics, request_id, outputs
         self.num_logprobs = num_logprobs     # SamplingParams.logprobs (None: no logprobs in the answer)
         self.logprobs: list = []              # (token id, {id: Logprob}) of every token, for a whole response
         self.delta_logprobs: list = []        # those of the last delta
         self.text_offset = 0                  # completions' text_offset of the next token
         self.prompt_logprobs = None           # vLLM's form of them, from the first output (when asked)
+        self.want_prompt_logprobs = want_prompt_logprobs    # (echo asks the engine for them on its own)
+        self.echo: tuple[str, str] | None = None     # (prompt text, its first token's) to put before the first delta
+        self.cumulative_logprob = 0.0         # of the tokens so far (best_of ranks by it)
         self.num_prompt_tokens = num_prompt_tokens
         self.log_requests = log_requests
         self.num_tokens = 0
@@ -279,23 +298,33 @@ class _Generation:
                 self.error = str(out)
                 raise ApiError(500, f"the engine failed: {out}", kind="engine_error")
             completion = out.outputs[0]
-            if out.prompt_logprobs is not None and self.prompt_logprobs is None:
+            text = completion.text
+            if out.prompt_logprobs is not None and self.prompt_logprobs is None and self.want_prompt_logprobs:
                 self.prompt_logprobs = [None if e is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank,
                                                                          "decoded_token": lp.decoded_token}
                                                                 for t, lp in e.items()}
                                         for e in out.prompt_logprobs]
             self._count(len(completion.token_ids))
             self.num_tokens += len(completion.token_ids)
-            self.parts.append(completion.text)
-            if completion.logprobs is not None:
-                self.delta_logprobs = list(zip(completion.token_ids, completion.logprobs))
-                self.logprobs += self.delta_logprobs
+            if completion.cumulative_logprob is not None:
+                self.cumulative_logprob = completion.cumulative_logprob
+            self.delta_logprobs = ([] if completion.logprobs is None
+                                   else list(zip(completion.token_ids, completion.logprobs)))
+            if self.echo is not None:        # the prompt's tokens first: the first one has no logprob
+                text, first = self.echo[0] + text, self.echo[1]
+                self.echo = None
+                if out.prompt_logprobs is not None:
+                    ids = out.prompt_token_ids
+                    self.delta_logprobs[:0] = [(ids[0], Logprob(None, None, first))] + list(
+                        zip(ids[1:], out.prompt_logprobs[1:]))
+            self.logprobs += self.delta_logprobs
+            self.parts.append(text)
             if out.finished:
                 self.done = True
                 self.finish_reason = completion.finish_reason
                 self.metrics.finished(self.finish_reason)
                 self.metrics.e2e.observe(time.perf_counter() - self.arrival)
-            yield completion.text, self.finish_reason
+            yield text, self.finish_reason
 
     def _count(self, new_tokens: int) -> None:
         if new_tokens <= 0:
@@ -320,7 +349,8 @@ class _Generation:
         n = self.num_logprobs
         if n is None:
             return None
-        rows = [(entry[token], sorted((lp for t, lp in entry.items() if lp.rank <= n and (t != token or len(entry) <= n)),
+        rows = [(entry, None) if isinstance(entry, Logprob) else      # an echoed prompt's first token
+                (entry[token], sorted((lp for t, lp in entry.items() if lp.rank <= n and (t != token or len(entry) <= n)),
                                       key=lambda lp: lp.rank)[:n])
                 for token, entry in tokens]
         if chat:
@@ -333,7 +363,7 @@ class _Generation:
             offsets.append(self.text_offset)
             self.text_offset += len(chosen.decoded_token or "")
         return {"tokens": [c.decoded_token for c, _ in rows], "token_logprobs": [c.logprob for c, _ in rows],
-                "top_logprobs": [{t.decoded_token: t.logprob for t in top} for _, top in rows],
+                "top_logprobs": [None if top is None else {t.decoded_token: t.logprob for t in top} for _, top in rows],
                 "text_offset": offsets}
 
     def usage(self) -> dict:

@@ -82,6 +82,7 @@ class _SamplingFields(BaseModel):
                                        else _check_count(self.prompt_logprobs, "prompt_logprobs")),
                       structured_outputs=self.structured_outputs_params(),
                       output_kind=RequestOutputKind.DELTA)      # what is new each step: no copies
+        kwargs.update(self.route_kwargs(kwargs))
         try:
             return SamplingParams(**kwargs)
         except ValueError as e:
@@ -134,6 +135,10 @@ class _SamplingFields(BaseModel):
         """SamplingParams.logprobs: how many top alternatives each token's logprobs list (None: none)."""
         raise NotImplementedError
 
+    def route_kwargs(self, kwargs: dict) -> dict:
+        """SamplingParams fields only one route's body has."""
+        return {}
+
 
 _STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
                       "guided_grammar")
@@ -180,6 +185,16 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     suffix: Optional[str] = None
     best_of: Optional[int] = None
+
+    def route_kwargs(self, kwargs: dict) -> dict:
+        if self.suffix:
+            raise ApiError(400, "suffix is not supported by pipespec", "suffix")
+        if self.best_of is not None and self.stream:
+            raise ApiError(400, "best_of cannot be used with stream=true", "best_of")
+        out = {"best_of": self.best_of}
+        if self.echo and kwargs["logprobs"] is not None:     # the echoed prompt's tokens carry logprobs
+            out["prompt_logprobs"] = max(kwargs["logprobs"], kwargs["prompt_logprobs"] or 0)
+        return out
 
     def num_logprobs(self) -> Optional[int]:
         if self.top_logprobs is not None:
