@@ -158,7 +158,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                             getattr(body, "prompt_logprobs", None) is not None)
                 for request_id, outputs in streams]
         if getattr(body, "echo", False):        # completions: the text (and logprobs) start with the prompt
-            text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids, skip_special_tokens=False)
+            text = prompt if isinstance(prompt, str) else await engine.run_blocking(tokenizer.decode, prompt_ids, False)
             first = tokenizer.decode(prompt_ids[:1], skip_special_tokens=False)
             for gen in gens:
                 gen.echo = (text, first)
@@ -212,13 +212,11 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         finally:
             for gen in gens:
                 gen.close()
+        usage = _total_usage(gens)          # (with best_of: of every sequence run)
         if params.sequences > params.n:     # best_of (never streamed): each prompt's n most likely sequences
             results = dict(zip(map(id, gens), results))
-            usage = _total_usage(gens)
             gens = [group[i] for group in groups for i in best_of([g.cumulative_logprob for g in group], params.n)]
             results = [results[id(gen)] for gen in gens]
-        else:
-            usage = _total_usage(gens)
         choices = [{"index": i, "finish_reason": finish, "logprobs": gen.format_logprobs(gen.logprobs, chat),
                     **({"message": {"role": "assistant", "content": text}} if chat else {"text": text}),
                     **({"prompt_logprobs": gen.prompt_logprobs} if gen.prompt_logprobs is not None else {})}
@@ -350,8 +348,8 @@ class _Generation:
         if n is None:
             return None
         rows = [(entry, None) if isinstance(entry, Logprob) else      # an echoed prompt's first token
-                (entry[token], sorted((lp for t, lp in entry.items()
-                                       if lp.rank <= n and (t != token or len(entry) <= n)), key=lambda lp: lp.rank)[:n])
+                (entry[token], sorted((lp for t, lp in entry.items() if lp.rank <= n and (t != token or len(entry) <= n)),
+                                      key=lambda lp: lp.rank)[:n])
                 for token, entry in tokens]
         if chat:
             def item(lp):
