@@ -348,7 +348,8 @@ class _Generation:
         if n is None:
             return None
         rows = [(entry, None) if isinstance(entry, Logprob) else      # an echoed prompt's first token
-                (entry[token], sorted((lp for t, lp in entry.items() if lp.rank <= n and (t != token or len(entry) <= n)),
+                (entry[token], sorted((lp for t, lp in entry.items()
+                                       if lp.rank <= n and (t != token or len(entry) <= n)),
                                       key=lambda lp: lp.rank)[:n])
                 for token, entry in tokens]
         if chat:
