@@ -341,14 +341,16 @@ def unpack_logprobs(columns: list[int], count: int, num_logprobs: int) -> list[t
 
 # ----------------------------------------------------------------------------------------------
 # Logits processing on the last stage. Each verify row of a line sees the request's tokens as of its
-# own position: the driver's counts (every accepted token), then the drafts before that row, which
-# are accepted exactly when the row's output is used. Bans and biases come per row from the driver,
+# own position: the driver's counts (every accepted token; a line continued under async scheduling
+# adds the tokens its step in flight sampled, which only the stage knows yet), then the drafts before
+# that row, which are accepted exactly when the row's output is used. Bans and biases come per row from the driver,
 # which knows the drafts it sent (bad words whose prefix a draft completes, min_tokens by row).
 
 
 def apply_penalties(logits: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor,
                     penalties: torch.Tensor | None, penalty_tokens: torch.Tensor | None,
-                    bias_entries: torch.Tensor | None, bias_values: torch.Tensor | None) -> torch.Tensor:
+                    bias_entries: torch.Tensor | None, bias_values: torch.Tensor | None,
+                    carried: torch.Tensor | None = None) -> torch.Tensor:
     """Processed copy of logits [S, R, V] (R = 1 + K verify rows, float32).
 
     draft_ids [S, K] the drafts the rows after the first embed, num_drafts [S] how many are real;
@@ -356,7 +358,9 @@ def apply_penalties(logits: torch.Tensor, draft_ids: torch.Tensor, num_drafts: t
     penalty_tokens int64 [P, 4]: (line, token id, times generated, 1 if in the prompt else 0), the
     request's distinct tokens before the line's first row;
     bias_entries int64 [Q, 4]: (line, token id, first row, end row) with bias_values float32 [Q]
-    (-inf: banned) added at rows first..end-1.
+    (-inf: banned) added at rows first..end-1;
+    carried int64 [S, C] (async scheduling, `stage.carry.carried_tokens`): generated tokens before the
+    line's first row that penalty_tokens does not count yet (-1: none), counted at every row.
 
     Penalties touch only the tokens a row has seen: each known token at every row, and each draft at
     every row. Their logits are gathered, processed and written back (an entry named twice gets the
@@ -377,14 +381,19 @@ def apply_penalties(logits: torch.Tensor, draft_ids: torch.Tensor, num_drafts: t
         return out
     k = r - 1
     known = penalty_tokens if penalty_tokens is not None else torch.zeros(0, 4, dtype=torch.int64, device=device)
-    # the entries (line, row, token): every known token at every row, every draft at every row
-    line = torch.cat((known[:, 0].repeat_interleave(r), torch.arange(s, device=device).repeat_interleave(k * r)))
-    row = torch.cat((rows.repeat(known.shape[0]), rows.repeat(s * k)))
-    tok = torch.cat((known[:, 1].repeat_interleave(r), draft_ids.clamp(0, v - 1).repeat_interleave(r, dim=1).reshape(-1)))
+    # the entries (line, row, token): every known token at every row, every draft (and carried token) at every row
+    unknown = draft_ids if carried is None else torch.cat((draft_ids, carried), dim=1)
+    u = unknown.shape[1]
+    line = torch.cat((known[:, 0].repeat_interleave(r), torch.arange(s, device=device).repeat_interleave(u * r)))
+    row = torch.cat((rows.repeat(known.shape[0]), rows.repeat(s * u)))
+    tok = torch.cat((known[:, 1].repeat_interleave(r), unknown.clamp(0, v - 1).repeat_interleave(r, dim=1).reshape(-1)))
     # each line's counts before its first row, and which tokens its prompt holds, at those entries
     base = torch.zeros(s, v, device=device)
     prompt = torch.zeros(s, v, dtype=torch.bool, device=device)
     base.index_put_((known[:, 0], known[:, 1]), known[:, 2].float(), accumulate=True)
+    if carried is not None:
+        lines = torch.arange(s, device=device)[:, None].expand_as(carried)
+        base.index_put_((lines, carried.clamp(0, v - 1)), (carried >= 0).float(), accumulate=True)
     prompt.index_put_((known[:, 0], known[:, 1]), known[:, 3] > 0)
     # ... plus the real drafts before the entry's row
     before = (torch.arange(k, device=device)[None, :] < torch.minimum(row, num_drafts[line])[:, None])   # [N, K]

@@ -361,8 +361,11 @@ class Scheduler:
         in flight is always the last one scheduled.)"""
         if not self.async_scheduling or req.in_flight != 1:
             return False
-        if req.num_pending_samples and (req.adjusts_logits or req.grammar is not None):
-            return False     # its logits processing (or grammar mask) needs the token the step in flight samples
+        # bans that vary by row (min_tokens, multi-token bad words) and grammar masks are worked out
+        # here from the tokens before each row, which include those the step in flight samples;
+        # penalties and static biases are not: the stage counts those tokens (`carried_tokens`)
+        if req.num_pending_samples and (req.row_bans or req.grammar is not None):
+            return False
         n = req.num_expected_tokens
         return not req.num_pending_samples or (n - req.num_prompt_tokens < req.max_tokens
                                                and n + self._last_k + self.num_spec_tokens < self.max_model_len)

@@ -7,6 +7,10 @@ A carried request's line was planned with placeholders: the driver did not yet k
 previous step sampled, the drafts it proposed, or how many drafts it accepted (it counted none). The
 stage fills them in on the device, so the host never waits, and the driver later records the same
 tokens from that step's result: what it records and what the stage embedded never differ.
+
+A penalized request continued this way was planned with the token counts the driver had, which lack
+the tokens its step in flight samples: the stage adds them (`Carry.sampled`, `carried_tokens`), so
+each verify row's penalties see every token before it, as the synchronous engine's do.
 """
 from __future__ import annotations
 
@@ -25,12 +29,14 @@ class Carry:
     drafts: torch.Tensor     # int64 [N, K] the drafts it proposed
     shift: torch.Tensor      # int64 [N] drafts it accepted: how far past the host's guess its line ends
     commit: torch.Tensor     # int64 [N] the linear-attention candidate to commit next (-1: none)
+    sampled: torch.Tensor    # int64 [N, K+1] every token it sampled (its accepted drafts, then `tokens`; -1 after)
 
     @classmethod
     def zeros(cls, num_rows: int, num_spec_tokens: int, device: torch.device) -> "Carry":
         i64 = dict(dtype=torch.int64, device=device)
         return cls(torch.zeros(num_rows, **i64), torch.zeros(num_rows, num_spec_tokens, **i64),
-                   torch.zeros(num_rows, **i64), torch.full((num_rows,), -1, **i64))
+                   torch.zeros(num_rows, **i64), torch.full((num_rows,), -1, **i64),
+                   torch.full((num_rows, num_spec_tokens + 1), -1, **i64))
 
     def keep(self, data: torch.Tensor, k: int, num_draft_rows: torch.Tensor) -> None:
         """Keep a result's `data` [B, result_width(k)] (`StepResult`); num_draft_rows [B]: a line with
@@ -40,6 +46,9 @@ class Carry:
         self.tokens[:b].copy_(data.gather(1, accepted[:, None]).squeeze(1))
         self.shift[:b].copy_(accepted)
         self.commit[:b].copy_(torch.where(num_draft_rows > 0, accepted, -1))
+        cols = torch.arange(k + 1, device=data.device)
+        self.sampled[:b, :k + 1].copy_(torch.where(cols < data[:, k + 1:k + 2], data[:, :k + 1], -1))
+        self.sampled[:b, k + 1:] = -1          # (a step of a smaller K than the config's: adaptive K)
         if k:
             self.drafts[:b, :k].copy_(data[:, k + 2:])
 
@@ -53,6 +62,14 @@ class Carry:
                           inp.block_tables, self.tokens, self.drafts, self.shift, self.commit, block_size)
         else:
             carry_in(inp, self, block_size)
+
+
+def carried_tokens(inp: StepInput, carry: Carry) -> torch.Tensor:
+    """int64 [S, K+1] (K the config's): for each sampling line that carries, the tokens its request's
+    step in flight sampled, which the driver's token counts in the plan do not hold yet; -1 elsewhere.
+    A fixed shape and no host read (graph-capturable)."""
+    src = inp.carried[inp.sampling_reqs]
+    return torch.where(src[:, None] >= 0, carry.sampled[src.clamp(min=0)], -1)
 
 
 def carry_in(inp: StepInput, carry: Carry, block_size: int) -> None:

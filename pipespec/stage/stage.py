@@ -39,7 +39,7 @@ from pipespec.plan import StepPlan, StepResult, position_margin
 from pipespec.sampling import append_logprobs, append_prompt_logprobs, apply_penalties, apply_token_bitmask
 from pipespec.speculative.loading import build_proposer
 from pipespec.stage import memory
-from pipespec.stage.carry import Carry
+from pipespec.stage.carry import Carry, carried_tokens
 from pipespec.stage.cuda_graphs import CudaGraphs, GraphsByK
 from pipespec.stage.device import tensors_off_device, use_device
 from pipespec.stage.step_input import Padding, StepBuffers, StepInput, verify
@@ -313,10 +313,13 @@ class Stage:
             processed = logits
             if plan.penalties is not None or plan.bias_entries is not None:
                 # penalties, bias, bans (logprobs stay the raw model's)
+                # (async scheduling: the tokens a carried line's step in flight sampled count too)
+                carried = (carried_tokens(inp, self.carry)
+                           if plan.carried is not None and plan.penalties is not None else None)
                 processed = apply_penalties(logits, inp.draft_ids, inp.line_drafts,
                                             *(None if t is None else t.to(self.device) for t in
                                               (plan.penalties, plan.penalty_tokens, plan.bias_entries,
-                                               plan.bias_values)))
+                                               plan.bias_values)), carried=carried)
             if plan.grammar_masks is not None:     # structured output: what the grammar forbids is -inf
                 processed = apply_token_bitmask(logits.float().clone() if processed is logits else processed,
                                                 plan.grammar_lines.to(self.device), plan.grammar_masks.to(self.device))

@@ -150,6 +150,38 @@ def test_with_drafts_stops_and_aborts_end_where_the_sync_engine_ends(llm, plain_
         assert_engine_clean(spec_llm)
 
 
+@pytest.mark.parametrize("k", [0, 2])
+def test_penalties_and_logit_bias_continue_and_stay_lossless(llm, async_llm, plain_greedy, k):
+    """Penalized and biased requests are continued too: the stage counts the tokens the step in flight
+    sampled (and at K = 2 the drafts it accepted), which the plan's counts lack. Greedy output equals
+    the synchronous engine's without speculation, every request carried rows, and each setting
+    changed the output."""
+    ids = [t for t, _, _ in plain_greedy]
+    sps = [SamplingParams(temperature=0.0, max_tokens=24, repetition_penalty=1.3, ignore_eos=True),
+           SamplingParams(temperature=0.0, max_tokens=24, presence_penalty=1.2, frequency_penalty=0.7, ignore_eos=True),
+           SamplingParams(temperature=0.0, max_tokens=24, frequency_penalty=1.5, ignore_eos=True,
+                          logit_bias={ids[2][1]: -100.0, ids[2][6]: 4.0}),
+           SamplingParams(temperature=0.0, max_tokens=24, logit_bias={ids[3][4]: -100.0}, ignore_eos=True)]
+    want = texts(llm.generate(PROMPTS, sps, use_tqdm=False))
+    assert all(w[0] != i for w, i in zip(want, ids))                  # each setting mattered
+    spec = {"speculative_config": {"method": "mtp", "num_speculative_tokens": k}} if k else {}
+    engine_llm = async_llm if not k else LLM(model=None, **dict(DEFAULT_LLM_KWARGS, async_scheduling=True, **spec))
+    try:
+        before = engine_llm.engine.stats()["num_carried_rows"]
+        for i, sp in enumerate(sps):          # one at a time: each request's own lines carried
+            assert texts(engine_llm.generate(PROMPTS[i], sp, use_tqdm=False)) == want[i:i + 1]
+            now = engine_llm.engine.stats()["num_carried_rows"]
+            assert now > before, (i, sp)
+            before = now
+        assert texts(engine_llm.generate(PROMPTS, sps, use_tqdm=False)) == want      # batched
+        if k:
+            assert engine_llm.engine.stats()["spec_decode"]["num_accepted_tokens"] > 0
+        assert_engine_clean(engine_llm)
+    finally:
+        if k:
+            engine_llm.shutdown()
+
+
 def test_async_scheduling_with_a_pipeline_is_refused_by_name():
     with pytest.raises(ValueError, match="one stage"):
         LLM(model=None, **dict(DEFAULT_LLM_KWARGS, async_scheduling=True, pipeline_parallel_size=2))

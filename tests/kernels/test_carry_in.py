@@ -46,7 +46,7 @@ def _step(k: int, seed: int, commits: bool):
         carried=torch.tensor(carried), query_start_loc=qsl, block_tables=tables, sampling_reqs=i64(0),
         line_drafts=i64(0), verify_rows=i64((0, k + 1)))
     carry = Carry(tokens=r(1000, 2000, (N,)), drafts=r(2000, 3000, (N, k)), shift=r(0, k + 1, (N,)),
-                  commit=r(-1, k + 1, (N,)) if commits else torch.full((N,), -1))
+                  commit=r(-1, k + 1, (N,)) if commits else torch.full((N,), -1), sampled=r(0, 1000, (N, k + 1)))
     return inp, carry
 
 
