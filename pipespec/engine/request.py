@@ -24,7 +24,7 @@ class Request:
                  "finish_reason", "stop_reason", "detokenizer", "sent_tokens", "sent_chars", "logprobs",
                  "prompt_logprobs", "num_prompt_logprob_rows", "token_counts", "bad_words_ids",
                  "static_bias", "static_bias_values", "row_bans", "penalty_values", "adjusts_logits",
-                 "prefix_leader", "grammar")
+                 "prefix_leader", "grammar", "preempted")
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  params: SamplingParams, seed: int, max_tokens: int, eos_ids: frozenset[int]):
@@ -75,6 +75,7 @@ class Request:
         self.prefix_leader: Request | None = None
         # structured output: its grammar matcher (`engine/structured.py`), at the end of its tokens
         self.grammar = None
+        self.preempted = False     # ever preempted (a hybrid model's restart skips its snapshots)
 
     def set_bad_words(self, seqs: tuple[tuple[int, ...], ...]) -> None:
         """The bad words as token sequences (`logits_inputs.bad_words_token_ids`)."""

@@ -197,6 +197,7 @@ class Scheduler:
         self.running.remove(req)
         self._release(req)
         req.num_computed_tokens = 0
+        req.preempted = True
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
         self.num_preemptions += 1
@@ -267,6 +268,12 @@ class Scheduler:
             hits, parent = self._cached_prefix(req) if lookup else ((), ROOT)
             restore, points, save = -1, (), False
             if self.state_snapshots is not None:
+                if req.preempted:
+                    # starts again from zero state: restoring its prefix let two requests preempt each
+                    # other for ever at PP = 2 (each resumed just far enough to take the blocks the
+                    # other needed: test_qwen3_next_mtp's preemption test); from zero they finish,
+                    # as before hybrids were cached. Why the restore livelocks is not yet understood.
+                    hits = ()
                 hits, parent, restore, points = self._restorable(req, hits)
             if hits:
                 req.block_ids.extend(hits)
