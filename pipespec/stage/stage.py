@@ -36,7 +36,8 @@ from pipespec.model.linear_state import LinearFlags, LinearMeta, StateSnapshots,
 from pipespec.parallel import TensorParallel
 from pipespec.placement import resolve_device, resolve_dtype
 from pipespec.plan import StepPlan, StepResult, position_margin
-from pipespec.sampling import append_logprobs, append_prompt_logprobs, apply_penalties, apply_token_bitmask
+from pipespec.sampling import (append_logprobs, append_prompt_logprobs, apply_penalties, apply_token_bitmask,
+                               to_device)
 from pipespec.speculative.loading import build_proposer
 from pipespec.stage import memory
 from pipespec.stage.carry import Carry, carried_tokens
@@ -246,7 +247,7 @@ class Stage:
         if self.state_snapshots is None:
             raise RuntimeError(f"step {plan.step_id} names linear-attention state snapshots, which this stage "
                                "does not keep (prefix_cache_state_snapshots differs between driver and stage)")
-        snapshots, slots = column[picked].to(self.device), plan.state_slots[picked].to(self.device)
+        snapshots, slots = to_device(column[picked], self.device), to_device(plan.state_slots[picked], self.device)
         if restore:
             self.state_snapshots.restore(self.linear_states, snapshots, slots)
         else:
@@ -291,9 +292,9 @@ class Stage:
                 self.drafter.write_kv(ctx, inp.mtp_input_ids, hidden)
             data = StepResult.empty(plan.step_id, plan.num_reqs, inp.num_spec_tokens).data
         if plan.num_prompt_logprobs >= 0:     # rows of prefill chunks: never a CUDA graph's steady step
-            rows = plan.prompt_logprob_rows.to(self.device)
+            rows = to_device(plan.prompt_logprob_rows, self.device)
             data = append_prompt_logprobs(data, self.model.compute_logits(hidden[rows]),
-                                          plan.prompt_logprob_ids.to(self.device), plan.num_prompt_logprobs)
+                                          to_device(plan.prompt_logprob_ids, self.device), plan.num_prompt_logprobs)
         return data
 
     def _verify_lines(self, plan: StepPlan, inp: StepInput, ctx: ForwardContext | None, hidden: torch.Tensor,
@@ -317,12 +318,13 @@ class Stage:
                 carried = (carried_tokens(inp, self.carry)
                            if plan.carried is not None and plan.penalties is not None else None)
                 processed = apply_penalties(logits, inp.draft_ids, inp.line_drafts,
-                                            *(None if t is None else t.to(self.device) for t in
+                                            *(None if t is None else to_device(t, self.device) for t in
                                               (plan.penalties, plan.penalty_tokens, plan.bias_entries,
                                                plan.bias_values)), carried=carried)
             if plan.grammar_masks is not None:     # structured output: what the grammar forbids is -inf
                 processed = apply_token_bitmask(logits.float().clone() if processed is logits else processed,
-                                                plan.grammar_lines.to(self.device), plan.grammar_masks.to(self.device))
+                                                to_device(plan.grammar_lines, self.device),
+                                                to_device(plan.grammar_masks, self.device))
             tokens, num_sampled = verify(processed, inp, sampling)
             if ctx is None:
                 data = self.graphs.finish(tokens, num_sampled, drafting)
