@@ -231,6 +231,13 @@ class Scheduler:
             budget -= n + d
 
         ready = [r for r in self.running if not r.in_flight or self._continues(r)]
+        if self.async_scheduling and any(r.in_flight and r.num_pending_samples and self._waits_for_result(r)
+                                         for r in self.running):
+            # requests that run step for step with their results: those not in flight wait for the
+            # ones that are, to share their next step, instead of alternating for good in two half
+            # batches (a prefill split over two steps did that: twice the steps, RESULTS.md)
+            ready = [r for r in ready if r.in_flight or not self._waits_for_result(r)
+                     or r.num_scheduled_tokens < r.num_expected_tokens - 1]
         ready.sort(key=lambda r: r.num_scheduled_tokens < r.num_expected_tokens - 1)   # stable: decodes first
         for req in ready:
             if budget <= 0 or len(picked) >= cap:
@@ -371,11 +378,22 @@ class Scheduler:
         # bans that vary by row (min_tokens, multi-token bad words) and grammar masks are worked out
         # here from the tokens before each row, which include those the step in flight samples;
         # penalties and static biases are not: the stage counts those tokens (`carried_tokens`)
-        if req.num_pending_samples and (req.row_bans or req.grammar is not None):
+        if req.num_pending_samples and self._waits_for_result(req):
             return False
         n = req.num_expected_tokens
         return not req.num_pending_samples or (n - req.num_prompt_tokens < req.max_tokens
                                                and n + self._last_k + self.num_spec_tokens < self.max_model_len)
+
+    @property
+    def num_steps(self) -> int:
+        """Steps scheduled so far."""
+        return self._step_id
+
+    @staticmethod
+    def _waits_for_result(req: Request) -> bool:
+        """Whether the rows after a sampled token need that token on the host: bans that vary by row
+        (min_tokens, multi-token bad words) and grammar masks."""
+        return bool(req.row_bans) or req.grammar is not None
 
     def _carried_drafts(self, req: Request) -> int:
         """Drafts the step in flight proposes for `req` when it samples there (its K): the drafts a

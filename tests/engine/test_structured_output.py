@@ -167,3 +167,20 @@ def test_on_a_gpu_masks_through_cuda_graphs(prompts):
     assert re.fullmatch(REGEX, code) and city in CHOICES and isinstance(json.loads(obj), dict)
     assert re.fullmatch(r"The answer is [0-9]{1,4}\.", answer), answer
     assert outs[2] == outs[0]
+
+
+def test_constrained_requests_share_steps_under_async_scheduling(tokenizer):
+    """Eight constrained requests whose prefill the step budget splits: under async scheduling they
+    run step for step with their results (their masks need the token in flight), and they share each
+    step as without it, instead of alternating in two half batches (twice the steps); same output."""
+    prompt = _chat(tokenizer, "Describe a programmer in a few words please.")
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                            structured_outputs=StructuredOutputsParams(regex="[a-z]+( [a-z]+)*"))
+    runs = {}
+    for async_scheduling in (False, True):
+        with LLM(**dict(DEFAULT_LLM_KWARGS, async_scheduling=async_scheduling, enable_prefix_caching=False)) as llm:
+            outs = llm.generate([{"prompt_token_ids": prompt}] * 8, params, use_tqdm=False)
+            runs[async_scheduling] = ([o.outputs[0].token_ids for o in outs], llm.engine.scheduler.num_steps)
+    assert 8 * len(prompt) > 2 * DEFAULT_LLM_KWARGS["max_num_batched_tokens"]      # the prefill is split
+    assert runs[True][0] == runs[False][0]
+    assert runs[True][1] <= runs[False][1] + 1, runs
