@@ -199,7 +199,7 @@ class LLMEngine:
         than one, each drawing as a request of its own with seed `seed + i` would, the later ones
         taking the first one's prompt KV blocks from the prefix cache (`Request.prefix_leader`). With
         best_of > n each one keeps its sampled tokens' logprobs (logprobs=0 at least), which rank them
-        (`best_of_outputs`)."""
+        (`outputs.best_of`)."""
         n = params.sequences if isinstance(params, SamplingParams) else 1
         if n == 1:
             return [self.make_request(request_id, prompt, params)]

@@ -236,9 +236,8 @@ class Scheduler:
             # requests that run step for step with their results: those not in flight wait for the
             # ones that are, to share their next step, instead of alternating for good in two half
             # batches (a prefill split over two steps did that: twice the steps, RESULTS.md)
-            ready = [r for r in ready if r.in_flight or not self._waits_for_result(r)
-                     or r.num_scheduled_tokens < r.num_expected_tokens - 1]
-        ready.sort(key=lambda r: r.num_scheduled_tokens < r.num_expected_tokens - 1)   # stable: decodes first
+            ready = [r for r in ready if r.in_flight or not self._waits_for_result(r) or self._prefilling(r)]
+        ready.sort(key=self._prefilling)   # stable: decodes first
         for req in ready:
             if budget <= 0 or len(picked) >= cap:
                 break
@@ -388,6 +387,11 @@ class Scheduler:
     def num_steps(self) -> int:
         """Steps scheduled so far."""
         return self._step_id
+
+    @staticmethod
+    def _prefilling(req: Request) -> bool:
+        """Whether more of its prompt than its last token is left to schedule."""
+        return req.num_scheduled_tokens < req.num_expected_tokens - 1
 
     @staticmethod
     def _waits_for_result(req: Request) -> bool:
