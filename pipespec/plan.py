@@ -217,21 +217,6 @@ class StepResult:
         w = logprob_width(n)
         return [unpack_logprobs(r[:w], 1, n)[0] for r in self.data[at:at + count].tolist()]
 
-    @cached_property
-    def _logprob_floats(self) -> list[list[float]]:
-        """The logprob columns read as float64, every row at once (their float columns are the
-        ones that matter; ranks and ids come from `rows`)."""
-        return self.data[:, result_width(self.num_spec_tokens):].view(torch.float64).tolist()
-
-    def logprobs(self, row: int) -> list[tuple[float, int, list[int], list[float]]]:
-        """(logprob, rank, top ids, top logprobs) of each token `tokens(row)` gives."""
-        k, n = self.num_spec_tokens, self.num_logprobs
-        if n < 0:
-            return []
-        r, f, w, base = self.data[row].tolist(), self._logprob_floats[row], logprob_width(n), result_width(k)
-        return [(f[j * w], r[base + j * w + 1], r[base + j * w + 2:base + j * w + 2 + n], f[j * w + 2 + n:(j + 1) * w])
-                for j in range(r[k + 1])]
-
     def logprob_records(self, row: int, count: int, num_logprobs: int) -> bytes:
         """The packed logprob columns of the first `count` tokens `tokens(row)` gives, each token's
         cut to `num_logprobs` top ids and logprobs (`outputs.LogprobRecords`), as int64 bytes."""

@@ -1,6 +1,7 @@
 """StepPlan / StepResult: the messages of a step, and the shapes they give every message (I2)."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -62,14 +63,16 @@ def test_result_with_logprobs_round_trips():
     res = StepResult(5, data, k)
     assert res.num_logprobs == n and res.tokens(0) == [4, 7] and res.drafts(2) == [10, 0] and res.drafts(1) == []
     logp = logits.log_softmax(-1)
-    for row, line in ((0, 0), (2, 1)):
-        got = res.logprobs(row)
-        assert len(got) == len(res.tokens(row))
-        for j, (lp, rank, ids, lps) in enumerate(got):
-            t = res.tokens(row)[j]
-            assert lp == pytest.approx(float(logp[line, j, t]), abs=1e-6)   # (float64 bits travel exactly)
-            assert rank == int((logp[line, j] > logp[line, j, t]).sum()) + 1
-            assert ids == logp[line, j].topk(n).indices.tolist()
-            assert lps == pytest.approx(logp[line, j].topk(n).values.tolist(), abs=1e-6)
-    assert res.logprobs(1) == []
-    assert StepResult(5, base, k).num_logprobs == -1 and StepResult(5, base, k).logprobs(0) == []
+    for m in (n, 1):                   # the plan's N, and a request's smaller N cut from it
+        for row, line in ((0, 0), (2, 1)):
+            count = len(res.tokens(row))
+            got = np.frombuffer(res.logprob_records(row, count, m), dtype=np.int64).reshape(count, 2 + 2 * m)
+            for j, rec in enumerate(got):
+                t, lps = res.tokens(row)[j], logp[line, j]
+                floats = rec.view(np.float64)
+                assert floats[0] == pytest.approx(float(lps[t]), abs=1e-6)   # (float64 bits travel exactly)
+                assert rec[1] == int((lps > lps[t]).sum()) + 1
+                assert rec[2:2 + m].tolist() == lps.topk(m).indices.tolist()
+                assert floats[2 + m:].tolist() == pytest.approx(lps.topk(m).values.tolist(), abs=1e-6)
+    assert res.tokens(1) == []
+    assert StepResult(5, base, k).num_logprobs == -1
