@@ -75,7 +75,7 @@ class Request:
         self.prefix_leader: Request | None = None
         # structured output: its grammar matcher (`engine/structured.py`), at the end of its tokens
         self.grammar = None
-        self.preempted = False     # ever preempted (a hybrid model's restart skips its snapshots)
+        self.preempted = False     # ever preempted (comes back only when all its tokens fit)
 
     def set_bad_words(self, seqs: tuple[tuple[int, ...], ...]) -> None:
         """The bad words as token sequences (`logits_inputs.bad_words_token_ids`)."""

@@ -274,12 +274,6 @@ class Scheduler:
             hits, parent = self._cached_prefix(req) if lookup else ((), ROOT)
             restore, points, save = -1, (), False
             if self.state_snapshots is not None:
-                if req.preempted:
-                    # starts again from zero state: restoring its prefix let two requests preempt each
-                    # other for ever at PP = 2 (each resumed just far enough to take the blocks the
-                    # other needed: test_qwen3_next_mtp's preemption test); from zero they finish,
-                    # as before hybrids were cached. Why the restore livelocks is not yet understood.
-                    hits = ()
                 hits, parent, restore, points = self._restorable(req, hits)
             if hits:
                 req.block_ids.extend(hits)
@@ -291,8 +285,14 @@ class Scheduler:
                 if points:
                     n, save = self._snapshot_cut(req.num_computed_tokens, n, points)
                 need = self._blocks_needed(req, self._tokens_with_draft_room(req, n))
+                # a preempted request comes back only once all the tokens it had fit again: let in
+                # for its next chunk alone, two requests that overfilled the cache together took
+                # turns for good, each resuming from its cached prefix just far enough to need the
+                # blocks the other held, and preempting it (hybrids at PP = 2, RESULTS.md)
+                upto = req.num_tokens - req.num_computed_tokens if req.preempted else n
+                room = need if upto == n else self._blocks_needed(req, self._tokens_with_draft_room(req, upto))
                 # (taking a cached block nobody holds uses up room too)
-                room = need + (self.allocator.num_evictable(hits) if hits else 0)
+                room += self.allocator.num_evictable(hits) if hits else 0
             if not n or not self.allocator.can_allocate(room) or not self.state_slots.can_allocate(1):
                 if hits:
                     del req.block_ids[:]

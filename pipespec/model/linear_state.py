@@ -14,7 +14,7 @@ On a GPU the layer's kernels keep the states in place instead of calling `commit
 is read from the candidate its plan commits, else from its slot, and only lines that commit at once
 write the slot. That is the same state because a verify step is always followed, on the request's
 next run, by a plan that commits one of its candidates (`Scheduler` sets `state_commit` after every
-verify step; a preempted request restarts from zeros).
+verify step; a preempted request restarts from zeros or a restored snapshot).
 
 Nothing here reads a device tensor back to the host: what the code must branch on (the widest line,
 whether any request verifies, runs plainly or commits) comes from the host plan as `LinearFlags`, so

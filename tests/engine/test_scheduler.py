@@ -186,6 +186,25 @@ def test_preempted_request_is_recomputed_in_full():
     assert sched.allocator.num_free == 4
 
 
+def test_preempted_request_comes_back_when_all_its_tokens_fit():
+    """Let in again for its next chunk alone, a preempted request grew back into the blocks the
+    other one needed and was preempted again (at PP = 2 with hybrid snapshots, for good)."""
+    sched = sched_with(num_blocks=6, budget=4, max_model_len=16)   # together a and b need 8 blocks
+    a = make_request("a", prompt(4), max_tokens=12, arrival=0)
+    b = make_request("b", prompt(4, base=50), max_tokens=12, arrival=1)
+    sched.add(a)
+    sched.add(b)
+    came_back = []
+    while sched.has_work():
+        was = b.status
+        step(sched)
+        if was is RequestStatus.WAITING and b.status is RequestStatus.RUNNING and b.num_output_tokens:
+            came_back.append(len(b.block_ids) + sched.allocator.num_free - -(-b.num_tokens // BS))
+    assert sched.num_preemptions == 1 and len(came_back) == 1
+    assert came_back[0] >= 0, "b came back before all its tokens fit"
+    assert a.num_output_tokens == b.num_output_tokens == 12
+
+
 def test_finish_while_in_flight_frees_blocks_on_complete():
     sched = sched_with()
     req = make_request("x", prompt(9), max_tokens=4)

@@ -171,7 +171,7 @@ def test_mtp_wiring_drafts_two_ahead(kind, checkpoints, prompts):
 
 def test_preemption_while_speculating_changes_nothing(checkpoints, prompts, references):
     """5 KV blocks for four requests: some are preempted with a verify step's candidate states
-    uncommitted; their slots are freed and they restart from position 0."""
+    uncommitted; their slots are freed and they restart from position 0 or a restored snapshot."""
     kwargs = dict(KWARGS, max_model_len=64, num_kv_blocks=5)
     with LLM(model=checkpoints["qwen3_next", 0.2], pipeline_parallel_size=2, speculative_config=_spec(2),
              **kwargs) as llm:
