@@ -85,3 +85,23 @@ def sigint_as_in_a_terminal() -> None:
     KeyboardInterrupt; a program run from a terminal always does."""
     import signal
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def stage_worker_pids(pid: int) -> list[int]:
+    """Pids of the stage workers process `pid` started: children of its multiprocessing fork server
+    (`runtime.launch.spawn_context`)."""
+    def children(p: int) -> list[int]:
+        try:
+            with open(f"/proc/{p}/task/{p}/children") as f:
+                return [int(x) for x in f.read().split()]
+        except OSError:
+            return []
+
+    def cmdline(p: int) -> bytes:
+        try:
+            with open(f"/proc/{p}/cmdline", "rb") as f:
+                return f.read()
+        except OSError:
+            return b""
+
+    return [w for p in children(pid) if b"forkserver" in cmdline(p) for w in children(p)]

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import httpx
 
+from tests.helpers import stage_worker_pids
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -59,18 +61,8 @@ class LiveServer:
         return self.log_path.read_text() if self.log_path is not None else ""
 
     def stage_pids(self) -> list[int]:
-        """Pids of the pipeline stages the server spawned (not multiprocessing's resource tracker)."""
-        with open(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children") as f:
-            children = [int(x) for x in f.read().split()]
-        stages = []
-        for pid in children:
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    if b"spawn_main" in f.read():
-                        stages.append(pid)
-            except OSError:
-                pass
-        return stages
+        """Pids of the pipeline stages the server started."""
+        return stage_worker_pids(self.proc.pid)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

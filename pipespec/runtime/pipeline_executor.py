@@ -102,7 +102,7 @@ class PipelineExecutor(Executor):
             for rank in range(1, p):
                 name = (f"pipespec-stage{rank}" if s.tensor_parallel_size == 1
                         else f"pipespec-stage{s.stage_of(rank)}-tp{s.tp_rank_of(rank)}")
-                proc = ctx.Process(target=spawn_entry, args=(rank, host, port, factories[rank], s),
+                proc = ctx.Process(target=spawn_entry, args=(rank, host, port, factories[rank], s, dict(os.environ)),
                                    name=name, daemon=True)
                 proc.start()
                 self.procs.append(proc)

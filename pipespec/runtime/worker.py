@@ -138,8 +138,12 @@ def error_text(exc: BaseException) -> str:
 # -- entry points ---------------------------------------------------------------------------------
 
 
-def spawn_entry(rank: int, host: str, port: int, make_stage: Callable, settings: WorkerSettings) -> None:
-    """Target of a spawned worker process."""
+def spawn_entry(rank: int, host: str, port: int, make_stage: Callable, settings: WorkerSettings,
+                environ: dict[str, str]) -> None:
+    """Target of a worker process the driver started (from the fork server, whose environment is the
+    driver's as of the server's start: `environ` is the driver's now)."""
+    os.environ.clear()
+    os.environ.update(environ)
     prepare_spawned_worker()
     _configure_logging(settings.log_level)
     _exit_with_parent()

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from pipespec.runtime.launch import pid_alive
-from tests.helpers import sigint_as_in_a_terminal
+from tests.helpers import sigint_as_in_a_terminal, stage_worker_pids
 from tests.live_server import REPO, pipespec_env
 
 pytestmark = pytest.mark.serial      # process ends within deadlines: not beside other tests
@@ -40,9 +40,7 @@ class Generate:
             assert time.monotonic() < deadline and self.proc.poll() is None, "".join(self.lines)[-3000:]
             time.sleep(0.1)
         time.sleep(1.0)
-        with open(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children") as f:
-            kids = [int(x) for x in f.read().split()]
-        return [p for p in kids if b"spawn_main" in open(f"/proc/{p}/cmdline", "rb").read()]
+        return stage_worker_pids(self.proc.pid)
 
     def finish(self, timeout: float = 30) -> tuple[int, str]:
         try:

@@ -7,6 +7,7 @@ driver reports it as that stage's failure.
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 
@@ -54,3 +55,21 @@ def test_symmetry_check_catches_mismatched_stages(tiny_models):
             "but rank 0 sent activations (2, 5, 64) float32 (#0)") in msg, msg
     assert executor.failed
     assert not any(pid_alive(p) for p in pids)
+
+
+def _stage_reading_the_environment():
+    raise RuntimeError("PIPESPEC_TEST_MARK=" + os.environ.get("PIPESPEC_TEST_MARK", "unset"))
+
+
+def test_workers_see_the_drivers_environment_as_of_their_start(tiny_models, monkeypatch):
+    """Workers fork from a fork server started with the first engine: each still gets the driver's
+    environment of its own start (PIPESPEC_PDL, CUDA and OpenMP variables a program sets)."""
+    folder = tiny_models["llama"][0]
+    source = resolve_model(str(folder))
+    settings = WorkerSettings(num_stages=2, hidden_size=source.arch.hidden_size, num_spec_tokens=0, stage_timeout=20,
+                              startup_timeout=120, backend="gloo", threads=1)
+    stage0 = functools.partial(Stage, source, _config(folder, "float32"), (0, 2), MAX_LEN)
+    for mark in ("first", "second"):
+        monkeypatch.setenv("PIPESPEC_TEST_MARK", mark)
+        with pytest.raises(StageError, match=f"pipeline stage 1 failed while loading: .*PIPESPEC_TEST_MARK={mark}"):
+            PipelineExecutor([stage0, _stage_reading_the_environment], settings)
