@@ -5,8 +5,8 @@ seconds. Both are measured here:
 - acceptance: per draft position j, the rate at which draft j is accepted given drafts 1..j-1 were
   (exponentially decayed counts, so it follows the text being generated);
 - cost: seconds per step, per (batch-size bucket, k): the median of the last few steady decode steps
-  (every request decodes with exactly k drafts: steps that mix in prefill chunks, or the first step
-  after k changed, cost something else). A median, because a step that other work on the machine
+  (every request decodes with exactly k drafts: steps that mix in prefill chunks, or the first steps
+  after k changed, `ScheduledBatch.steady`, cost something else). A median, because a step that other work on the machine
   slowed down would otherwise mark its k as costly for a long time.
 `best_k` then takes the k with the most expected tokens per second (keeping the k in use unless
 another is expected 3% faster: near-ties would flip on noise, and each change costs a transition).

@@ -99,7 +99,7 @@ class ScheduledBatch:
     num_drafts: list[int]         # real drafts each request verifies
     num_draft_rows: list[int]     # its draft rows: the real drafts, then dummy ones (`_pad_lines`)
     samples: list[bool]           # whether each request samples this step
-    k_changed: bool = False       # the step before it had another K
+    k_settling: bool = False      # K changed within the steps its time overlaps (`Scheduler.k_settle`)
     prompt_logprob_rows: list[int] | None = None    # rows each line scores prompt tokens at (None: none)
     submitted_at: float = 0.0     # when the driver handed it to the executor (adaptive K's step cost)
     # (request, snapshot slot, position) of each linear-attention state snapshot the step saves
@@ -108,11 +108,11 @@ class ScheduledBatch:
     @property
     def steady(self) -> bool:
         """Every request decodes verifying exactly the step's K real drafts, and K did not just
-        change: the step adaptive K costs. The first step at a new K is a transition whose time is not
-        K's: under async scheduling a step after K = 0 (padded, `_pad_lines`) overlaps the one before
-        it, and the first K = 0 step after drafts does not (its predecessor's result was awaited)."""
+        change: the step adaptive K costs. The first steps at a new K are a transition whose time is
+        not K's: under async scheduling a step after K = 0 (padded, `_pad_lines`) overlaps the one
+        before it, and the first K = 0 step after drafts does not (its predecessor's result was awaited)."""
         k = self.plan.num_spec_tokens
-        return not self.k_changed and all(n == k + 1 and d == k for n, d in zip(self.num_new_tokens, self.num_drafts))
+        return not self.k_settling and all(n == k + 1 and d == k for n, d in zip(self.num_new_tokens, self.num_drafts))
 
 
 class Scheduler:
@@ -133,6 +133,11 @@ class Scheduler:
         self.async_scheduling = async_scheduling
         self.num_carried_rows = 0          # rows whose input token was carried (async scheduling)
         self._last_k = 0                   # K of the last step scheduled
+        self._k_age = 0                    # steps scheduled at that K before it
+        # steps after a change of K whose time still shows the change: a step's time is the interval
+        # between its result and the previous one, which the steps in flight with it share (with
+        # async scheduling the step before it, planned at the old K; with PP the other micro-batches)
+        self.k_settle = num_micro_batches + async_scheduling
         self.config = config
         self.num_spec_tokens = num_spec_tokens
         self.choose_k = choose_k
@@ -323,7 +328,8 @@ class Scheduler:
         # a request holds the drafts of its last step's K: verify at most this step's K of them
         lines = self._pad_lines([(r, n - d + min(d, k), min(d, k)) for r, n, d in picked], k)
         self._step_id += 1
-        k_changed, self._last_k = k != self._last_k, k
+        self._k_age = self._k_age + 1 if k == self._last_k else 0
+        self._last_k = k
         plan, prompt_rows = self._build_plan(lines, k, snapshots)
         for row, line in enumerate(lines):
             line.req.num_pending_tokens += line.rows - line.num_draft_rows
@@ -333,7 +339,8 @@ class Scheduler:
             # (a plan continuing it names one; the device puts the right one in, `carry_in`)
             line.req.state_commit = 0 if line.num_draft_rows else -1
         requests, rows, drafts, draft_rows, samples = map(list, zip(*lines))
-        return ScheduledBatch(plan, requests, rows, drafts, draft_rows, samples, k_changed, prompt_rows,
+        settling = self._k_age < self.k_settle
+        return ScheduledBatch(plan, requests, rows, drafts, draft_rows, samples, settling, prompt_rows,
                               snapshot_saves=saves or None)
 
     def _waits_for_leader(self, req: Request) -> bool:

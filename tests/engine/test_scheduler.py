@@ -307,6 +307,37 @@ def test_default_chunk_limit_is_a_quarter_of_the_budget():
         SchedulerConfig(long_prefill_token_threshold=-1)
 
 
+@pytest.mark.parametrize("async_", [False, True])
+def test_steps_after_a_change_of_k_are_steady_once_it_settled(async_):
+    """A step's cost is the interval since the previous result, which with async scheduling the step
+    before it (planned at the old K) shares: there the second step at a new K is a transition too."""
+    ks = [0, 0, 0, 2, 2, 2, 2, 1, 1, 1]
+    cfg = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, long_prefill_token_threshold=0)
+    sched = Scheduler(cfg, BS, 64, 256, num_spec_tokens=2, choose_k=lambda n: ks[sched.num_steps],
+                      async_scheduling=async_)
+    reqs = [make_request(f"r{i}", [1, 2, 3], max_tokens=40) for i in range(2)]
+    for r in reqs:
+        sched.add(r)
+    steady = []
+    for k in ks:
+        step = sched.schedule()
+        assert step.plan.num_spec_tokens == k
+        steady.append(step.steady)
+        n = len(step.requests)
+        sched.complete(step, StepResult.from_verification(
+            step.plan.step_id, n, k, torch.arange(n), torch.tensor([[5] + [-1] * k] * n), torch.ones(n, dtype=torch.int64),
+            torch.tensor([[7] * k] * n) if k else None))
+        for r in reqs:
+            r.token_ids.append(5)
+            r.draft_ids = [7] * k
+    settle = 1 + async_
+    assert sched.k_settle == settle
+    # (the first step is a prefill; a K = 2 step after K = 0 verifies no real drafts)
+    expected = [False] + [True] * 2 + [False] * max(settle, 1) + [True] * (4 - max(settle, 1)) \
+        + [False] * settle + [True] * (3 - settle)
+    assert steady == expected
+
+
 def test_a_line_short_of_drafts_is_padded_to_the_steps_k_within_the_budget():
     """After a K = 0 step a request holds no drafts: at K = 2 its line is padded with two dummy draft
     rows (real drafts 0), so the step keeps a graph's shape; the budget caps the padding. Only steps
