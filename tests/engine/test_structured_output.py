@@ -121,6 +121,23 @@ def test_masks_follow_the_drafts_and_leave_the_matcher_where_it_was(tokenizer):
     assert all(req.grammar.advance(t) for t in (digit, digit, dash, letter)) and not req.grammar.complete
 
 
+def test_a_grammar_met_again_is_copied_not_compiled_and_the_copies_are_independent(tokenizer):
+    compiler = GrammarCompiler(tokenizer, 49152)
+    enc = lambda s: tokenizer.encode(s, add_special_tokens=False)[0]     # noqa: E731
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    first = compiler.compile(StructuredOutputsParams(json=schema))
+    assert compiler.cache_hits == 0
+    second = compiler.compile(StructuredOutputsParams(json=dict(reversed(schema.items()))))   # (same schema)
+    assert compiler.cache_hits == 1 and second.matcher is not first.matcher
+    assert first.advance(enc("{"))
+    # the copy is still at the start: it takes "{" too, and the cached matcher stays fresh for a third
+    assert second.advance(enc("{"))
+    third = compiler.compile(StructuredOutputsParams(json=schema))
+    assert compiler.cache_hits == 2 and third.advance(enc("{"))
+    compiler.compile(StructuredOutputsParams(regex="[a-z]+"))
+    assert compiler.cache_hits == 2                             # another grammar: compiled
+
+
 @pytest.fixture(scope="module")
 def reference(llm_module, prompts):
     return run_staggered(llm_module, prompts, _params(32))
