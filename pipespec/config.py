@@ -75,7 +75,8 @@ class CacheConfig:
     # vLLM's name: reuse the KV of full blocks of a prompt's prefix already computed (engine/scheduler.py)
     enable_prefix_caching: bool = True
     # models with linear-attention layers: prefix-cache snapshots of their states each stage keeps
-    # (engine/scheduler.py says where they are taken); None: max_num_seqs, 0: none (no prefix caching)
+    # (engine/scheduler.py says where they are taken); None: sized from memory (stage/memory.py),
+    # 0: none (no prefix caching)
     prefix_cache_state_snapshots: int | None = None
 
     def __post_init__(self):
@@ -290,15 +291,6 @@ class EngineConfig:
     @property
     def num_spec_tokens(self) -> int:
         return self.speculative.num_speculative_tokens if self.speculative else 0
-
-    @property
-    def num_state_snapshots(self) -> int:
-        """Prefix-cache snapshots of linear-attention states (models with such layers): the driver
-        allocates them, every stage with such layers keeps that many of its own layers' states."""
-        c = self.cache
-        if not c.enable_prefix_caching:
-            return 0
-        return self.scheduler.max_num_seqs if c.prefix_cache_state_snapshots is None else c.prefix_cache_state_snapshots
 
     def async_scheduling_on(self, device_type: str) -> bool:
         """Whether the driver schedules step n + 1 while a stage on a `device_type` device runs step n: asked for,

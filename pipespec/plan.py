@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -149,6 +150,19 @@ def result_width(num_spec_tokens: int, num_logprobs: int = -1) -> int:
     """Columns of a StepResult row: (K+1) sampled tokens | num_sampled | K drafts, then with
     `num_logprobs` >= 0 the packed logprobs of each of the K+1 verify rows (`logprob_columns`)."""
     return (num_spec_tokens + 1) + 1 + num_spec_tokens + (num_spec_tokens + 1) * logprob_width(num_logprobs)
+
+
+class CacheSizes(NamedTuple):
+    """What a stage's memory holds (`Stage.available_cache`), or what every stage allocates: KV
+    blocks, and prefix-cache snapshots of linear-attention states (None: a stage without such layers)."""
+    kv_blocks: int
+    state_snapshots: int | None = None
+
+
+def least_over_stages(sizes: list[CacheSizes]) -> CacheSizes:
+    """What every stage can hold: the least of each count over the stages that have it."""
+    snapshots = [s.state_snapshots for s in sizes if s.state_snapshots is not None]
+    return CacheSizes(min(s.kv_blocks for s in sizes), min(snapshots) if snapshots else None)
 
 
 @dataclass

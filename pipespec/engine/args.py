@@ -63,8 +63,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefix-cache-state-snapshots", type=int, default=None, metavar="N",
                    help="models with linear-attention layers (Qwen3.5/3.6, Qwen3-Next): snapshots of those "
                         "layers' states the prefix cache keeps (a hit needs one where it ends), each the size of "
-                        "a request's state (61 MiB on Qwen3.5-35B-A3B); default: --max-num-seqs; 0: no prefix "
-                        "caching for such models")
+                        "a request's state (61 MiB on Qwen3.5-35B-A3B); default: as many as a tenth of the cache "
+                        "memory holds, at most one per KV block (--num-kv-blocks given: --max-num-seqs); 0: no "
+                        "prefix caching for such models")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="plan step n + 1 while the device runs step n, speculative steps included (default: "
                         "on with one stage on a GPU; --no-async-scheduling turns it off)")

@@ -70,7 +70,8 @@ class LLMEngine:
         self._dead: str | None = None
         self.executor = build_executor(config, source, self.max_model_len)
         try:
-            num_blocks = self.executor.available_kv_blocks()
+            sizes = self.executor.available_cache()
+            num_blocks = sizes.kv_blocks
             block_size = config.cache.block_size
             # one request alone must always fit, drafted positions (up to 2K past the end) included
             margin = position_margin(config.num_spec_tokens)
@@ -88,7 +89,7 @@ class LLMEngine:
                 raise ValueError(f"max_num_batched_tokens={sched.max_num_batched_tokens} is below max_model_len="
                                  f"{self.max_model_len}, which needs chunked prefill; raise "
                                  "max_num_batched_tokens, lower max_model_len or enable chunked prefill")
-            self.executor.allocate_kv_cache(num_blocks)
+            self.executor.allocate_kv_cache(num_blocks, sizes.state_snapshots or 0)
         except BaseException:
             self.executor.shutdown()
             raise
@@ -100,14 +101,15 @@ class LLMEngine:
         if caching and source.arch.hybrid is not None:
             # a prefix's KV is not enough here: its linear-attention layers need their recurrent and
             # conv states at the prefix's end, kept as snapshots (scheduler.py, "Linear-attention states")
-            snapshots = config.num_state_snapshots
+            snapshots = sizes.state_snapshots or 0
             if snapshots:
                 logger.info("prefix caching of %s's linear-attention (Gated DeltaNet) states: %d snapshots "
                             "(--prefix-cache-state-snapshots), taken at block boundaries of prompts",
                             self.model_name, snapshots)
             else:
-                logger.info("prefix caching off: %s has linear-attention (Gated DeltaNet) layers and "
-                            "prefix_cache_state_snapshots is 0", self.model_name)
+                logger.info("prefix caching off: %s has linear-attention (Gated DeltaNet) layers and no "
+                            "room for snapshots of them (prefix_cache_state_snapshots %s)", self.model_name,
+                            config.cache.prefix_cache_state_snapshots)
                 caching = False
         self.scheduler = Scheduler(config.scheduler, block_size, num_blocks, self.max_model_len,
                                    num_micro_batches=micro_batches,

@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from pipespec.plan import StepPlan, StepResult
+from pipespec.plan import CacheSizes, StepPlan, StepResult
 from pipespec.runtime.step import Stage, run_stage_step
 from pipespec.runtime.transport import StageError
 
@@ -33,11 +33,11 @@ class Executor(ABC):
     async_scheduling: bool = False    # a step may be planned while the last one runs (`stage/carry.py`)
 
     @abstractmethod
-    def available_kv_blocks(self) -> int:
-        """KV blocks every stage can hold (the minimum over stages)."""
+    def available_cache(self) -> CacheSizes:
+        """KV blocks and state snapshots every stage can hold (`step.least_over_stages`)."""
 
     @abstractmethod
-    def allocate_kv_cache(self, num_blocks: int) -> None: ...
+    def allocate_kv_cache(self, num_blocks: int, num_snapshots: int = 0) -> None: ...
 
     @abstractmethod
     def submit(self, plan: StepPlan) -> None: ...
@@ -64,11 +64,11 @@ class LocalExecutor(Executor):
         self.max_in_flight = 2 if self.async_scheduling else 1
         self._results: deque[_HostCopy] = deque()
 
-    def available_kv_blocks(self) -> int:
-        return self.stage.available_kv_blocks()
+    def available_cache(self) -> CacheSizes:
+        return self.stage.available_cache()
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
-        self.stage.allocate_kv_cache(num_blocks)
+    def allocate_kv_cache(self, num_blocks: int, num_snapshots: int = 0) -> None:
+        self.stage.allocate_kv_cache(num_blocks, num_snapshots)
 
     def submit(self, plan: StepPlan) -> None:
         data = run_stage_step(self.stage, 0, True, plan, None, self.hidden_size, self.num_spec_tokens)

@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from pipespec.plan import StepPlan, StepResult, plan_result_shape
+from pipespec.plan import CacheSizes, StepPlan, StepResult, least_over_stages, plan_result_shape
 from pipespec.runtime import launch
 from pipespec.runtime.executor import Executor, release_device_memory
 from pipespec.runtime.symmetry import CollectiveMismatch, compare_reports
@@ -102,7 +102,7 @@ class PipelineExecutor(Executor):
             for rank in range(1, p):
                 name = (f"pipespec-stage{rank}" if s.tensor_parallel_size == 1
                         else f"pipespec-stage{s.stage_of(rank)}-tp{s.tp_rank_of(rank)}")
-                proc = ctx.Process(target=spawn_entry, args=(rank, host, port, factories[rank], s, dict(os.environ)),
+                proc = ctx.Process(target=spawn_entry, args=(rank, host, port, factories[rank], s, dict(os.environ), os.getpid()),
                                    name=name, daemon=True)
                 proc.start()
                 self.procs.append(proc)
@@ -163,16 +163,16 @@ class PipelineExecutor(Executor):
 
     # -- Executor -------------------------------------------------------------------------------
 
-    def available_kv_blocks(self) -> int:
-        return min(st["kv_blocks"] for st in self.stage_info)
+    def available_cache(self) -> CacheSizes:
+        return least_over_stages([CacheSizes(st["kv_blocks"], st["state_snapshots"]) for st in self.stage_info])
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
+    def allocate_kv_cache(self, num_blocks: int, num_snapshots: int = 0) -> None:
         s = self.settings
-        self.store.set("num_blocks", str(num_blocks))      # the workers allocate meanwhile
+        self.store.set("num_blocks", json.dumps([num_blocks, num_snapshots]))   # the workers allocate meanwhile
         backend = launch.resolve_backend(s.backend, self.stage.device.type)
         try:
             self._tp_recorder = join_tp_group(self.store, 0, self.stage, s)
-            self.stage.allocate_kv_cache(num_blocks)
+            self.stage.allocate_kv_cache(num_blocks, num_snapshots)
             self._wait_keys("ready", s.startup_timeout, "allocate its KV cache")
             data = launch.data_group(self.store, 0, s.num_ranks, backend, self.stage.device, self.timeout)
         except StageError as e:

@@ -10,7 +10,7 @@ from typing import Protocol
 
 import torch
 
-from pipespec.plan import StepPlan, activation_shape, plan_result_shape
+from pipespec.plan import CacheSizes, StepPlan, activation_shape, plan_result_shape
 from pipespec.runtime.transport import StageError
 
 
@@ -20,8 +20,8 @@ class Stage(Protocol):
     device: torch.device
     dtype: torch.dtype
 
-    def available_kv_blocks(self) -> int: ...
-    def allocate_kv_cache(self, num_blocks: int) -> None: ...
+    def available_cache(self) -> CacheSizes: ...
+    def allocate_kv_cache(self, num_blocks: int, num_snapshots: int = 0) -> None: ...
     def step(self, plan: StepPlan, inbound: torch.Tensor | None) -> torch.Tensor: ...
     def close(self) -> None: ...
 

@@ -114,10 +114,13 @@ def debug_report(link: Link, stage, tp_recorder: symmetry.SymmetryRecorder | Non
 
 
 def stage_status(stage, rank: int) -> dict:
-    """What a stage reports after loading: KV blocks it can hold and the size of what it loaded."""
+    """What a stage reports after loading: KV blocks (and state snapshots) it can hold and the size
+    of what it loaded."""
     params = sum(p.numel() for m in vars(stage).values() if isinstance(m, torch.nn.Module)
                  for p in m.parameters())
-    return {"ok": True, "rank": rank, "pid": os.getpid(), "kv_blocks": int(stage.available_kv_blocks()),
+    sizes = stage.available_cache()
+    return {"ok": True, "rank": rank, "pid": os.getpid(), "kv_blocks": int(sizes.kv_blocks),
+            "state_snapshots": sizes.state_snapshots,
             "num_params": int(params), "device": str(stage.device), "dtype": str(stage.dtype)}
 
 
@@ -139,14 +142,14 @@ def error_text(exc: BaseException) -> str:
 
 
 def spawn_entry(rank: int, host: str, port: int, make_stage: Callable, settings: WorkerSettings,
-                environ: dict[str, str]) -> None:
-    """Target of a worker process the driver started (from the fork server, whose environment is the
-    driver's as of the server's start: `environ` is the driver's now)."""
+                environ: dict[str, str], driver: int) -> None:
+    """Target of a worker process the driver (pid `driver`) started, from the fork server, whose
+    environment is the driver's as of the server's start: `environ` is the driver's now."""
     os.environ.clear()
     os.environ.update(environ)
     prepare_spawned_worker()
     _configure_logging(settings.log_level)
-    _exit_with_parent()
+    _exit_with_driver(driver)
     try:
         store = launch.connect_store(host, port, settings.startup_timeout)
     except Exception as e:  # the driver is gone before we could even reach it
@@ -185,11 +188,11 @@ def run_worker(rank: int, store, make_stage: Callable, settings: WorkerSettings)
             store.get("num_blocks")                       # stay until the driver has read it
             return 1
         store.set(key("status", rank), json.dumps(status))
-        num_blocks = int(store.get("num_blocks"))        # waits for the driver (startup timeout)
-        if num_blocks < 0:                                # another stage failed: stop quietly
+        sizes = json.loads(store.get("num_blocks"))      # waits for the driver (startup timeout)
+        if sizes == -1:                                   # another stage failed: stop quietly
             return 0
         tp_recorder = join_tp_group(store, rank, stage, settings)
-        stage.allocate_kv_cache(num_blocks)
+        stage.allocate_kv_cache(*sizes)
         store.set(key("ready", rank), "1")
         backend = launch.resolve_backend(settings.backend, stage.device.type)
         data = launch.data_group(store, rank, settings.num_ranks, backend, stage.device,
@@ -259,17 +262,17 @@ def _configure_logging(level: int) -> None:
         logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
 
 
-def _exit_with_parent(interval: float = 0.5) -> None:
-    """Exit when the process that started us is gone (even if it was SIGKILLed mid-step)."""
-    parent = os.getppid()
-
+def _exit_with_driver(driver: int, interval: float = 0.5) -> None:
+    """Exit when the driver is gone (even if it was SIGKILLed mid-step). Not our parent: that is
+    multiprocessing's fork server, which a SIGTERM to the process group ends before the driver has
+    stopped its stages in order."""
     def watch():
         while True:
             time.sleep(interval)
-            if os.getppid() != parent:
+            if not launch.pid_alive(driver):
                 os._exit(1)
 
-    threading.Thread(target=watch, name="pipespec-parent-watch", daemon=True).start()
+    threading.Thread(target=watch, name="pipespec-driver-watch", daemon=True).start()
 
 
 def next_plan_header(link: Link, rank: int) -> torch.Tensor | None:

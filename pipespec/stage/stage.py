@@ -35,7 +35,7 @@ from pipespec.model.layers import prefer_column_major
 from pipespec.model.linear_state import LinearFlags, LinearMeta, StateSnapshots, allocate_states, state_bytes
 from pipespec.parallel import TensorParallel
 from pipespec.placement import resolve_device, resolve_dtype
-from pipespec.plan import StepPlan, StepResult, position_margin
+from pipespec.plan import CacheSizes, StepPlan, StepResult, position_margin
 from pipespec.sampling import (append_logprobs, append_prompt_logprobs, apply_penalties, apply_token_bitmask,
                                to_device)
 from pipespec.speculative.loading import build_proposer
@@ -111,22 +111,25 @@ class Stage:
     def _bytes_per_block(self) -> int:
         return cache_bytes_per_block(self._cache_shapes(), self.block_size, self.dtype)
 
-    def available_kv_blocks(self) -> int:
+    def available_cache(self) -> CacheSizes:
+        """KV blocks and linear-attention state snapshots this stage can hold (`stage/memory.py`)."""
         # buffers too: quantized layers keep their packed weights there (model/quant/linear.py)
         weights = sum(t.numel() * t.element_size() for m in self.modules_with_weights()
                       for t in (*m.parameters(), *m.buffers()))
         # linear-attention states are a fixed amount, like the weights
         shapes = self._state_shapes()
-        fixed = (weights + state_bytes(shapes, self._state_slots(), self.num_spec_tokens + 1, self.dtype)
-                 + state_bytes(shapes, self._num_snapshots(), 0, self.dtype))
-        return memory.available_kv_blocks(self.config, self.model.arch, self.device, fixed,
-                                          self._bytes_per_block())
+        fixed = weights + state_bytes(shapes, self._state_slots(), self.num_spec_tokens + 1, self.dtype)
+        budget = memory.cache_budget(self.config, self.model.arch, self.device, fixed)
+        snapshots, per_snapshot = None, state_bytes(shapes, 1, 0, self.dtype)
+        if per_snapshot and self.config.cache.enable_prefix_caching:
+            snapshots = memory.available_snapshots(self.config, budget, per_snapshot, self._bytes_per_block())
+            if budget is not None:
+                budget -= snapshots * per_snapshot
+        return CacheSizes(memory.available_kv_blocks(self.config, self.device, budget, self._bytes_per_block()),
+                          snapshots)
 
     def _state_shapes(self) -> list:
         return self.model.state_shapes()
-
-    def _num_snapshots(self) -> int:
-        return self.config.num_state_snapshots if self._state_shapes() else 0
 
     def _state_slots(self) -> int:
         # one per request the scheduler may run, and one more, never handed out, that takes the
@@ -140,7 +143,9 @@ class Stage:
         gloo_tp = self.tp.size > 1 and self.config.parallel.distributed_backend == "gloo"
         return self.backend.supports_cuda_graphs and not self.config.model.enforce_eager and not gloo_tp
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
+    def allocate_kv_cache(self, num_blocks: int, num_snapshots: int = 0) -> None:
+        """`num_snapshots`: prefix-cache snapshots of the linear-attention states (every stage with
+        such layers keeps the same count: the least any of them can hold)."""
         graphs = self.uses_cuda_graphs
         # with CUDA graphs one more block, never handed out, takes the writes of padding requests
         caches = allocate_caches(self._cache_shapes(), num_blocks + graphs, self.block_size, self.dtype, self.device)
@@ -152,7 +157,7 @@ class Stage:
             # a slot per request and a candidate per verify row
             self.linear_states = allocate_states(self._state_shapes(), self._state_slots(),
                                                  self.num_spec_tokens + 1, self.dtype, self.device)
-            n = self._num_snapshots()
+            n = num_snapshots
             if n:
                 self.state_snapshots = StateSnapshots.allocate(self._state_shapes(), n, self.dtype, self.device)
                 each = state_bytes(self._state_shapes(), 1, 0, self.dtype) / 2**20

@@ -83,22 +83,26 @@ def run_staggered(llm, prompts, params) -> list[list[int]]:
 
 
 def spawned_children() -> set[int]:
-    """Live child processes of this process (spawned stage workers among them), but not
-    multiprocessing's resource tracker: one per process, started by its first spawn (in whichever
-    test comes first) and meant to live as long as the process."""
-    me, out = os.getpid(), set()
+    """Live processes this process started: its children and the stage workers its multiprocessing
+    fork server forked, but neither that server nor the resource tracker (one each per process,
+    started by the first engine, in whichever test comes first, and meant to live as long as it)."""
+    me, parents, helpers = os.getpid(), {}, set()
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/stat") as f:
                     fields = f.read().rsplit(")", 1)[1].split()
                 with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    tracker = b"multiprocessing.resource_tracker" in f.read()
+                    cmdline = f.read()
             except OSError:
                 continue
-            if int(fields[1]) == me and fields[0] not in ("Z", "X") and not tracker:
-                out.add(int(entry))
-    return out
+            if fields[0] not in ("Z", "X"):
+                pid, parents[pid] = int(entry), int(fields[1])
+                # (the workers the server forks carry its command line too: they are not its parent's)
+                if parents[pid] == me and (b"multiprocessing.resource_tracker" in cmdline
+                                           or b"multiprocessing.forkserver" in cmdline):
+                    helpers.add(pid)
+    return {pid for pid, parent in parents.items() if (parent == me and pid not in helpers) or parent in helpers}
 
 
 def make_llm(model, pp: int, check: bool = False, **kwargs) -> LLM:

@@ -122,10 +122,33 @@ def test_on_by_default_with_a_log_line_and_off_with_no_snapshots(caplog, checkpo
         with LLM(model=checkpoints["qwen3_5"], prefix_cache_state_snapshots=0, **KWARGS) as llm:
             assert not llm.engine.scheduler.enable_prefix_caching and "prefix_cache" not in llm.stats()
             assert llm.engine.executor.stage.state_snapshots is None
-    assert any("prefix caching off" in r.message and "prefix_cache_state_snapshots is 0" in r.message
+    assert any("prefix caching off" in r.message and "prefix_cache_state_snapshots 0" in r.message
                for r in caplog.records)
     with pytest.raises(ValueError, match="prefix_cache_state_snapshots"):
         LLM(model=checkpoints["qwen3_5"], prefix_cache_state_snapshots=-1, **KWARGS)
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_snapshots_sized_from_memory_take_a_tenth_of_it(pp, checkpoints, first_round):
+    """No count given: the snapshots take SNAPSHOT_SHARE of the cache memory and the KV blocks the
+    rest; at PP = 2 every stage keeps the least count any stage has room for, and hits restore."""
+    from pipespec.model.linear_state import state_bytes
+    from pipespec.stage.memory import SNAPSHOT_SHARE
+    memory = 2 << 20
+    kwargs = dict(KWARGS, num_kv_blocks=None, kv_cache_memory=memory)
+    with LLM(model=checkpoints["qwen3_next"], pipeline_parallel_size=pp, check_collectives=pp > 1, **kwargs) as llm:
+        sched = llm.engine.scheduler
+        snapshots, blocks = sched.state_snapshots.num_blocks, sched.allocator.num_blocks
+        _two_rounds(llm, first_round)
+        restores = llm.stats()["prefix_cache"]["state_snapshot_restores"]
+        if pp == 1:
+            stage = llm.engine.executor.stage
+            each, per_block = state_bytes(stage._state_shapes(), 1, 0, stage.dtype), stage._bytes_per_block()
+            assert snapshots == min(int(SNAPSHOT_SHARE * memory // each), memory // per_block)
+            assert blocks == (memory - snapshots * each) // per_block and stage.state_snapshots.rec[0].shape[0] == snapshots
+    assert 0 < snapshots < blocks and restores >= 4
+    with LLM(model=checkpoints["qwen3_next"], pipeline_parallel_size=pp, enable_prefix_caching=False, **kwargs) as llm:
+        assert llm.engine.scheduler.allocator.num_blocks > blocks     # the snapshots' memory is the KV's
 
 
 def test_cli_flag():

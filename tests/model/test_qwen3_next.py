@@ -122,7 +122,7 @@ def test_a_stage_of_linear_attention_layers_only_holds_no_kv_cache(hybrid_models
     config = EngineConfig.from_kwargs(model=folder, dtype="float32", device="cpu", max_num_seqs=4)
     middle = Stage(resolve_model(folder), config, (2, 3), 64)     # layer 2: linear attention
     assert middle.model.cache_shapes() == [] and len(middle.model.state_shapes()) == 1
-    assert middle.available_kv_blocks() > 10**9                    # no bound from this stage
+    assert middle.available_cache().kv_blocks > 10**9                    # no bound from this stage
     middle.allocate_kv_cache(8)
     assert middle.kv_caches == [] and len(middle.linear_states) == 1
     assert middle.linear_states[0].rec.shape[0] == 4 + 1          # a slot per request it may run, one for padding

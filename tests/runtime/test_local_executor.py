@@ -32,7 +32,7 @@ def test_local_executor_runs_the_stage_in_order(tiny_models):
     folder = tiny_models["llama"][0]
     config = _config(folder)
     ex = _executor(folder, 0, config)
-    assert ex.max_in_flight == 1 and ex.available_kv_blocks() == 8
+    assert ex.max_in_flight == 1 and ex.available_cache().kv_blocks == 8
     ex.allocate_kv_cache(8)
     sched = Scheduler(config.scheduler, config.cache.block_size, 8, MAX_LEN)
     req = make_request("a", [5, 6, 7, 8, 9], max_tokens=3)

@@ -41,7 +41,7 @@ def test_symmetry_check_catches_mismatched_stages(tiny_models):
     pids = executor.worker_pids
     try:
         assert executor.max_in_flight == 2
-        executor.allocate_kv_cache(executor.available_kv_blocks())
+        executor.allocate_kv_cache(executor.available_cache().kv_blocks)
         sched = Scheduler(f32.scheduler, f32.cache.block_size, 16, MAX_LEN)
         sched.add(make_request("a", [5, 6, 7, 8, 9], max_tokens=2))
         executor.submit(sched.schedule().plan)
