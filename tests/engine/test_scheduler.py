@@ -168,12 +168,18 @@ def test_preemption_takes_newest_and_requeues_it_first():
     assert sched.allocator.num_free == sched.allocator.num_blocks
 
 
-def test_preempted_request_is_recomputed_in_full():
-    sched = sched_with(num_blocks=4, budget=64, max_model_len=16)
-    a = make_request("a", prompt(5), max_tokens=11, arrival=0)
-    b = make_request("b", prompt(5, base=50), max_tokens=11, arrival=1)
+def _add_two(sched: Scheduler, prompt_len: int, max_tokens: int):
+    """Requests a, then b, with prompts of their own."""
+    a = make_request("a", prompt(prompt_len), max_tokens=max_tokens, arrival=0)
+    b = make_request("b", prompt(prompt_len, base=50), max_tokens=max_tokens, arrival=1)
     sched.add(a)
     sched.add(b)
+    return a, b
+
+
+def test_preempted_request_is_recomputed_in_full():
+    sched = sched_with(num_blocks=4, budget=64, max_model_len=16)
+    a, b = _add_two(sched, 5, 11)
     recompute = []
     while sched.has_work():
         batch = step(sched)
@@ -190,10 +196,7 @@ def test_preempted_request_comes_back_when_all_its_tokens_fit():
     """Let in again for its next chunk alone, a preempted request grew back into the blocks the
     other one needed and was preempted again (at PP = 2 with hybrid snapshots, for good)."""
     sched = sched_with(num_blocks=6, budget=4, max_model_len=16)   # together a and b need 8 blocks
-    a = make_request("a", prompt(4), max_tokens=12, arrival=0)
-    b = make_request("b", prompt(4, base=50), max_tokens=12, arrival=1)
-    sched.add(a)
-    sched.add(b)
+    a, b = _add_two(sched, 4, 12)
     came_back = []
     while sched.has_work():
         was = b.status
