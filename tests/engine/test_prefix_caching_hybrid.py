@@ -163,13 +163,22 @@ def test_cli_flag():
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
 def test_on_a_gpu_with_cuda_graphs(kind, checkpoints, first_round):
     """The snapshots' copies on the device, beside states that CUDA graphs read and write: cache on
-    equals cache off (both replaying graphs, MTP K = 2), and the second round restored snapshots."""
+    equals cache off (both replaying graphs, MTP K = 2), and the second round restored snapshots;
+    the snapshots, sized from the measured memory, take at most SNAPSHOT_SHARE of the cache's."""
+    from pipespec.model.linear_state import state_bytes
+    from pipespec.stage.memory import SNAPSHOT_SHARE
     kw = dict(KWARGS, device="cuda", num_kv_blocks=None, gpu_memory_utilization=0.2)
     runs = {}
     for caching in (False, True):
         with LLM(model=checkpoints[kind], enable_prefix_caching=caching, speculative_config=_spec(2), **kw) as llm:
             runs[caching] = _two_rounds(llm, first_round)
             stats = llm.stats()
-            assert llm.engine.executor.stage.graphs.replays > 0
+            stage = llm.engine.executor.stage
+            assert stage.graphs.replays > 0
+            if caching:
+                n, per_block = llm.engine.scheduler.state_snapshots.num_blocks, stage._bytes_per_block()
+                snapshots = n * state_bytes(stage._state_shapes(), 1, 0, stage.dtype)
+                assert 0 < n <= stage.num_blocks
+                assert snapshots <= SNAPSHOT_SHARE * (stage.num_blocks * per_block + snapshots + per_block)
     assert runs[True] == runs[False]
     assert stats["prefix_cache"]["state_snapshot_restores"] >= 4, stats["prefix_cache"]
