@@ -87,21 +87,41 @@ def sigint_as_in_a_terminal() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+def _live_processes() -> dict[int, tuple[int, bytes]]:
+    """pid -> (parent pid, command line) of every live process (zombies left out)."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    cmdline = f.read()
+            except OSError:
+                continue
+            if fields[0] not in ("Z", "X"):
+                out[int(entry)] = (int(fields[1]), cmdline)
+    return out
+
+
+def _multiprocessing_helpers(live: dict[int, tuple[int, bytes]], pid: int) -> set[int]:
+    """`pid`'s fork server and resource tracker (one each per process, started by its first engine
+    and meant to live as long). The workers the server forks carry its command line too, but they are
+    not `pid`'s children."""
+    return {p for p, (parent, cmd) in live.items() if parent == pid and (
+        b"multiprocessing.forkserver" in cmd or b"multiprocessing.resource_tracker" in cmd)}
+
+
+def started_processes(pid: int) -> set[int]:
+    """The live processes `pid` started: its children and the stage workers its fork server forked
+    (`runtime.launch.spawn_context`), not the server and the resource tracker themselves."""
+    live = _live_processes()
+    helpers = _multiprocessing_helpers(live, pid)
+    return {p for p, (parent, _) in live.items() if (parent == pid and p not in helpers) or parent in helpers}
+
+
 def stage_worker_pids(pid: int) -> list[int]:
-    """Pids of the stage workers process `pid` started: children of its multiprocessing fork server
-    (`runtime.launch.spawn_context`)."""
-    def children(p: int) -> list[int]:
-        try:
-            with open(f"/proc/{p}/task/{p}/children") as f:
-                return [int(x) for x in f.read().split()]
-        except OSError:
-            return []
-
-    def cmdline(p: int) -> bytes:
-        try:
-            with open(f"/proc/{p}/cmdline", "rb") as f:
-                return f.read()
-        except OSError:
-            return b""
-
-    return [w for p in children(pid) if b"forkserver" in cmdline(p) for w in children(p)]
+    """Pids of the stage workers process `pid` started (children of its fork server)."""
+    live = _live_processes()
+    helpers = _multiprocessing_helpers(live, pid)
+    return sorted(p for p, (parent, _) in live.items() if parent in helpers)

@@ -294,8 +294,10 @@ class Scheduler:
                 # for its next chunk alone, two requests that overfilled the cache together took
                 # turns for good, each resuming from its cached prefix just far enough to need the
                 # blocks the other held, and preempting it (hybrids at PP = 2, RESULTS.md)
-                upto = req.num_tokens - req.num_computed_tokens if req.preempted else n
-                room = need if upto == n else self._blocks_needed(req, self._tokens_with_draft_room(req, upto))
+                room = need
+                if req.preempted:
+                    rest = req.num_tokens - req.num_computed_tokens
+                    room = self._blocks_needed(req, self._tokens_with_draft_room(req, rest))
                 # (taking a cached block nobody holds uses up room too)
                 room += self.allocator.num_evictable(hits) if hits else 0
             if not n or not self.allocator.can_allocate(room) or not self.state_slots.can_allocate(1):

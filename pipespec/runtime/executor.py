@@ -34,7 +34,7 @@ class Executor(ABC):
 
     @abstractmethod
     def available_cache(self) -> CacheSizes:
-        """KV blocks and state snapshots every stage can hold (`step.least_over_stages`)."""
+        """KV blocks and state snapshots every stage can hold (`plan.least_over_stages`)."""
 
     @abstractmethod
     def allocate_kv_cache(self, num_blocks: int, num_snapshots: int = 0) -> None: ...

@@ -102,8 +102,8 @@ class PipelineExecutor(Executor):
             for rank in range(1, p):
                 name = (f"pipespec-stage{rank}" if s.tensor_parallel_size == 1
                         else f"pipespec-stage{s.stage_of(rank)}-tp{s.tp_rank_of(rank)}")
-                proc = ctx.Process(target=spawn_entry, args=(rank, host, port, factories[rank], s, dict(os.environ), os.getpid()),
-                                   name=name, daemon=True)
+                proc = ctx.Process(target=spawn_entry, name=name, daemon=True,
+                                   args=(rank, host, port, factories[rank], s, dict(os.environ), os.getpid()))
                 proc.start()
                 self.procs.append(proc)
             self._finalizer = weakref.finalize(self, _reap, list(self.procs))   # if never shut down

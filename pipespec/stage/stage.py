@@ -120,13 +120,13 @@ class Stage:
         shapes = self._state_shapes()
         fixed = weights + state_bytes(shapes, self._state_slots(), self.num_spec_tokens + 1, self.dtype)
         budget = memory.cache_budget(self.config, self.model.arch, self.device, fixed)
-        snapshots, per_snapshot = None, state_bytes(shapes, 1, 0, self.dtype)
+        per_block, per_snapshot = self._bytes_per_block(), state_bytes(shapes, 1, 0, self.dtype)
+        snapshots = None
         if per_snapshot and self.config.cache.enable_prefix_caching:
-            snapshots = memory.available_snapshots(self.config, budget, per_snapshot, self._bytes_per_block())
+            snapshots = memory.available_snapshots(self.config, budget, per_snapshot, per_block)
             if budget is not None:
                 budget -= snapshots * per_snapshot
-        return CacheSizes(memory.available_kv_blocks(self.config, self.device, budget, self._bytes_per_block()),
-                          snapshots)
+        return CacheSizes(memory.available_kv_blocks(self.config, self.device, budget, per_block), snapshots)
 
     def _state_shapes(self) -> list:
         return self.model.state_shapes()

@@ -28,7 +28,7 @@ from pipespec.engine.llm_engine import EngineDeadError
 from pipespec.runtime.launch import pid_alive
 from pipespec.runtime.transport import StageError
 from tests.conftest import DEFAULT_LLM_KWARGS
-from tests.helpers import sigint_as_in_a_terminal
+from tests.helpers import sigint_as_in_a_terminal, started_processes
 
 NEW_TOKENS = 12
 ARRIVALS = [0, 0, 1, 2, 4, 6, 9, 12]
@@ -83,26 +83,8 @@ def run_staggered(llm, prompts, params) -> list[list[int]]:
 
 
 def spawned_children() -> set[int]:
-    """Live processes this process started: its children and the stage workers its multiprocessing
-    fork server forked, but neither that server nor the resource tracker (one each per process,
-    started by the first engine, in whichever test comes first, and meant to live as long as it)."""
-    me, parents, helpers = os.getpid(), {}, set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    cmdline = f.read()
-            except OSError:
-                continue
-            if fields[0] not in ("Z", "X"):
-                pid, parents[pid] = int(entry), int(fields[1])
-                # (the workers the server forks carry its command line too: they are not its parent's)
-                if parents[pid] == me and (b"multiprocessing.resource_tracker" in cmdline
-                                           or b"multiprocessing.forkserver" in cmdline):
-                    helpers.add(pid)
-    return {pid for pid, parent in parents.items() if (parent == me and pid not in helpers) or parent in helpers}
+    """Live processes this process started (stage workers among them), not its multiprocessing helpers."""
+    return started_processes(os.getpid())
 
 
 def make_llm(model, pp: int, check: bool = False, **kwargs) -> LLM:
