@@ -199,7 +199,8 @@ class Stage:
             self.graphs.release()
         self.graphs = None
         self.tp.close()
-        gc.collect()
+        if self.device.type == "cuda":     # the graphs' pool and the group's buffers, before the next engine
+            gc.collect()
 
     # -- the step -------------------------------------------------------------------------------
 
