@@ -60,7 +60,7 @@ def load_mtp_layers(source, arch: ArchConfig, dtype: torch.dtype, device, max_po
     the config names fewer).
     """
     from pipespec.model.quant.keep import keep_quantized
-    from pipespec.model.weights import load_weights
+    from pipespec.model.weights import load_weights, parameters_on_meta
 
     names = source.names()
     hit = detect_mtp(names, arch.num_layers)
@@ -78,7 +78,8 @@ def load_mtp_layers(source, arch: ArchConfig, dtype: torch.dtype, device, max_po
         raise ValueError(f"no MTP layer {unknown} in the checkpoint; it holds {found} ({family.marker})")
     if family is DeepSeekMTP and arch.model_type in NATIVE_BLOCKS:   # the target family's own block
         family = NativeDeepSeekMTP
-    layers = family.build(arch, indices, names, max_position, tp=tp)
+    with parameters_on_meta():      # allocated by the loader: a random initialisation first cost as much again
+        layers = family.build(arch, indices, names, max_position, tp=tp)
     for layer in layers:
         keep_quantized(layer, source, device, f"MTP layer {layer.layer_index}")
         load_weights(layer, source, dtype, device, desc=f"Loading {family.family} MTP layer {layer.layer_index}")
