@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from pipespec.checkpoint.hub import hub_snapshot, looks_like_repo_id
-from pipespec.checkpoint.tokenizer import Tokenizer
+from pipespec.checkpoint.tokenizer import Tokenizer, read_tokenizer_file
 from pipespec.model.arch import ArchConfig, RopeScaling
 from pipespec.model.quant import QuantConfig, QuantizedSource, read_quant_config, refuse_unrecognised_quantization
 from pipespec.model.weights import SafetensorsSource
@@ -54,8 +54,7 @@ class ModelSource:
         if meta is None:
             return Tokenizer.from_folder(self.folder)
         tok = meta["tokenizer"]
-        from tokenizers import Tokenizer as HFTokenizer
-        return Tokenizer(HFTokenizer.from_file(str(self.folder / "tokenizer.json")), tok["eos_token_ids"],
+        return Tokenizer(read_tokenizer_file(self.folder / "tokenizer.json"), tok["eos_token_ids"],
                          tok["bos_token"], tok["eos_token"], tok["chat_template"])
 
     def weights(self):

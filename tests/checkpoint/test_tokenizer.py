@@ -113,3 +113,22 @@ def test_engine_applies_tokenizer_and_chat_template(tiny_models, tmp_path):
         assert out.prompt_token_ids == llm.get_tokenizer().encode("<hi>")
     with pytest.raises(ValueError, match="chat template does not compile"):
         LLM(chat_template="{% for %}", **kwargs)
+
+
+def test_a_tokenizer_file_is_parsed_once_per_version(tmp_path, tokenizer):
+    """Engines of one process share the parsed tokenizer.json; a rewritten file is read again."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from pipespec.checkpoint.tokenizer import read_tokenizer_file
+
+    path = tmp_path / "tokenizer.json"
+    tokenizer._tok.save(str(path))
+    first = read_tokenizer_file(path)
+    assert read_tokenizer_file(path) is first
+    assert first.encode(TEXTS[1], add_special_tokens=False).ids == tokenizer.encode(TEXTS[1], add_special_tokens=False)
+    edited = HFTokenizer.from_file(str(path))
+    edited.add_tokens(["<|new_tool|>"])
+    edited.save(str(path))
+    again = read_tokenizer_file(path)
+    assert again is not first
+    assert again.token_to_id("<|new_tool|>") is not None and first.token_to_id("<|new_tool|>") is None
