@@ -37,13 +37,18 @@ def test_hits_are_counted_and_the_cache_can_be_reset(server, client):
     assert metric(after, "pipespec:prefix_cache_queries_total") > q0
     assert metric(after, "pipespec:prefix_cache_hits_total") - h0 >= 32, "the second prompt reuses the first's"
 
-    # while a request runs the reset is refused
-    done = threading.Event()
+    # while a request runs the reset is refused (the request is a stream, closed once that is seen: the
+    # server aborts it rather than running its 200 tokens)
+    done, seen = threading.Event(), threading.Event()
 
     def long_request():
         try:
-            client.completions.create(model=model, prompt="Count slowly:", max_tokens=200, temperature=0,
-                                      extra_body={"ignore_eos": True})
+            stream = client.completions.create(model=model, prompt="Count slowly:", max_tokens=200, temperature=0,
+                                               stream=True, extra_body={"ignore_eos": True})
+            for _ in stream:
+                if seen.is_set():
+                    break
+            stream.close()
         finally:
             done.set()
     thread = threading.Thread(target=long_request)
@@ -53,6 +58,7 @@ def test_hits_are_counted_and_the_cache_can_be_reset(server, client):
         r = httpx.post(f"{server.url}/reset_prefix_cache")
         assert r.status_code == 409 and "running" in r.json()["error"]["message"]
     finally:
+        seen.set()
         assert done.wait(120)
         thread.join(10)
     _metrics(server, idle)
