@@ -123,6 +123,12 @@ class VocabParallelEmbedding(nn.Embedding):
         super().__init__(rows, hidden)
         self.tp, self.vocab = tp, vocab
 
+    def reset_parameters(self) -> None:
+        # built on the meta device for the loader, there is nothing to draw; and drawing there would
+        # import torch._dynamo (normal_ on meta runs a Python reference): seconds in every new process
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return vocab_embedding(input_ids, self.weight, self.tp)
 

@@ -139,16 +139,26 @@ def load_weights(model: torch.nn.Module, source: WeightSource, dtype: torch.dtyp
             if not part.is_floating_point() or part.element_size() < 2:   # int or float8: quantized
                 raise ValueError(f"tensor {c} is {part.dtype}, not a plain float weight: the checkpoint is "
                                  "quantized in a way pipespec did not recognise")
-        tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-        if shard is not None and shard.pad and tensor.shape[0] < param.shape[0]:
-            # the last vocabulary shard: rows past the vocabulary stay zero, never looked up
-            tensor = torch.cat((tensor, tensor.new_zeros(param.shape[0] - tensor.shape[0], *tensor.shape[1:])))
-        if tuple(tensor.shape) != tuple(param.shape):
+        # fused parameters (q/k/v, gate/up) take their parts in order along dim 0; each part is copied
+        # straight into its rows, converted on the way (no joined or converted copy first: in a new
+        # process each such copy costs its pages' first touch as well)
+        rows = sum(part.shape[0] if part.dim() else 1 for part in parts)
+        # the last vocabulary shard: rows past the vocabulary stay zero, never looked up
+        pad = param.shape[0] - rows if shard is not None and shard.pad and rows < param.shape[0] else 0
+        if any(part.dim() != param.dim() or part.shape[1:] != param.shape[1:] for part in parts) \
+                or rows + pad != (param.shape[0] if param.dim() else 1):
             shapes = ", ".join(f"{c} {tuple(p.shape)}" for c, p in zip(ckpts, parts))
             raise ValueError(f"tensor shape mismatch: {shapes}; the model expects {tuple(param.shape)}"
                              + (" in total along dim 0" if len(parts) > 1 else ""))
         with torch.no_grad():
-            param.copy_(tensor.to(param.dtype))
+            if len(parts) == 1 and not pad:
+                param.copy_(parts[0])
+                continue
+            at = 0
+            for part in parts:
+                param[at:at + part.shape[0]].copy_(part)
+                at += part.shape[0]
+            param[at:].zero_()
 
 
 @contextlib.contextmanager
