@@ -79,8 +79,9 @@ def test_outputs_equal_with_cache_on_and_off(pp, k, overlap, first_turn, tokeniz
     assert cache["hits"] >= prompt_tokens, cache
     assert cache["queries"] > cache["hits"] > 0 and 0 < cache["hit_rate"] < 1
     assert cache["cached_blocks"] > 0
-    if k:
-        assert stats["spec_decode"]["num_accepted_tokens"] > 0
+    if k:       # drafts both accepted and rejected (a rejected draft's KV sits in blocks the cache keeps)
+        spec = stats["spec_decode"]
+        assert 0 < spec["num_accepted_tokens"] < spec["num_draft_tokens"], spec
     if overlap:
         assert stats["num_carried_rows"] > 0, "no step was scheduled ahead: async scheduling did not run"
 

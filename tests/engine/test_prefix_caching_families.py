@@ -71,5 +71,6 @@ def test_cache_on_equals_cache_off(family, pp, k, folders, first_round):
     assert got == _REFERENCE[family]
     # the second round reuses every first-round prompt's whole blocks (and more)
     assert stats["prefix_cache"]["hits"] >= 3 * 32 + 16, stats["prefix_cache"]
-    if k:
-        assert stats["spec_decode"]["num_accepted_tokens"] > 0
+    if k:       # drafts both accepted and rejected (a rejected draft's KV sits in blocks the cache keeps)
+        spec = stats["spec_decode"]
+        assert 0 < spec["num_accepted_tokens"] < spec["num_draft_tokens"], spec
