@@ -6,7 +6,7 @@ import pytest
 
 from pipespec import SamplingParams
 
-NEW_TOKENS = 16
+NEW_TOKENS = 8
 
 _STORY = ("The lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a lamp, a "
           "logbook and a thermos of tea. From the gallery he could see the fishing boats returning, the "
@@ -22,7 +22,7 @@ TEXTS = [
     (_STORY * 2) + "He wrote in the logbook:",
     "1, 1, 2, 3, 5, 8, 13,",
 ]
-ARRIVAL_STEPS = [0, 0, 1, 2, 4, 5, 9, 14]
+ARRIVAL_STEPS = [0, 0, 1, 2, 3, 4, 6, 8]      # all within the first requests' 8 decodes
 
 
 def greedy():
@@ -102,8 +102,8 @@ def test_mixed_greedy_and_seeded_batch(llm, prompts, alone_greedy, alone_seeded)
 def test_seed_changes_samples_and_is_reproducible(llm, prompts):
     p = prompts[3]
     first = llm.generate(p, seeded(0, seed_base=7), use_tqdm=False)[0].outputs[0].token_ids
-    again = llm.generate(p, seeded(0, seed_base=7), use_tqdm=False)[0].outputs[0].token_ids
+    # the same seed again in a later call, beside three other seeds (one batch: outputs are batch invariant)
+    outs = llm.generate([p] * 4, [seeded(0, seed_base=s) for s in (7, 8, 9, 10)], use_tqdm=False)
+    again, *others = [o.outputs[0].token_ids for o in outs]
     assert first == again
-    others = {tuple(llm.generate(p, seeded(0, seed_base=s), use_tqdm=False)[0].outputs[0].token_ids)
-              for s in (8, 9, 10)}
-    assert len(others | {tuple(first)}) >= 2, "different seeds should give different samples"
+    assert len({tuple(x) for x in others} | {tuple(first)}) >= 2, "different seeds should give different samples"

@@ -6,7 +6,7 @@ import pytest
 from pipespec import LLM, SamplingParams
 from tests.conftest import DEFAULT_LLM_KWARGS, assert_engine_clean
 
-NEW_TOKENS = 40
+NEW_TOKENS = 24
 
 TEXTS = [
     "The best way to learn a new language is",

@@ -25,8 +25,9 @@ def _spec(k: int) -> dict | None:
 
 def _params() -> list[SamplingParams]:
     """Greedy and seeded sampling side by side."""
-    return [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True) if i % 2 == 0 else
-            SamplingParams(temperature=0.8, top_p=0.9, seed=7 + i, max_tokens=12, ignore_eos=True)
+    # 8 tokens: each first turn (42-44 tokens) ends past its third block, as it did with 12
+    return [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True) if i % 2 == 0 else
+            SamplingParams(temperature=0.8, top_p=0.9, seed=7 + i, max_tokens=8, ignore_eos=True)
             for i in range(len(QUESTIONS))]
 
 
@@ -78,8 +79,9 @@ def test_outputs_equal_with_cache_on_and_off(pp, k, overlap, first_turn, tokeniz
     assert cache["hits"] >= prompt_tokens, cache
     assert cache["queries"] > cache["hits"] > 0 and 0 < cache["hit_rate"] < 1
     assert cache["cached_blocks"] > 0
-    if k:
-        assert stats["spec_decode"]["num_accepted_tokens"] > 0
+    if k:       # drafts both accepted and rejected (a rejected draft's KV sits in blocks the cache keeps)
+        spec = stats["spec_decode"]
+        assert 0 < spec["num_accepted_tokens"] < spec["num_draft_tokens"], spec
     if overlap:
         assert stats["num_carried_rows"] > 0, "no step was scheduled ahead: async scheduling did not run"
 
@@ -121,7 +123,7 @@ def _shared_prefix_prompts(tokenizer, n: int) -> list[list[int]]:
 
 def test_a_shared_block_survives_one_sharer_being_aborted(llm, tokenizer):
     prompts = _shared_prefix_prompts(tokenizer, 3)
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     expected = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                                             use_tqdm=False)]
     eng = llm.engine
@@ -148,7 +150,8 @@ def tight_llm():
 
 def test_preemption_with_shared_blocks_and_eviction_keep_outputs(llm, tight_llm, tokenizer):
     prompts = [{"prompt_token_ids": p} for p in _shared_prefix_prompts(tokenizer, 8)]
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    # 8 prompts of 80-82 tokens sharing 4 blocks, 24 new tokens each: 4 + 8 * 3 blocks > 20
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     roomy = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     sched = tight_llm.engine.scheduler
     before = sched.num_preemptions

@@ -16,7 +16,7 @@ from tests.model.mtp import tiny_families as tf
 
 KWARGS = dict(dtype="float32", device="cpu", max_model_len=160, block_size=16, num_kv_blocks=64,
               max_num_seqs=8, max_num_batched_tokens=24)
-MAX_TOKENS = 10
+MAX_TOKENS = 6
 
 
 @pytest.fixture(scope="module")
@@ -71,5 +71,6 @@ def test_cache_on_equals_cache_off(family, pp, k, folders, first_round):
     assert got == _REFERENCE[family]
     # the second round reuses every first-round prompt's whole blocks (and more)
     assert stats["prefix_cache"]["hits"] >= 3 * 32 + 16, stats["prefix_cache"]
-    if k:
-        assert stats["spec_decode"]["num_accepted_tokens"] > 0
+    if k:       # drafts both accepted and rejected (a rejected draft's KV sits in blocks the cache keeps)
+        spec = stats["spec_decode"]
+        assert 0 < spec["num_accepted_tokens"] < spec["num_draft_tokens"], spec

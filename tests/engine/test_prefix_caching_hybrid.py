@@ -18,7 +18,7 @@ from tests.model import hybrid_tiny as ht
 
 KWARGS = dict(dtype="float32", device="cpu", max_model_len=160, block_size=16, num_kv_blocks=64,
               max_num_seqs=8, max_num_batched_tokens=24)
-MAX_TOKENS = 10
+MAX_TOKENS = 6
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ from pipespec import SamplingParams
 from pipespec.engine.detokenizer import IncrementalDetokenizer
 
 PROMPT = "Here is a short story about a cat named Tom. Tom"
-N = 32
+N = 16
 
 
 def gen(llm, prompt=PROMPT, **kw):
