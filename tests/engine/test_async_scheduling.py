@@ -159,20 +159,28 @@ def test_with_drafts_stops_and_aborts_end_where_the_sync_engine_ends(llm, plain_
         assert_engine_clean(spec_llm)
 
 
-@pytest.mark.parametrize("k", [0, 2])
-def test_penalties_and_logit_bias_continue_and_stay_lossless(llm, async_llm, plain_greedy, k):
-    """Penalized and biased requests are continued too: the stage counts the tokens the step in flight
-    sampled (and at K = 2 the drafts it accepted), which the plan's counts lack. Greedy output equals
-    the synchronous engine's without speculation, every request carried rows, and each setting
-    changed the output."""
+@pytest.fixture(scope="module")
+def penalized(_session_llm, plain_greedy):
+    """(params, synchronous output without speculation): PROMPTS with a penalty or a logit bias each,
+    every setting changing the greedy output; the reference of both cases below, computed once."""
     ids = [t for t, _, _ in plain_greedy]
     sps = [SamplingParams(temperature=0.0, max_tokens=24, repetition_penalty=1.3, ignore_eos=True),
            SamplingParams(temperature=0.0, max_tokens=24, presence_penalty=1.2, frequency_penalty=0.7, ignore_eos=True),
            SamplingParams(temperature=0.0, max_tokens=24, frequency_penalty=1.5, ignore_eos=True,
                           logit_bias={ids[2][1]: -100.0, ids[2][6]: 4.0}),
            SamplingParams(temperature=0.0, max_tokens=24, logit_bias={ids[3][4]: -100.0}, ignore_eos=True)]
-    want = texts(llm.generate(PROMPTS, sps, use_tqdm=False))
+    want = texts(_session_llm.generate(PROMPTS, sps, use_tqdm=False))
     assert all(w[0] != i for w, i in zip(want, ids))                  # each setting mattered
+    return sps, want
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_penalties_and_logit_bias_continue_and_stay_lossless(llm, async_llm, penalized, k):
+    """Penalized and biased requests are continued too: the stage counts the tokens the step in flight
+    sampled (and at K = 2 the drafts it accepted), which the plan's counts lack. Greedy output equals
+    the synchronous engine's without speculation, every request carried rows, and each setting
+    changed the output."""
+    sps, want = penalized
     spec = {"speculative_config": {"method": "mtp", "num_speculative_tokens": k}} if k else {}
     engine_llm = async_llm if not k else LLM(model=None, **dict(DEFAULT_LLM_KWARGS, async_scheduling=True, **spec))
     try:
