@@ -32,6 +32,17 @@ def plain_greedy(_session_llm):
     return texts(_session_llm.generate(PROMPTS, GREEDY_24, use_tqdm=False))
 
 
+SEEDED_17 = [SamplingParams(temperature=0.8, top_p=0.9, seed=11 + i, max_tokens=17, ignore_eos=True)
+             for i in range(len(PROMPTS))]
+
+
+@pytest.fixture(scope="module")
+def plain_seeded(_session_llm):
+    """Seeded sampling of PROMPTS without speculation, computed once: seeded output does not depend on
+    speculation (tests/speculative/test_seeded_speculation.py), so it is every speculative engine's too."""
+    return texts(_session_llm.generate(PROMPTS, SEEDED_17, use_tqdm=False))
+
+
 def params():
     return [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
             SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=13, ignore_eos=True),
@@ -56,13 +67,20 @@ def test_stops_end_where_the_sync_engine_ends(llm, async_llm, plain_greedy):
     ref_ids, ref_text, _ = plain_greedy[0]
     stop_id = ref_ids[6]
     stop_text = ref_text[len(ref_text) // 2:][:3]
-    for sp in (SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[stop_id], ignore_eos=True),
-               SamplingParams(temperature=0.0, max_tokens=24, stop=[stop_text], ignore_eos=True)):
-        want = llm.generate(PROMPTS[0], sp, use_tqdm=False)[0].outputs[0]
-        got = async_llm.generate(PROMPTS[0], sp, use_tqdm=False)[0].outputs[0]
-        assert want.finish_reason == "stop" and len(want.token_ids) < 24
-        assert (got.token_ids, got.text, got.stop_reason) == (want.token_ids, want.text, want.stop_reason)
+    stops = [SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[stop_id], ignore_eos=True),
+             SamplingParams(temperature=0.0, max_tokens=24, stop=[stop_text], ignore_eos=True)]
+    assert_stops_end_alike(llm, async_llm, stops)
     assert_engine_clean(async_llm)
+
+
+def assert_stops_end_alike(llm, engine_llm, stops: list[SamplingParams]) -> None:
+    """PROMPTS[0] once per stopping rule, in one batch (each request stops on its own while the others
+    run on): every one stops before its length limit, where the synchronous engine `llm` stops it."""
+    want = [o.outputs[0] for o in llm.generate([PROMPTS[0]] * len(stops), stops, use_tqdm=False)]
+    got = [o.outputs[0] for o in engine_llm.generate([PROMPTS[0]] * len(stops), stops, use_tqdm=False)]
+    for sp, w, g in zip(stops, want, got):
+        assert w.finish_reason == "stop" and len(w.token_ids) < sp.max_tokens, (sp, w)
+        assert (g.token_ids, g.text, g.stop_reason) == (w.token_ids, w.text, w.stop_reason), sp
 
 
 def abort_while_out(llm, engine_llm, at_step: int) -> None:
@@ -109,20 +127,15 @@ def test_adaptive_k_overlaps_its_k0_steps_and_stays_lossless(llm):
 
 
 @pytest.mark.parametrize("k", [1, 3])
-def test_fixed_k_speculation_continues_verify_steps_and_stays_lossless(llm, plain_greedy, k):
+def test_fixed_k_speculation_continues_verify_steps_and_stays_lossless(llm, plain_greedy, plain_seeded, k):
     """Steps that verify drafts are continued too: the next line takes the token, the drafts and the
-    shift from the result on the device. Greedy output equals plain decoding, seeded sampling the
-    synchronous speculative engine's."""
+    shift from the result on the device. Greedy and seeded output equal the synchronous engine's
+    without speculation (which the synchronous speculative engine's equals)."""
     spec = {"method": "mtp", "num_speculative_tokens": k}
-    seeded = [SamplingParams(temperature=0.8, top_p=0.9, seed=11 + i, max_tokens=17, ignore_eos=True)
-              for i in range(len(PROMPTS))]
-    want = plain_greedy
-    with LLM(model=None, **dict(DEFAULT_LLM_KWARGS, speculative_config=spec)) as sync_llm:
-        want_seeded = texts(sync_llm.generate(PROMPTS, seeded, use_tqdm=False))
     with LLM(model=None, **dict(DEFAULT_LLM_KWARGS, async_scheduling=True, speculative_config=spec)) as spec_llm:
         assert spec_llm.engine.executor.async_scheduling
-        assert texts(spec_llm.generate(PROMPTS, GREEDY_24, use_tqdm=False)) == want
-        assert texts(spec_llm.generate(PROMPTS, seeded, use_tqdm=False)) == want_seeded
+        assert texts(spec_llm.generate(PROMPTS, GREEDY_24, use_tqdm=False)) == plain_greedy
+        assert texts(spec_llm.generate(PROMPTS, SEEDED_17, use_tqdm=False)) == plain_seeded
         stats = spec_llm.engine.stats()
         assert stats["num_carried_rows"] > 0 and stats["spec_decode"]["num_accepted_tokens"] > 0, stats
         assert_engine_clean(spec_llm)
@@ -140,30 +153,34 @@ def test_with_drafts_stops_and_aborts_end_where_the_sync_engine_ends(llm, plain_
     stops.append(SamplingParams(temperature=0.0, max_tokens=24, stop=[ref_text[len(ref_text) // 2:][:3]],
                                 ignore_eos=True))
     with LLM(model=None, **dict(DEFAULT_LLM_KWARGS, async_scheduling=True, speculative_config=spec)) as spec_llm:
-        for sp in stops:
-            want = llm.generate(PROMPTS[0], sp, use_tqdm=False)[0].outputs[0]
-            got = spec_llm.generate(PROMPTS[0], sp, use_tqdm=False)[0].outputs[0]
-            assert want.finish_reason == "stop" and len(want.token_ids) < 24
-            assert (got.token_ids, got.text, got.stop_reason) == (want.token_ids, want.text, want.stop_reason)
+        assert_stops_end_alike(llm, spec_llm, stops)
         abort_while_out(llm, spec_llm, 2)
         assert spec_llm.engine.stats()["spec_decode"]["num_accepted_tokens"] > 0
         assert_engine_clean(spec_llm)
 
 
-@pytest.mark.parametrize("k", [0, 2])
-def test_penalties_and_logit_bias_continue_and_stay_lossless(llm, async_llm, plain_greedy, k):
-    """Penalized and biased requests are continued too: the stage counts the tokens the step in flight
-    sampled (and at K = 2 the drafts it accepted), which the plan's counts lack. Greedy output equals
-    the synchronous engine's without speculation, every request carried rows, and each setting
-    changed the output."""
+@pytest.fixture(scope="module")
+def penalized(_session_llm, plain_greedy):
+    """(params, synchronous output without speculation): PROMPTS with a penalty or a logit bias each,
+    every setting changing the greedy output; the reference of both cases below, computed once."""
     ids = [t for t, _, _ in plain_greedy]
     sps = [SamplingParams(temperature=0.0, max_tokens=24, repetition_penalty=1.3, ignore_eos=True),
            SamplingParams(temperature=0.0, max_tokens=24, presence_penalty=1.2, frequency_penalty=0.7, ignore_eos=True),
            SamplingParams(temperature=0.0, max_tokens=24, frequency_penalty=1.5, ignore_eos=True,
                           logit_bias={ids[2][1]: -100.0, ids[2][6]: 4.0}),
            SamplingParams(temperature=0.0, max_tokens=24, logit_bias={ids[3][4]: -100.0}, ignore_eos=True)]
-    want = texts(llm.generate(PROMPTS, sps, use_tqdm=False))
+    want = texts(_session_llm.generate(PROMPTS, sps, use_tqdm=False))
     assert all(w[0] != i for w, i in zip(want, ids))                  # each setting mattered
+    return sps, want
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_penalties_and_logit_bias_continue_and_stay_lossless(llm, async_llm, penalized, k):
+    """Penalized and biased requests are continued too: the stage counts the tokens the step in flight
+    sampled (and at K = 2 the drafts it accepted), which the plan's counts lack. Greedy output equals
+    the synchronous engine's without speculation, every request carried rows, and each setting
+    changed the output."""
+    sps, want = penalized
     spec = {"speculative_config": {"method": "mtp", "num_speculative_tokens": k}} if k else {}
     engine_llm = async_llm if not k else LLM(model=None, **dict(DEFAULT_LLM_KWARGS, async_scheduling=True, **spec))
     try:

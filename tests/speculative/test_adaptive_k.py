@@ -76,9 +76,9 @@ def test_drafts_after_k0_steps_equal_fixed_k_drafts(chat_prompts):
     later step attend to it. So wherever both runs drafted from the same position, the drafts match."""
     prompts = chat_prompts[:3]
     with LLM(**DEFAULT_LLM_KWARGS, speculative_config=_spec(2, adaptive=False)) as llm:
-        fixed = _drafts_by_position(llm, prompts, 48)
+        fixed = _drafts_by_position(llm, prompts, 32)
     with LLM(**DEFAULT_LLM_KWARGS, speculative_config=_spec(2, True, [0, 0, 2, 0, 1, 2])) as llm:
-        forced = _drafts_by_position(llm, prompts, 48)
+        forced = _drafts_by_position(llm, prompts, 32)
     common = [key for key in forced if key in fixed]
     assert len(common) > 20, (len(common), len(forced))
     mismatched = [(key, fixed[key], forced[key]) for key in common

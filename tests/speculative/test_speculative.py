@@ -66,7 +66,7 @@ def _schedule_agreement(mtp, target, ids: list[int], start: int) -> tuple[int, i
 def test_measured_acceptance_matches_teacher_forced(chat_prompts, _session_llm):
     """At PP = 1 and 2. Greedy output is the same at both sizes (I6), so the teacher-forced agreement
     along its K = 1 schedule is computed once and each size's measured acceptance checked against it."""
-    params = SamplingParams(temperature=0, max_tokens=96)
+    params = SamplingParams(temperature=0, max_tokens=48)
     # drafts over the whole vocabulary, as the teacher-forced agreement counts them
     spec = _spec(1) | {"draft_vocab": "full"}
     runs = {}
