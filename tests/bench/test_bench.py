@@ -24,10 +24,10 @@ def bench(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 def test_latency(tmp_path):
     out = tmp_path / "latency.json"
     proc = bench("latency", *ENGINE, "--input-len", "8", "--output-len", "4", "--batch-size", "2",
-                 "--num-iters-warmup", "1", "--num-iters", "3", "--output-json", str(out))
+                 "--num-iters-warmup", "1", "--num-iters", "2", "--output-json", str(out))
     result = json.loads(out.read_text())
-    assert len(result["latencies"]) == 3 and all(x > 0 for x in result["latencies"])
-    assert result["avg_latency"] == pytest.approx(sum(result["latencies"]) / 3)
+    assert len(result["latencies"]) == 2 and all(x > 0 for x in result["latencies"])
+    assert result["avg_latency"] == pytest.approx(sum(result["latencies"]) / 2)
     assert min(result["latencies"]) <= result["percentiles"]["50"] <= max(result["latencies"])
     assert f"Avg latency: {result['avg_latency']:.4f} seconds" in proc.stdout
     assert "99% percentile latency" in proc.stdout
@@ -36,7 +36,7 @@ def test_latency(tmp_path):
 
 def test_throughput_with_mtp_reports_acceptance(tmp_path):
     out = tmp_path / "throughput.json"
-    proc = bench("throughput", *ENGINE, "--input-len", "8", "--output-len", "12", "--num-prompts", "3",
+    proc = bench("throughput", *ENGINE, "--input-len", "8", "--output-len", "8", "--num-prompts", "3",
                  "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}', "--output-json", str(out))
     spec = json.loads(out.read_text())["speculative_decoding"]
     assert spec["num_drafts"] > 0 and spec["num_draft_tokens"] == 2 * spec["num_drafts"]
@@ -77,15 +77,17 @@ def test_serve_against_a_live_server(tmp_path, server):
     assert "Successful requests:             6" in proc.stdout and "P99 TTFT (ms):" in proc.stdout
 
 
-def test_serve_reports_failures_without_crashing(tmp_path):
-    """Nothing listens there: every request fails, the summary says why, the exit status is 1."""
+def test_serve_reports_failures_without_crashing(capsys):
+    """Nothing listens there: every request fails, the summary says why, the exit status is 1. (The
+    command's own entry point in this process: a process would cost more than the check.)"""
+    from pipespec.cli import main
     from tests.live_server import free_port
 
-    proc = subprocess.run([sys.executable, "-m", "pipespec", "bench", "serve", "--port", str(free_port()),
-                           "--num-prompts", "2", "--random-input-len", "4", "--random-output-len", "2"],
-                          cwd=REPO, env=pipespec_env(), capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 1
-    assert "Failed requests:                 2" in proc.stdout and "ConnectError" in proc.stdout
+    code = main(["bench", "serve", "--port", str(free_port()), "--num-prompts", "2", "--random-input-len", "4",
+                 "--random-output-len", "2"])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    assert "Failed requests:                 2" in out and "ConnectError" in out
 
 
 def test_percentile_matches_linear_interpolation():

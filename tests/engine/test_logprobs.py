@@ -2,6 +2,8 @@
 sampled token's and the top N, whatever the sampling; equal with and without MTP at every PP size."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -61,27 +63,46 @@ def test_logprobs_validated():
         SamplingParams(logprobs=-1)
 
 
-def _generate(pp: int, k: int, params) -> list:
-    spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
-    with LLM(**DEFAULT_LLM_KWARGS, pipeline_parallel_size=pp, speculative_config=spec) as llm:
-        outs = llm.generate(PROMPTS, params, use_tqdm=False)
-        stats = llm.stats()
-        assert_engine_clean(llm)
-    if k:
-        assert stats["spec_decode"]["num_accepted_tokens"] > 0     # verify rows past the first were read
+def _spec_llm(pp: int, k: int) -> LLM:
+    return LLM(**DEFAULT_LLM_KWARGS, pipeline_parallel_size=pp,
+               speculative_config={"method": "mtp", "num_speculative_tokens": k})
+
+
+def _generate(llm: LLM, params) -> list:
+    before = llm.stats()["spec_decode"]
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    after = llm.stats()["spec_decode"]
+    assert_engine_clean(llm)
+    accepted, drafted = (after[key] - before[key] for key in ("num_accepted_tokens", "num_draft_tokens"))
+    assert 0 < accepted < drafted       # verify rows past the first were read, and rows past a rejection dropped
     return [o.outputs[0] for o in outs]
 
 
 @pytest.fixture(scope="module")
-def no_spec():
-    params = SamplingParams(temperature=0, max_tokens=24, logprobs=3, ignore_eos=True)
-    return params, _generate(1, 0, params)
+def no_spec(_session_llm):
+    # the shared engine: the settings of the speculative runs, without speculation
+    params = SamplingParams(temperature=0, max_tokens=16, logprobs=3, ignore_eos=True)
+    assert_engine_clean(_session_llm)
+    outs = _session_llm.generate(PROMPTS, params, use_tqdm=False)
+    assert_engine_clean(_session_llm)
+    return params, [o.outputs[0] for o in outs]
+
+
+@pytest.fixture(scope="module")
+def mtp_k2():
+    """PP = 1, K = 2: one engine for the two tests that run it (each leaves it clean)."""
+    with _spec_llm(1, 2) as llm:
+        yield llm
 
 
 @pytest.mark.parametrize("pp,k", [(1, 1), (1, 2), (1, 3), (2, 1), (2, 3)])
-def test_logprobs_with_speculation_equal_plain_decoding(pp, k, no_spec):
+def test_logprobs_with_speculation_equal_plain_decoding(pp, k, no_spec, request):
     params, want = no_spec
-    got = _generate(pp, k, params)
+    if (pp, k) == (1, 2):
+        got = _generate(request.getfixturevalue("mtp_k2"), params)
+    else:
+        with _spec_llm(pp, k) as llm:
+            got = _generate(llm, params)
     for a, b in zip(got, want):
         assert a.token_ids == b.token_ids
         for ea, eb in zip(a.logprobs, b.logprobs):
@@ -130,7 +151,7 @@ def test_prompt_logprobs_equal_transformers_in_chunks_and_with_prefix_caching(hf
     assert outs[1].prompt_logprobs is None
 
 
-def test_logprobs_of_deltas_a_stop_and_pickling(no_spec):
+def test_logprobs_of_deltas_a_stop_and_pickling(no_spec, mtp_k2):
     """Logprobs are kept packed and read into {id: Logprob} when an output is read: a DELTA stream's
     pieces join into the whole answer's; a stop token that ends a request in the middle of a step's
     accepted drafts leaves one entry per token kept; a pickled output holds a plain list."""
@@ -138,19 +159,17 @@ def test_logprobs_of_deltas_a_stop_and_pickling(no_spec):
     from pipespec import RequestOutputKind
     params, want = no_spec
     stop = want[0].token_ids[5]          # a token the first answer samples (with drafts before and after it)
-    with LLM(**DEFAULT_LLM_KWARGS, speculative_config={"method": "mtp", "num_speculative_tokens": 2}) as llm:
-        eng = llm.engine
-        eng.add_request("delta", PROMPTS[1], SamplingParams(temperature=0, max_tokens=24, logprobs=3, ignore_eos=True,
-                                                            output_kind=RequestOutputKind.DELTA))
-        eng.add_request("stop", PROMPTS[0], SamplingParams(temperature=0, max_tokens=24, logprobs=3, ignore_eos=True,
-                                                           stop_token_ids=[stop]))
-        pieces, last = [], {}
-        while eng.has_unfinished_requests():
-            for out in eng.step():
-                last[out.request_id] = out
-                if out.request_id == "delta":
-                    pieces.append(out.outputs[0])
-        assert_engine_clean(llm)
+    llm, eng = mtp_k2, mtp_k2.engine
+    assert_engine_clean(llm)
+    eng.add_request("delta", PROMPTS[1], dataclasses.replace(params, output_kind=RequestOutputKind.DELTA))
+    eng.add_request("stop", PROMPTS[0], dataclasses.replace(params, stop_token_ids=[stop]))
+    pieces, last = [], {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            last[out.request_id] = out
+            if out.request_id == "delta":
+                pieces.append(out.outputs[0])
+    assert_engine_clean(llm)
     ids = [t for p in pieces for t in p.token_ids]
     entries = [e for p in pieces for e in p.logprobs]
     assert ids == want[1].token_ids and len(pieces) > 2

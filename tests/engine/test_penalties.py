@@ -18,15 +18,20 @@ PROMPTS = ["Count: 1, 2, 3, 4, 5, 6,", "The cat sat on the mat. The cat", "Write
 def test_repetition_penalty_equals_transformers(llm, hf_model):
     from transformers import RepetitionPenaltyLogitsProcessor
     params = SamplingParams(temperature=0, max_tokens=20, repetition_penalty=1.3, ignore_eos=True)
-    outs = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    plain_params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    # (with and without the penalty in one batch)
+    outs = llm.generate(PROMPTS[:2] * 2, [params, params, plain_params, plain_params], use_tqdm=False)
+    outs, plain = outs[:2], outs[2:]
     proc = RepetitionPenaltyLogitsProcessor(1.3)
     for out in outs:
-        ids = list(out.prompt_token_ids)
-        for _ in range(20):
-            scores = proc(torch.tensor([ids]), hf_logits(hf_model, ids)[-1:].clone())
-            ids.append(int(scores.argmax()))
-        assert out.outputs[0].token_ids == ids[len(out.prompt_token_ids):]
-    plain = llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
+        # teacher-forced: greedy decoding with the processor gives these tokens iff each is the argmax
+        # after the ones before it, and one causal pass over the whole text has every prefix's logits
+        ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+        logits, n = hf_logits(hf_model, ids), len(out.prompt_token_ids)
+        assert len(ids) == n + 20
+        for j in range(n, len(ids)):
+            scores = proc(torch.tensor([ids[:j]]), logits[j - 1:j].clone())
+            assert int(scores.argmax()) == ids[j], (j - n, out.outputs[0].token_ids)
     assert [o.outputs[0].token_ids for o in plain] != [o.outputs[0].token_ids for o in outs]   # it mattered
 
 
@@ -37,28 +42,30 @@ def test_presence_and_frequency_equal_a_reference_processor(llm, hf_model):
                             ignore_eos=True)
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
     for out in outs:
-        ids, gen = list(out.prompt_token_ids), []
-        for _ in range(16):
-            scores = hf_logits(hf_model, ids + gen)[-1].clone()
-            for t in set(gen):          # OpenAI's: generated tokens only
-                scores[t] -= frequency * gen.count(t) + presence
-            gen.append(int(scores.argmax()))
-        assert out.outputs[0].token_ids == gen
+        # teacher-forced, as above: one causal pass gives the logits after every prefix of the answer
+        ids, gen = list(out.prompt_token_ids), list(out.outputs[0].token_ids)
+        logits = hf_logits(hf_model, ids + gen)[len(ids) - 1:-1]
+        assert len(gen) == 16
+        for j in range(16):
+            scores = logits[j].clone()
+            for t in set(gen[:j]):      # OpenAI's: generated tokens only
+                scores[t] -= frequency * gen[:j].count(t) + presence
+            assert int(scores.argmax()) == gen[j], (j, gen)
 
 
 def test_logit_bias_min_tokens_and_bad_words(llm, tokenizer):
     eos = sorted(tokenizer.eos_token_ids)[0]
+    words = ["cat", "happy"]
+    # the three requests in one batch: each keeps its own rules
+    params = [SamplingParams(temperature=0, max_tokens=12, logit_bias={eos: 100.0}, min_tokens=5),
+              SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, bad_words=words)]
+    out, plain, banned = [o.outputs[0] for o in llm.generate([PROMPTS[0], PROMPTS[1], PROMPTS[1]], params,
+                                                             use_tqdm=False)]
     # min_tokens: EOS is pushed to the top, yet not before the 5th token
-    p = SamplingParams(temperature=0, max_tokens=12, logit_bias={eos: 100.0}, min_tokens=5)
-    out = llm.generate(PROMPTS[0], p, use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 6 and out.token_ids[-1] == eos and out.finish_reason == "stop"
     # bad words: a word the plain output has never comes, as one token or several
-    plain = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
-                         use_tqdm=False)[0].outputs[0].text
-    assert " cat" in plain
-    words = ["cat", "happy"]
-    banned = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, bad_words=words),
-                          use_tqdm=False)[0].outputs[0]
+    assert " cat" in plain.text
     assert all(w not in banned.text for w in words), banned.text
     with pytest.raises(ValueError, match="logit_bias.*vocabulary"):
         llm.generate("hi", SamplingParams(logit_bias={10**6: 1.0}), use_tqdm=False)
@@ -84,16 +91,20 @@ def chat_prompts(tokenizer):
             for c in chats]
 
 
-MIXED = [SamplingParams(temperature=0, max_tokens=28, repetition_penalty=1.2, ignore_eos=True),
-         SamplingParams(temperature=0, max_tokens=28, presence_penalty=1.2, frequency_penalty=0.7),
-         SamplingParams(temperature=0, max_tokens=28, bad_words=["the", "a"], min_tokens=20, logit_bias={13: 2.0}),
-         SamplingParams(temperature=0, max_tokens=28, ignore_eos=True)]
+# the first and last are the same prompt, with and without a repetition penalty
+MIXED = [SamplingParams(temperature=0, max_tokens=20, repetition_penalty=1.2, ignore_eos=True),
+         SamplingParams(temperature=0, max_tokens=20, presence_penalty=1.2, frequency_penalty=0.7),
+         SamplingParams(temperature=0, max_tokens=20, bad_words=["the", "a"], min_tokens=14, logit_bias={13: 2.0}),
+         SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)]
 
 
 @pytest.fixture(scope="module")
-def reference(chat_prompts):
-    with LLM(**DEFAULT_LLM_KWARGS) as llm:
-        return run_staggered(llm, chat_prompts + chat_prompts[:1], MIXED)
+def reference(_session_llm, chat_prompts):
+    # the shared engine has the settings the speculative runs compare with, without speculation
+    assert_engine_clean(_session_llm)
+    ref = run_staggered(_session_llm, chat_prompts + chat_prompts[:1], MIXED)
+    assert_engine_clean(_session_llm)
+    return ref
 
 
 @pytest.mark.parametrize("pp,k", [(1, 1), (1, 2), (1, 3), (2, 1), (2, 3)])
@@ -101,7 +112,9 @@ def test_greedy_with_penalties_lossless_under_mtp(pp, k, chat_prompts, reference
     spec = {"method": "mtp", "num_speculative_tokens": k}
     with LLM(**DEFAULT_LLM_KWARGS, pipeline_parallel_size=pp, speculative_config=spec) as llm:
         got = run_staggered(llm, chat_prompts + chat_prompts[:1], MIXED)
-        accepted = llm.stats()["spec_decode"]["num_accepted_tokens"]
+        stats = llm.stats()["spec_decode"]
         assert_engine_clean(llm)
     assert got == reference
-    assert accepted > 0
+    assert reference[0] != reference[3]                 # the penalty changed the answer
+    # drafts both accepted (rows past the first decide) and rejected
+    assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"]

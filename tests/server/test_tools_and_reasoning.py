@@ -4,6 +4,7 @@ reasoning block and a tool call (tests/tool_template.py): real generated text go
 parsers, streamed and not, with MTP speculation off and on (K=3, the bundled head). Speculation
 accepts several tokens a step, so tags arrive split in other places; it must not change any field."""
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
@@ -81,6 +82,13 @@ def streamed(client) -> tuple[dict, str, list]:
             finishes[-1], kinds)
 
 
+def whole_and_streamed(client) -> tuple[tuple[dict, str], tuple[dict, str, list]]:
+    """Both answers at once: the server runs them in the same steps (half the steps of one after the other)."""
+    with ThreadPoolExecutor(2) as pool:
+        first, second = pool.submit(whole, client), pool.submit(streamed, client)
+        return first.result(timeout=600), second.result(timeout=600)
+
+
 def check(msg: dict, finish: str, parser: str = "hermes") -> None:
     assert finish == "tool_calls"
     assert msg["content"] is None                  # no markup, no blank text: the answer is the call
@@ -94,9 +102,8 @@ def check(msg: dict, finish: str, parser: str = "hermes") -> None:
 def test_tool_call_and_reasoning_streamed_and_not_with_mtp_off_and_on(plain, mtp):
     results = {}
     for label, client in (("off", plain), ("mtp", mtp)):
-        msg, finish = whole(client)
+        (msg, finish), (smsg, sfinish, kinds) = whole_and_streamed(client)
         check(msg, finish)
-        smsg, sfinish, kinds = streamed(client)
         check(smsg, sfinish)
         assert kinds[0] == "reasoning" and kinds[-1] == "call" and "content" not in kinds
         assert kinds.index("call") > max(i for i, k in enumerate(kinds) if k == "reasoning")
@@ -107,9 +114,8 @@ def test_tool_call_and_reasoning_streamed_and_not_with_mtp_off_and_on(plain, mtp
 def test_qwen3_coder_calls_typed_by_the_schema_with_mtp(template_dir):
     s, client = _server(template_dir, "qwen3_coder", *MTP)
     try:
-        msg, finish = whole(client)
+        (msg, finish), (smsg, sfinish, _) = whole_and_streamed(client)
         check(msg, finish, "qwen3_coder")             # "days": 3, an integer as the tool's schema says
-        smsg, sfinish, _ = streamed(client)
         check(smsg, sfinish, "qwen3_coder")
         assert smsg["calls"] == msg["calls"]
     finally:
