@@ -38,8 +38,9 @@ def read_chat_template(value: str) -> str:
 
 
 def read_tokenizer_file(path: Path) -> HFTokenizer:
-    """A tokenizer.json, parsed once a process per version of the file (0.3 s for a 49k vocabulary:
-    every engine a process builds reads it). Shared: nothing in pipespec changes a parsed tokenizer."""
+    """A tokenizer.json, parsed once a process per version of the file: parsing a large vocabulary is
+    slow, and every engine a process builds reads it (RESULTS.md). Shared: nothing in pipespec changes a
+    parsed tokenizer."""
     stat = path.stat()
     return _parsed_tokenizer(str(path.resolve()), stat.st_mtime_ns, stat.st_size)
 

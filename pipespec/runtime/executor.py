@@ -19,8 +19,8 @@ from pipespec.runtime.transport import StageError
 
 def release_device_memory() -> None:
     """Hand cached GPU memory back once a stage is gone, so a later engine can measure and use it.
-    Only where CUDA ran: a full collection costs a busy process ~0.3 s, and the host's memory is
-    never measured (reference counting frees a CPU stage's tensors)."""
+    Only where CUDA ran: a full collection is slow in a process full of objects (RESULTS.md), and the
+    host's memory is never measured (reference counting frees a CPU stage's tensors)."""
     import gc
 
     import torch
