@@ -7,8 +7,9 @@ request samples with K draft rows (its real drafts, then dummy rows the schedule
 with, which verification masks). Its shapes then depend on the batch size alone, so the stage's whole
 forward (on the last stage with the LM head over every row, all of them verify rows, and greedy
 verification) is captured once per bucket, and the finish is a second graph. A greedy step is then
-an upload and two replays; a step that samples verifies eagerly between them, with no host sync. Any
-other step runs eagerly.
+an upload and two replays; a step that samples verifies eagerly between them, with no host sync; a
+step that asks for logprobs replays a third graph, captured at first use per bucket and number of
+top logprobs. Any other step runs eagerly.
 
 A bucket's graphs read the views `StepBuffers.padding_views` gave at capture; a step padded to the
 bucket (`StepBuffers.write(plan, pad_to=b)`) is laid out at the same addresses, its requests first,
@@ -29,6 +30,7 @@ from pipespec.kernels import pdl_scope
 from pipespec.model.attention import AttentionBackend, ForwardContext, KVCache
 from pipespec.model.linear_state import LinearFlags, LinearMeta
 from pipespec.plan import StepPlan
+from pipespec.sampling import logprob_columns
 from pipespec.stage.carry import Carry
 from pipespec.stage.step_input import StepBuffers, StepInput, verify
 from pipespec.stage.target import run_target
@@ -73,8 +75,12 @@ class CudaGraphs:
             self.tokens = torch.zeros(nb, q, dtype=torch.int64, device=param.device)
             self.num_sampled = torch.ones(nb, dtype=torch.int64, device=param.device)
         self._buckets: dict[int, Bucket] = {}
+        # (bucket, num_logprobs) -> (graph, packed logprobs of every row): captured at first use
+        self._logprob_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = None
         self._live = 0
         self.replays = 0                      # steps served from a graph (tests and logs read it)
+        self.logprob_replays = 0
 
     # -- capture --------------------------------------------------------------------------------
 
@@ -103,7 +109,7 @@ class CudaGraphs:
         """Capture every bucket; `pool`: a graph memory pool shared with other graph sets (only one
         graph runs at a time, and each set's outputs stay allocated, so sharing is safe)."""
         start = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle() if pool is None else pool
+        pool = self._pool = torch.cuda.graph_pool_handle() if pool is None else pool
         q = self.num_spec_tokens + 1
         for b in reversed(self.buckets):      # largest first: smaller ones reuse its memory
             inp = self.buffers.padding_views(b, self.num_spec_tokens)
@@ -132,7 +138,10 @@ class CudaGraphs:
             bucket.forward.reset()
             if bucket.finish is not None:
                 bucket.finish.reset()
+        for graph, _ in self._logprob_graphs.values():
+            graph.reset()
         self._buckets.clear()
+        self._logprob_graphs.clear()
 
     # -- replay ---------------------------------------------------------------------------------
 
@@ -179,6 +188,26 @@ class CudaGraphs:
             return bucket.data_plain[:n_req]
         bucket.finish.replay()
         return bucket.data[:n_req]
+
+    def logprobs(self, num_logprobs: int) -> torch.Tensor:
+        """The packed logprobs (`sampling.logprob_columns`) of the step just replayed and finished:
+        every request's verify rows, from the forward graph's logits and the tokens its verification
+        gave (in a replayed step every request samples, in order). A graph per bucket and
+        `num_logprobs`, captured when a step first asks for it: eagerly the columns take ~20 launches
+        (logsumexp and topk are several kernels each), a host cost that would bound every step.
+        Returns [live requests, (1 + K) * logprob_width(N)], a view the next replay rewrites."""
+        n_req = self._live
+        b = next(n for n in self.buckets if n >= n_req)
+        entry = self._logprob_graphs.get((b, num_logprobs))
+        if entry is None:
+            logits, tokens = self._buckets[b].out[2], self.tokens[:b]
+            entry = self._logprob_graphs[(b, num_logprobs)] = capture_graph(
+                self._pool, lambda: logprob_columns(logits.view(b, self.num_spec_tokens + 1, -1), tokens, num_logprobs))
+            logger.debug("Captured the logprobs graph of batch size %d, %d top logprobs", b, num_logprobs)
+        graph, out = entry
+        graph.replay()
+        self.logprob_replays += 1
+        return out[:n_req]
 
     def bucket(self, batch: int) -> Bucket:
         """The captured bucket a batch of `batch` requests replays (benchmarks time its graphs)."""
@@ -230,9 +259,17 @@ class GraphsByK:
         """The finish graph of the set whose forward was just replayed."""
         return self._replayed.finish(tokens, num_sampled, drafting)
 
+    def logprobs(self, num_logprobs: int) -> torch.Tensor:
+        """The logprobs graph of the set whose step was just replayed and finished."""
+        return self._replayed.logprobs(num_logprobs)
+
     @property
     def replays(self) -> int:
         return sum(g.replays for g in self.by_k.values())
+
+    @property
+    def logprob_replays(self) -> int:
+        return sum(g.logprob_replays for g in self.by_k.values())
 
     @property
     def buckets(self) -> list[int]:

@@ -308,7 +308,7 @@ class Stage:
         k, s = inp.num_spec_tokens, inp.num_lines
         # a step that processes its logits verifies them eagerly, never by the graph's greedy shortcut
         shortcut = ctx is None and plan.sampling.all_greedy and not plan.adjusts_logits
-        if not shortcut or plan.num_logprobs >= 0:
+        if not shortcut:
             if logits is None:     # eager: the LM head at verify rows only
                 logits = self.model.compute_logits(hidden[inp.verify_rows.reshape(-1)])
             logits = logits.view(s, k + 1, -1)
@@ -337,7 +337,10 @@ class Stage:
             else:
                 data = self._finish(ctx, inp, hidden, tokens, num_sampled, drafting)
         if plan.num_logprobs >= 0:            # of the raw logits at the verify rows (`plan.result_width`)
-            data = append_logprobs(data, logits, inp.sampling_reqs, k, plan.num_logprobs)
+            if ctx is None:                   # replayed: so are its logprobs, after the finish set the tokens
+                data = torch.cat((data, self.graphs.logprobs(plan.num_logprobs)), dim=1)
+            else:
+                data = append_logprobs(data, logits, inp.sampling_reqs, k, plan.num_logprobs)
         return data
 
     def _finish(self, ctx: ForwardContext, inp: StepInput, hidden: torch.Tensor, tokens: torch.Tensor,

@@ -81,6 +81,28 @@ def test_penalties_and_logprobs_are_the_same_with_graphs():
             assert all(abs(le[t].logprob - lg[t].logprob) < 1e-3 for t in le)
 
 
+@pytest.mark.parametrize("k", [0, 2])
+def test_logprobs_of_replayed_steps_come_from_their_own_graph(k):
+    """Greedy steps (verified inside the forward graph) and sampled ones (verified eagerly) that ask
+    for logprobs replay a logprobs graph per bucket and number of top logprobs: the tokens and top
+    ids equal eager's, the logprobs to float tolerance."""
+    spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
+    asks = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=4),
+            SamplingParams(temperature=0.8, seed=3, max_tokens=24, ignore_eos=True, logprobs=1)]
+    outs = []
+    for eager in (True, False):
+        with LLM(speculative_config=spec, enforce_eager=eager, **KW) as llm:
+            outs.append([o.outputs[0] for p in asks for o in llm.generate(PROMPTS, p, use_tqdm=False)])
+            if not eager:
+                graphs = llm.engine.executor.stage.graphs
+                assert graphs.logprob_replays > 10 and graphs.logprob_replays <= graphs.replays
+    for e, g in zip(*outs):
+        assert e.token_ids == g.token_ids and len(e.logprobs) == len(e.token_ids)
+        for le, lg in zip(e.logprobs, g.logprobs):
+            assert le.keys() == lg.keys()
+            assert all(abs(le[t].logprob - lg[t].logprob) < 1e-3 for t in le)
+
+
 def test_retired_speculation_replays_graphs_without_the_drafter():
     """Adaptive K retired (forced): K = 0 steps replay the K = 0 set's forward and its finish graph
     without the drafter; the MTP KV is left alone and the output is plain decoding's."""
