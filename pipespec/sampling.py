@@ -360,8 +360,9 @@ def unpack_logprobs(columns: list[int], count: int, num_logprobs: int) -> list[t
 def apply_penalties(logits: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor,
                     penalties: torch.Tensor | None, penalty_tokens: torch.Tensor | None,
                     bias_entries: torch.Tensor | None, bias_values: torch.Tensor | None,
-                    carried: torch.Tensor | None = None) -> torch.Tensor:
-    """Processed copy of logits [S, R, V] (R = 1 + K verify rows, float32).
+                    carried: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Processed copy of logits [S, R, V] (R = 1 + K verify rows, float32; written into `out` when
+    given: a CUDA graph's buffer).
 
     draft_ids [S, K] the drafts the rows after the first embed, num_drafts [S] how many are real;
     penalties float32 [S, 3]: (repetition, presence, frequency) of each line (neutral: 1, 0, 0);
@@ -376,10 +377,12 @@ def apply_penalties(logits: torch.Tensor, draft_ids: torch.Tensor, num_drafts: t
     every row. Their logits are gathered, processed and written back (an entry named twice gets the
     same value twice: each is a function of its line, row and token alone), so the work is the
     number of tokens seen, not [S, R, V]. Every write is a scatter into a flat view (index_put_ with
-    accumulate=True waited for the GPU: ~0.15 ms a call, RESULTS.md).
+    accumulate=True waited for the GPU: ~0.15 ms a call, RESULTS.md). No host read: a CUDA graph
+    captures it over tables padded with (line 0, token 0) entries of no count and no bias, which
+    change nothing (`stage.cuda_graphs`).
     """
     s, r, v = logits.shape
-    out = logits.float().clone(memory_format=torch.contiguous_format)
+    out = logits.float().clone(memory_format=torch.contiguous_format) if out is None else out.copy_(logits)
     flat = out.view(-1)
     device = out.device
     rows = torch.arange(r, device=device)
@@ -400,23 +403,42 @@ def apply_penalties(logits: torch.Tensor, draft_ids: torch.Tensor, num_drafts: t
     tok = torch.cat((known[:, 1].repeat_interleave(r), unknown.clamp(0, v - 1).repeat_interleave(r, dim=1).reshape(-1)))
     # each line's counts before its first row, and which tokens its prompt holds, at those entries
     base = torch.zeros(s * v, device=device)            # [S, V] flat, as `prompt`
-    prompt = torch.zeros(s * v, dtype=torch.bool, device=device)
+    prompt = torch.zeros(s * v, device=device)          # (summed, not set: a padding entry adds 0)
     base.scatter_add_(0, known[:, 0] * v + known[:, 1], known[:, 2].float())
     if carried is not None:
         at = torch.arange(s, device=device)[:, None] * v + carried.clamp(0, v - 1)
         base.scatter_add_(0, at.reshape(-1), (carried >= 0).float().reshape(-1))
-    prompt.scatter_(0, known[:, 0] * v + known[:, 1], known[:, 3] > 0)
+    prompt.scatter_add_(0, known[:, 0] * v + known[:, 1], known[:, 3].float())
     # ... plus the real drafts before the entry's row
     before = (torch.arange(k, device=device)[None, :] < torch.minimum(row, num_drafts[line])[:, None])   # [N, K]
     at = line * v + tok
     count = base[at] + ((draft_ids[line] == tok[:, None]) & before).sum(-1).float()
-    seen = prompt[at] | (count > 0)
+    seen = (prompt[at] > 0) | (count > 0)
     at = (line * r + row) * v + tok
     x = flat[at]
     rep, presence, frequency = penalties[line].unbind(-1)
     x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
     flat.scatter_(0, at, x - frequency * count - presence * (count > 0).float())
     return out
+
+
+def padded_logits_tables(penalties: torch.Tensor | None, penalty_tokens: torch.Tensor | None,
+                         bias_entries: torch.Tensor | None, bias_values: torch.Tensor | None, lines: int,
+                         token_rows: int, bias_rows: int) -> tuple:
+    """`apply_penalties`' tables (host tensors; None stays None) at fixed sizes, as a CUDA graph
+    captured them: `lines` lines, the added ones neutral (1, 0, 0); `token_rows` count entries and
+    `bias_rows` bias entries, the added ones (line 0, token 0) with no count, not in the prompt, and
+    bias 0 at no row. The processed logits of the real lines are those of the tables as they were."""
+    def pad(t, rows, fill):
+        if t is None:
+            return None
+        out = t.new_full((rows, *t.shape[1:]), fill)
+        out[:t.shape[0]] = t
+        return out
+    neutral = None if penalties is None else pad(penalties, lines, 0.0)
+    if neutral is not None:
+        neutral[penalties.shape[0]:, 0] = 1.0
+    return neutral, pad(penalty_tokens, token_rows, 0), pad(bias_entries, bias_rows, 0), pad(bias_values, bias_rows, 0.0)
 
 
 def apply_token_bitmask(logits: torch.Tensor, lines: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:

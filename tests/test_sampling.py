@@ -279,6 +279,26 @@ def test_penalties_see_each_rows_own_context():
             torch.testing.assert_close(out[s, j], want, rtol=0, atol=1e-6)
 
 
+def test_padded_tables_process_the_real_lines_bitwise_alike():
+    """A CUDA graph's fixed-size tables (`padded_logits_tables`): the added lines and (line 0,
+    token 0) entries change nothing, also where line 0's token 0 is a real entry (in the prompt,
+    never generated) and a draft, and under a bias entry of its own."""
+    from pipespec.sampling import apply_penalties, padded_logits_tables
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(2, 3, 10, generator=g)
+    drafts, num_drafts = torch.tensor([[0, 4], [0, 0]]), torch.tensor([2, 1])
+    tables = (torch.tensor([[1.3, 0.4, 0.2], [0.8, -0.5, 0.3]]),
+              torch.tensor([[0, 0, 0, 1], [0, 3, 1, 0], [1, 0, 0, 1], [1, 5, 4, 0]]),
+              torch.tensor([[0, 0, 1, 3], [1, 2, 0, 1]]), torch.tensor([1.5, float("-inf")]))
+    carried = torch.tensor([[2, -1], [7, 0]])
+    want = apply_penalties(logits, drafts, num_drafts, *tables, carried=carried)
+    padded = padded_logits_tables(*tables, lines=4, token_rows=16, bias_rows=8)
+    assert [t.shape[0] for t in padded] == [4, 16, 8, 8] and padded[0][2:].tolist() == [[1.0, 0.0, 0.0]] * 2
+    pad = lambda t: torch.cat((t, t.new_zeros(2, *t.shape[1:])))           # noqa: E731
+    got = apply_penalties(pad(logits), pad(drafts), pad(num_drafts), *padded, carried=pad(carried))
+    assert torch.equal(got[:2], want) and not torch.equal(want, logits)
+
+
 def test_neutral_penalties_leave_logits_bitwise():
     from pipespec.sampling import apply_penalties
     logits = torch.randn(2, 3, 50)

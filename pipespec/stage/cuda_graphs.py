@@ -8,8 +8,9 @@ with, which verification masks). Its shapes then depend on the batch size alone,
 forward (on the last stage with the LM head over every row, all of them verify rows, and greedy
 verification) is captured once per bucket, and the finish is a second graph. A greedy step is then
 an upload and two replays; a step that samples verifies eagerly between them, with no host sync; a
-step that asks for logprobs replays a third graph, captured at first use per bucket and number of
-top logprobs. Any other step runs eagerly.
+step that asks for logprobs replays a graph captured at first use per bucket and number of top
+logprobs, and one with penalties, biases or bans a graph that processes its logits, captured at first
+use per bucket and padded table sizes. Any other step runs eagerly.
 
 A bucket's graphs read the views `StepBuffers.padding_views` gave at capture; a step padded to the
 bucket (`StepBuffers.write(plan, pad_to=b)`) is laid out at the same addresses, its requests first,
@@ -30,8 +31,8 @@ from pipespec.kernels import pdl_scope
 from pipespec.model.attention import AttentionBackend, ForwardContext, KVCache
 from pipespec.model.linear_state import LinearFlags, LinearMeta
 from pipespec.plan import StepPlan
-from pipespec.sampling import logprob_columns
-from pipespec.stage.carry import Carry
+from pipespec.sampling import apply_penalties, logprob_columns, padded_logits_tables
+from pipespec.stage.carry import Carry, carried_tokens
 from pipespec.stage.step_input import StepBuffers, StepInput, verify
 from pipespec.stage.target import run_target
 
@@ -77,10 +78,15 @@ class CudaGraphs:
         self._buckets: dict[int, Bucket] = {}
         # (bucket, num_logprobs) -> (graph, packed logprobs of every row): captured at first use
         self._logprob_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # (bucket, padded table sizes, carried) -> (graph, its input tables); per bucket the float32
+        # [b, 1 + K, V] buffer they write the processed logits into
+        self._logits_graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple]] = {}
+        self._processed: dict[int, torch.Tensor] = {}
         self._pool = None
         self._live = 0
         self.replays = 0                      # steps served from a graph (tests and logs read it)
         self.logprob_replays = 0
+        self.logits_replays = 0
 
     # -- capture --------------------------------------------------------------------------------
 
@@ -138,10 +144,12 @@ class CudaGraphs:
             bucket.forward.reset()
             if bucket.finish is not None:
                 bucket.finish.reset()
-        for graph, _ in self._logprob_graphs.values():
+        for graph, _ in (*self._logprob_graphs.values(), *self._logits_graphs.values()):
             graph.reset()
         self._buckets.clear()
         self._logprob_graphs.clear()
+        self._logits_graphs.clear()
+        self._processed.clear()
 
     # -- replay ---------------------------------------------------------------------------------
 
@@ -209,6 +217,48 @@ class CudaGraphs:
         self.logprob_replays += 1
         return out[:n_req]
 
+    def processed_logits(self, plan: StepPlan, carried: bool) -> torch.Tensor:
+        """The logits of the step just replayed with the plan's penalties, biases and bans applied
+        (`sampling.apply_penalties`), [live requests, 1 + K, V] float32, a view the next replay
+        rewrites. `carried`: the tokens the carried lines' step in flight sampled count too.
+
+        A graph per bucket, table sizes (padded to powers of two, `padded_logits_tables`) and
+        `carried`, captured when a step first needs it: eagerly the processing takes ~70 launches.
+        Lazily captured graphs share the pool with the others and run in another order than they
+        were captured, which is safe because each one's output is read before another replays
+        (these write into a buffer of their own, outside the pool)."""
+        n_req, q = self._live, self.num_spec_tokens + 1
+        b = next(n for n in self.buckets if n >= n_req)
+        rows = lambda t: 0 if t is None or not t.shape[0] else max(16, 1 << (t.shape[0] - 1).bit_length())  # noqa: E731
+        key = (b, rows(plan.penalty_tokens) if plan.penalties is not None else -1, rows(plan.bias_entries), carried)
+        tables = padded_logits_tables(plan.penalties, plan.penalty_tokens, plan.bias_entries, plan.bias_values,
+                                      b, max(key[1], 0), key[2])
+        tables = [None if t is None or not t.shape[0] else t for t in tables]
+        entry = self._logits_graphs.get(key)
+        if entry is None:
+            bucket = self._buckets[b]
+            logits = bucket.out[2].view(b, q, -1)
+            if b not in self._processed:
+                self._processed[b] = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+            inputs = tuple(None if t is None else torch.empty_like(t, device=logits.device) for t in tables)
+            inp = bucket.inp
+
+            def process():
+                extra = carried_tokens(inp, self.carry) if carried else None
+                apply_penalties(logits, inp.draft_ids, inp.line_drafts, *inputs, carried=extra, out=self._processed[b])
+            for static, t in zip(inputs, tables):      # the capture's warm-up run reads them
+                if static is not None:
+                    static.copy_(t)
+            entry = self._logits_graphs[key] = (capture_graph(self._pool, process)[0], inputs)
+            logger.debug("Captured the logits-processing graph of batch size %d, tables %s", b, key[1:])
+        graph, inputs = entry
+        for static, t in zip(inputs, tables):
+            if static is not None:
+                static.copy_(t.pin_memory(), non_blocking=True)
+        graph.replay()
+        self.logits_replays += 1
+        return self._processed[b][:n_req]
+
     def bucket(self, batch: int) -> Bucket:
         """The captured bucket a batch of `batch` requests replays (benchmarks time its graphs)."""
         return self._buckets[next(b for b in self.buckets if b >= batch)]
@@ -263,6 +313,10 @@ class GraphsByK:
         """The logprobs graph of the set whose step was just replayed and finished."""
         return self._replayed.logprobs(num_logprobs)
 
+    def processed_logits(self, plan: StepPlan, carried: bool) -> torch.Tensor:
+        """The logits-processing graph of the set whose forward was just replayed."""
+        return self._replayed.processed_logits(plan, carried)
+
     @property
     def replays(self) -> int:
         return sum(g.replays for g in self.by_k.values())
@@ -270,6 +324,10 @@ class GraphsByK:
     @property
     def logprob_replays(self) -> int:
         return sum(g.logprob_replays for g in self.by_k.values())
+
+    @property
+    def logits_replays(self) -> int:
+        return sum(g.logits_replays for g in self.by_k.values())
 
     @property
     def buckets(self) -> list[int]:

@@ -321,12 +321,15 @@ class Stage:
             if plan.penalties is not None or plan.bias_entries is not None:
                 # penalties, bias, bans (logprobs stay the raw model's)
                 # (async scheduling: the tokens a carried line's step in flight sampled count too)
-                carried = (carried_tokens(inp, self.carry)
-                           if plan.carried is not None and plan.penalties is not None else None)
-                processed = apply_penalties(logits, inp.draft_ids, inp.line_drafts,
-                                            *(None if t is None else to_device(t, self.device) for t in
-                                              (plan.penalties, plan.penalty_tokens, plan.bias_entries,
-                                               plan.bias_values)), carried=carried)
+                carries = plan.carried is not None and plan.penalties is not None
+                if ctx is None:       # replayed: so is the processing
+                    processed = self.graphs.processed_logits(plan, carries)
+                else:
+                    processed = apply_penalties(logits, inp.draft_ids, inp.line_drafts,
+                                                *(None if t is None else to_device(t, self.device) for t in
+                                                  (plan.penalties, plan.penalty_tokens, plan.bias_entries,
+                                                   plan.bias_values)),
+                                                carried=carried_tokens(inp, self.carry) if carries else None)
             if plan.grammar_masks is not None:     # structured output: what the grammar forbids is -inf
                 processed = apply_token_bitmask(logits.float().clone() if processed is logits else processed,
                                                 to_device(plan.grammar_lines, self.device),
