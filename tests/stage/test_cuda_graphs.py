@@ -65,14 +65,13 @@ def test_adaptive_k_replays_a_graph_set_per_k_and_matches_eager():
 
 @pytest.mark.parametrize("k", [0, 2])
 def test_penalties_and_logprobs_are_the_same_with_graphs(k):
-    """Greedy with penalties, a logit bias and min_tokens verifies eagerly on the logits a
-    processing graph wrote from the forward graph's (no greedy shortcut; with async scheduling the
-    carried lines' tokens counted on the GPU); logprobs come from their graph: tokens equal eager's,
-    logprobs equal to float tolerance."""
+    """Greedy with penalties and a logit bias verifies eagerly on the logits a processing graph
+    wrote from the forward graph's (no greedy shortcut; with async scheduling the carried lines'
+    tokens counted on the GPU); logprobs come from their graph: tokens equal eager's, logprobs equal
+    to float tolerance."""
     spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=3, repetition_penalty=1.3,
-                            presence_penalty=0.5, frequency_penalty=0.2, logit_bias={11: 2.0, 30: -5.0},
-                            min_tokens=8)
+                            presence_penalty=0.5, frequency_penalty=0.2, logit_bias={11: 2.0, 30: -5.0})
     outs = []
     for eager in (True, False):
         with LLM(speculative_config=spec, enforce_eager=eager, **KW) as llm:
