@@ -90,6 +90,10 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
                    help="samples file to evaluate on instead of generating, or a train-mtp data cache (its "
                         "held-out answers)")
     p.add_argument("--prompts", type=int, default=64, help="held-out prompts to answer (greedy)")
+    p.add_argument("--prompt-set", choices=("heldout", "everyday"), default="heldout",
+                   help="which prompts: the trainer's held-out split (subjects no training prompt mentions), or "
+                        "everyday requests of kinds the trainer's templates never produce (poems, recipes, emails, "
+                        "code, plans, ...)")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--gen-batch", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=16)

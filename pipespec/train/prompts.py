@@ -162,6 +162,92 @@ SENTENCES = [
 ]
 
 
+# Everyday requests of kinds the templates above never produce, written for evaluation only (issue 49:
+# a head that scores well on its own templates may still generalise poorly). No training prompt
+# comes from here; `eval-mtp --prompt-set everyday` answers them.
+EVERYDAY = {
+    "poem": [
+        "Write a limerick about a forgetful cat.", "Write a four-line poem about the first day of spring.",
+        "Write a short rhyming poem for my grandmother's 80th birthday.",
+        "Write a poem about waiting for a bus in the rain.", "Write a sonnet about a lighthouse keeper.",
+        "Write a funny poem about Monday mornings.", "Write a poem that a child could recite about the stars.",
+        "Write a short poem about the smell of fresh bread.",
+    ],
+    "recipe": [
+        "Give me a recipe for a quick vegetable soup.", "How do I make pancakes without eggs?",
+        "Give me a simple recipe for tomato pasta for two people.", "How do I cook rice so it is not sticky?",
+        "What can I cook with potatoes, onions and cheese?", "Give me a recipe for banana bread.",
+        "How do I make a fruit smoothie for breakfast?", "Give me a recipe for a green salad with a lemon dressing.",
+    ],
+    "email": [
+        "Write a polite email asking my landlord to fix the heating.",
+        "Write an email to my manager asking for Friday off.",
+        "Write a thank-you note to a teacher at the end of the school year.",
+        "Write an email apologizing to a customer for a late delivery.",
+        "Write a short message inviting my neighbours to a garden party.",
+        "Write an email to a colleague asking for feedback on my presentation.",
+        "Write a letter to the city council about a broken street light.",
+        "Write an email declining a job offer politely.",
+    ],
+    "child": [
+        "Explain to a five-year-old why the sky gets dark at night.", "How would you explain to a child what money is?",
+        "Explain to a seven-year-old why we need to brush our teeth.",
+        "Explain to a child why leaves change colour in autumn.", "How do airplanes stay in the air? Explain it to a kid.",
+        "Explain to a young child what a computer does.", "Why do we have to sleep? Explain it to a child.",
+        "Explain to a child where rain comes from.",
+    ],
+    "code": [
+        "Write a Python class for a bank account with deposit and withdraw methods.",
+        "Write a SQL query that lists the ten most expensive products in a table called products.",
+        "Write a bash command that counts the files in a folder.", "Write a Python script that prints the current date and time.",
+        "Write an HTML page with a heading and a button.", "Show me how to read a CSV file in Python and print each row.",
+        "How do I loop over a dictionary in Python? Show an example.",
+        "Write a JavaScript snippet that changes the text of a paragraph when a button is clicked.",
+    ],
+    "riddle": [
+        "Tell me a riddle and its answer.", "Tell me a joke about computers.", "Tell me a knock-knock joke.",
+        "Give me a brain teaser for a dinner party.", "Tell me a pun about vegetables.",
+        "Make up a riddle whose answer is a shadow.", "Tell me a clean joke I can tell at work.",
+        "Give me three silly jokes for kids.",
+    ],
+    "plan": [
+        "Plan a relaxing Saturday in a small town.", "Make a packing list for a weekend camping trip.",
+        "Plan a three-day trip to Rome on a budget.", "Make a shopping list for a week of simple dinners.",
+        "Plan a birthday party for a ten-year-old.", "Make a study schedule for the week before an exam.",
+        "Plan a morning routine that starts at six o'clock.", "Make a checklist for moving into a new flat.",
+    ],
+    "advice": [
+        "My friend is upset with me for forgetting her birthday. What should I say?",
+        "I can't fall asleep at night. What can I try?", "How do I ask for a raise?",
+        "I have too many browser tabs open and feel overwhelmed. Any advice?",
+        "How can I be more productive when working from home?", "What should I say in my first meeting with a new team?",
+        "How do I stay calm before a big exam?", "My plants keep dying. What am I doing wrong?",
+    ],
+    "describe": [
+        "Write a short product description for a reusable water bottle.",
+        "Describe a busy train station in the morning.", "Describe the perfect cup of coffee.",
+        "Write an advertisement for a neighbourhood bakery.", "Describe a quiet forest after snowfall.",
+        "Write a short review of a cozy cafe.", "Describe what a modern kitchen looks like.",
+        "Write a listing for a small flat for rent near the city centre.",
+    ],
+    "dialogue": [
+        "Write a short dialogue between a customer and a baker.",
+        "Write a conversation between two friends planning a trip.",
+        "Write a dialogue where a student asks a teacher for help with homework.",
+        "Write a short scene where a robot meets a cat for the first time.",
+        "Write a phone call between a doctor's receptionist and a patient booking an appointment.",
+        "Write a dialogue between a tourist asking for directions and a local.",
+        "Write a short interview with an astronaut.", "Write a conversation between a parent and a child about chores.",
+    ],
+}
+
+
+def everyday_prompts() -> list[str]:
+    """The `EVERYDAY` requests, one of each kind in turn, so any first N mix the kinds."""
+    kinds = list(EVERYDAY.values())
+    return [kind[i] for i in range(max(map(len, kinds))) for kind in kinds if i < len(kind)]
+
+
 def _held_out(subject: str, fraction: float) -> bool:
     # stable across runs and machines (unlike hash()): a subject's side never changes
     return zlib.crc32(subject.encode()) % 1000 < fraction * 1000

@@ -25,7 +25,7 @@ from pipespec.train.sizing import (CPU_GEN_STEP_TOKENS, StepSize, default_gen_ba
 from pipespec.train.data import (Batcher, Sample, load_data, load_samples, most_frequent_tokens, plain_text_samples,
                                  save_data, save_samples, self_generate)
 from pipespec.train.evaluate import agreement, as_dict, report
-from pipespec.train.prompts import chat_prompts, vocabulary_prompts
+from pipespec.train.prompts import chat_prompts, everyday_prompts, vocabulary_prompts
 from pipespec.train.loop import TrainConfig, train
 from pipespec.train.payoff import draft_cost_ratio, payoff
 
@@ -64,10 +64,12 @@ def _warm_up(llm) -> None:
     llm.generate({"prompt_token_ids": [0, 1, 2, 3]}, SamplingParams(max_tokens=2), use_tqdm=False)
 
 
-def generate_heldout(model, arch, device, count: int, max_tokens: int, round_size: int) -> list[Sample]:
+def generate_heldout(model, arch, device, count: int, max_tokens: int, round_size: int,
+                     prompt_set: str = "heldout") -> list[Sample]:
+    prompts = everyday_prompts() if prompt_set == "everyday" else chat_prompts("heldout")
     llm = _engine(model, arch, device, min(round_size, count), max_tokens)
     try:
-        return self_generate(llm, chat_prompts("heldout")[:count], max_tokens, 0.0, round_size)
+        return self_generate(llm, prompts[:count], max_tokens, 0.0, round_size)
     finally:
         llm.shutdown()
 
@@ -401,8 +403,9 @@ def _eval_command(args, status) -> int:
     if args.data:
         samples = load_samples(args.data)
     else:
-        status(f"generating {args.prompts} held-out answers")
-        samples = generate_heldout(args.model, source.arch, device, args.prompts, args.max_tokens, args.gen_batch)
+        status(f"generating {args.prompts} answers to {args.prompt_set} prompts")
+        samples = generate_heldout(args.model, source.arch, device, args.prompts, args.max_tokens, args.gen_batch,
+                                   args.prompt_set)
     status("loading the target")
     target = load_teacher(source, device, dtype)
     head, _ = load_mtp_file(head_path, source.arch, dtype, device)

@@ -215,6 +215,33 @@ def test_heldout_prompts_share_no_prompt_and_no_subject_with_training():
     assert mp.chat_prompts("train") == mp.chat_prompts("train")    # deterministic order
 
 
+def test_everyday_prompts_are_of_kinds_no_template_produces():
+    """eval-mtp's everyday set: ten kinds of request, one of each in turn, none a prompt of either
+    split nor matching any template of the trainer's."""
+    import re
+    prompts = mp.everyday_prompts()
+    assert len(mp.EVERYDAY) == 10 and len(prompts) == sum(map(len, mp.EVERYDAY.values())) == len(set(prompts))
+    assert {next(k for k, v in mp.EVERYDAY.items() if p in v) for p in prompts[:10]} == set(mp.EVERYDAY)
+    assert not set(prompts) & (set(mp.chat_prompts("train")) | set(mp.chat_prompts("heldout")))
+    templates = [t.replace("{a}", "{}").replace("{b}", "{}") for t in mp.TOPIC_TEMPLATES + mp.SKILL_TEMPLATES
+                 + mp.CODE_TEMPLATES + mp.SENTENCE_TEMPLATES + mp.MATH_TEMPLATES]
+    patterns = [re.compile(re.escape(t).replace(re.escape("{}"), ".+")) for t in templates]
+    assert all(pat.fullmatch(t.replace("{}", "x")) for pat, t in zip(patterns, templates))
+    assert not [p for p in prompts if any(pat.fullmatch(p) for pat in patterns)]
+
+
+def test_eval_mtp_answers_the_prompt_set_it_is_given(default_source):
+    """`eval-mtp --prompt-set everyday` scores the target's answers to the everyday requests."""
+    from pipespec.cli import build_parser
+    from pipespec.train.recipe import generate_heldout
+    assert build_parser().parse_args(["eval-mtp", "--prompt-set", "everyday"]).prompt_set == "everyday"
+    tok = default_source.tokenizer()
+    for prompt_set, want in (("everyday", mp.everyday_prompts()[:2]), ("heldout", mp.chat_prompts("heldout")[:2])):
+        samples = generate_heldout(None, default_source.arch, torch.device("cpu"), 2, 4, 2, prompt_set)
+        asked = [tok.decode(s.ids[:s.start]) for s in samples]
+        assert all(w in a for w, a in zip(want, asked)) and all(len(s.ids) > s.start for s in samples), asked
+
+
 def test_vocabulary_prompts_mention_no_heldout_subject():
     """Prompts on the default model's vocabulary: thousands of subjects, none a word of a held-out
     subject (checked against the held-out prompts themselves), the same list for the same seed."""
