@@ -79,14 +79,22 @@ def batches(samples: list[Sample], batch_size: int, max_tokens: int | None = Non
     return out
 
 
-@torch.no_grad()
 def agreement(mtp, target, samples: list[Sample], num_steps: int, device, batch_size: int = 16,
               answer_only: bool = True, vocab: DraftVocab | None = None,
               max_tokens: int | None = None) -> list[StepAgreement]:
     """Per step k = 1..num_steps; `vocab`: the head drafts over a draft vocabulary's tokens only;
     `max_tokens`: padded tokens a batch at most (bounds memory, see `batches`)."""
+    return agreements(mtp, target, samples, num_steps, device, [vocab], batch_size, answer_only, max_tokens)[0]
+
+
+@torch.no_grad()
+def agreements(mtp, target, samples: list[Sample], num_steps: int, device, vocabs: list[DraftVocab | None],
+               batch_size: int = 16, answer_only: bool = True,
+               max_tokens: int | None = None) -> list[list[StepAgreement]]:
+    """`agreement` drafting over each of `vocabs` (None: every token), from one target pass and one
+    chained head pass a batch: only the head's LM head and argmax differ between them."""
     device = torch.device(device)
-    results = [StepAgreement(k, 0, 0) for k in range(1, num_steps + 1)]
+    per_vocab = [[StepAgreement(k, 0, 0) for k in range(1, num_steps + 1)] for _ in vocabs]
     head = target.head_weight()
     for group in batches(samples, batch_size, max_tokens):
         ids, lens, starts = (x.to(device) for x in collate(group))
@@ -97,29 +105,31 @@ def agreement(mtp, target, samples: list[Sample], num_steps: int, device, batch_
         top = logits.argmax(-1)                   # the logits themselves are not needed past here
         del logits
         outs = chained_mtp(mtp, target, ids, hidden, num_steps)
-        chain_ok = None
-        runs = torch.zeros(ids.shape[0], n - 1, dtype=torch.int64, device=device)
-        for k, out in enumerate(outs, 1):
-            mask = step_mask(lens, starts if answer_only else None, n, k)
-            teacher = torch.zeros_like(mask, dtype=torch.int64)
-            teacher[:, :n - k] = top[:, k:]
-            student = mtp.compute_logits(out, head, vocab=vocab).argmax(-1)
-            if vocab is not None:
-                student = vocab.tokens(student)
-            ok = student == teacher
-            chain_ok = ok if chain_ok is None else chain_ok & ok
-            r = results[k - 1]
-            r.positions += int(mask.sum())
-            r.agree += int((ok & mask).sum())
-            r.chain_positions += int(mask.sum())
-            r.chain_agree += int((chain_ok & mask).sum())
-            runs += chain_ok & mask              # chain_ok is cumulative: the sum is the run length
-        for row, length, start in zip(runs.tolist(), lens.tolist(), starts.tolist()):
-            for r in results:     # (not answer_only: the walk starts at the first row)
-                steps, tokens = walk(row, max(start, 1) if answer_only else 1, length, r.step)
-                r.walk_steps += steps
-                r.walk_tokens += tokens
-    return results
+        masks, teachers = [], []
+        for k in range(1, num_steps + 1):
+            masks.append(step_mask(lens, starts if answer_only else None, n, k))
+            teachers.append(torch.zeros_like(masks[-1], dtype=torch.int64))
+            teachers[-1][:, :n - k] = top[:, k:]
+        for vocab, results in zip(vocabs, per_vocab):
+            chain_ok = None
+            runs = torch.zeros(ids.shape[0], n - 1, dtype=torch.int64, device=device)
+            for out, mask, teacher, r in zip(outs, masks, teachers, results):
+                student = mtp.compute_logits(out, head, vocab=vocab).argmax(-1)
+                if vocab is not None:
+                    student = vocab.tokens(student)
+                ok = student == teacher
+                chain_ok = ok if chain_ok is None else chain_ok & ok
+                r.positions += int(mask.sum())
+                r.agree += int((ok & mask).sum())
+                r.chain_positions += int(mask.sum())
+                r.chain_agree += int((chain_ok & mask).sum())
+                runs += chain_ok & mask              # chain_ok is cumulative: the sum is the run length
+            for row, length, start in zip(runs.tolist(), lens.tolist(), starts.tolist()):
+                for r in results:     # (not answer_only: the walk starts at the first row)
+                    steps, tokens = walk(row, max(start, 1) if answer_only else 1, length, r.step)
+                    r.walk_steps += steps
+                    r.walk_tokens += tokens
+    return per_vocab
 
 
 def format_table(results: list[StepAgreement]) -> str:

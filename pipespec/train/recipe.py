@@ -24,7 +24,7 @@ from pipespec.train.sizing import (CPU_GEN_STEP_TOKENS, StepSize, default_gen_ba
                                    eval_batch_tokens, expected_memory_bytes)
 from pipespec.train.data import (Batcher, Sample, load_data, load_samples, most_frequent_tokens, plain_text_samples,
                                  save_data, save_samples, self_generate)
-from pipespec.train.evaluate import agreement, as_dict, report
+from pipespec.train.evaluate import agreement, agreements, as_dict, report
 from pipespec.train.prompts import chat_prompts, everyday_prompts, vocabulary_prompts
 from pipespec.train.loop import TrainConfig, train
 from pipespec.train.payoff import draft_cost_ratio, payoff
@@ -286,7 +286,14 @@ def _train_command(args, status) -> int:
     seen_samples = data["chat"][:len(data["heldout"]) or 64]       # as many as held out, to compare
     status(f"evaluating the head on {len(data['heldout'])} held-out answers and {len(seen_samples)} training answers")
     t_eval = time.perf_counter()
-    heldout = agreement(head, target, data["heldout"], cfg.num_steps, device, max_tokens=eval_tokens)
+    tensors = vocab = None
+    if args.draft_vocab:
+        ids = most_frequent_tokens(data["chat"], source.arch.vocab_size, args.draft_vocab)
+        tensors = {DRAFT_VOCAB_TENSOR: ids}
+        vocab = DraftVocab(ids.to(device))
+    # with a draft vocabulary: the held-out answers scored both ways from one pass of the target
+    heldout, *with_vocab = agreements(head, target, data["heldout"], cfg.num_steps, device,
+                                      [None] + ([vocab] if vocab is not None else []), max_tokens=eval_tokens)
     seen = agreement(head, target, seen_samples, cfg.num_steps, device, max_tokens=eval_tokens)
     extra = {"pipespec.train": info, "pipespec.eval_heldout": as_dict(heldout),
              "pipespec.eval_train_sample": as_dict(seen), "pipespec.num_spec_steps": cfg.num_steps}
@@ -295,23 +302,17 @@ def _train_command(args, status) -> int:
         save_samples(args.check_set, check)
         extra["pipespec.eval_check"] = as_dict(agreement(head, target, check, cfg.num_steps, device,
                                                          max_tokens=eval_tokens))
-    tensors = None
-    if args.draft_vocab:
-        ids = most_frequent_tokens(data["chat"], source.arch.vocab_size, args.draft_vocab)
-        tensors = {DRAFT_VOCAB_TENSOR: ids}
-        vocab = DraftVocab(ids.to(device))
-        with_vocab = agreement(head, target, data["heldout"], cfg.num_steps, device, vocab=vocab,
-                               max_tokens=eval_tokens)
-        extra["pipespec.eval_heldout_draft_vocab"] = as_dict(with_vocab)
+    if with_vocab:
+        extra["pipespec.eval_heldout_draft_vocab"] = as_dict(with_vocab[0])
     t_eval = time.perf_counter() - t_eval
     save_mtp(out, head, source.name, out_dtype, extra, base_arch=source.arch, tensors=tensors)
     print(report(f"held-out ({len(data['heldout'])} self-generated answers to unseen prompts)", heldout,
                  _why_empty(data["heldout"], "held-out answers")))
     print(report(f"training answers (first {len(seen_samples)}, for the generalization gap)", seen,
                  _why_empty(seen_samples, "chat answers in the training set")))
-    if args.draft_vocab:
+    if with_vocab:
         print(report(f"held-out, drafting over the draft vocabulary ({args.draft_vocab} most frequent answer "
-                     f"tokens, written to the head file)", with_vocab, "no held-out answers"))
+                     f"tokens, written to the head file)", with_vocab[0], "no held-out answers"))
     if args.check_set:
         print(f"\ncheck set ({args.check_set}): {extra['pipespec.eval_check']}")
     warn_if_slower(heldout, target, head, f"Train longer (--max-time, now {args.max_time} s; trained "

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from pipespec.train.data import Sample, collate
-from pipespec.train.evaluate import agreement, walk
+from pipespec.train.evaluate import agreement, agreements, walk
 from pipespec.train.forward import target_pass
 
 
@@ -64,3 +64,10 @@ def test_a_draft_vocabulary_restricts_the_heads_choice():
     assert teacher.agree < full[0].agree or full[0].agree == 0
     _, logits = target_pass(target, collate(samples)[0])
     assert teacher.agree <= int((logits.argmax(-1) == 7).sum())
+    # several vocabularies from one pass (train-mtp's held-out answers with and without its list):
+    # each scored as on its own
+    small = DraftVocab(torch.arange(0, 64, 3))
+    both = agreements(head, target, samples, 2, "cpu", [None, small])
+    alone = agreement(head, target, samples, 2, "cpu", vocab=small)
+    key = lambda rs: [(r.positions, r.agree, r.chain_agree, r.walk_steps, r.walk_tokens) for r in rs]  # noqa: E731
+    assert key(both[0]) == key(full) and key(both[1]) == key(alone) and key(alone) != key(full)
