@@ -9,24 +9,21 @@ from torch import nn
 
 from pipespec import kernels
 from pipespec.model.arch import ArchConfig
-from pipespec.model.linear import linear
+from pipespec.model.linear import linear, weight_times_rows
 from pipespec.model.tp_layers import SINGLE, Shard, gate_up_parallel, gather_vocab, RowParallelLinear, vocab_shard
 from pipespec.parallel import TensorParallel
 
 
 def head_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight.T for an LM head [V, H]. On CPU, MKL computes few rows against a row-major head
-    fastest as weight @ x.T (one row padded to two: one row alone takes a slower matrix-vector
-    path; RESULTS.md)."""
+    """x @ weight.T for an LM head [V, H]: on CPU at any row count as `weight_times_rows` (its
+    transposed view, not copied: the logits are read by column as often as by row)."""
     if x.device.type != "cpu" or x.dim() != 2 or weight.stride(1) != 1:
         return linear(x, weight)
-    rows = x if x.shape[0] > 1 else x.expand(2, -1).contiguous()   # a real second row: BLAS needs it
-    return (weight @ rows.t()).t()[:x.shape[0]]
+    return weight_times_rows(x, weight)
 
 
 class LMHead(nn.Linear):
-    """A projection onto the vocabulary. Its product goes through `head_logits`, so on CPU it stays
-    row-major (see `prefer_column_major`)."""
+    """A projection onto the vocabulary. Its product goes through `head_logits`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return head_logits(x, self.weight)
@@ -143,15 +140,3 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj(x), gated=True)
-
-
-def prefer_column_major(module: torch.nn.Module) -> None:
-    """Store every layer's [out, in] matrix transposed in memory (same values, same shape).
-
-    On CPU, MKL's matrix-vector product reads such a layout faster, and batch-1 decode is made of
-    them (RESULTS.md). Embeddings and LM heads stay row-major: lookups want rows, and `head_logits`
-    is fastest on a row-major head at any row count.
-    """
-    for m in module.modules():
-        if isinstance(m, torch.nn.Linear) and not isinstance(m, LMHead):
-            m.weight.data = m.weight.data.t().contiguous().t()

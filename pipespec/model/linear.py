@@ -2,8 +2,9 @@
 
 Decode rows on the GPU (at most `gemv.dense_gemv_rows(weight)` of them: 2, or 4 for a small weight;
 weight and input of one dtype) take the CUDA-core GEMV kernel (`kernels/gemv.py`), which streams a
-small projection's weight closer to the memory bandwidth than cuBLAS does at one row; everything
-else (prefill, CPU, training) is `F.linear`. With `gated`, x is a fused gate/up row cat[gate, up]
+small projection's weight closer to the memory bandwidth than cuBLAS does at one row; fewer than
+`CPU_PRODUCT_ROWS` rows on the CPU take `weight_times_rows`; everything else (prefill, training) is
+`F.linear`. With `gated`, x is a fused gate/up row cat[gate, up]
 and the product is of silu(gate) * up: the decode kernel fuses the activation, the other paths
 apply it first.
 `Linear` is an `nn.Linear` whose product takes this path (a replicated projection: MLA's latent
@@ -38,7 +39,26 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return y if bias is None else y + bias
     if gated:
         x = silu_mul(x)
+    if (x.device.type == "cpu" and x.numel() < CPU_PRODUCT_ROWS * x.shape[-1] and weight.dim() == 2
+            and weight.stride(1) == 1 and x.dtype == weight.dtype):      # (contiguous: the next op reads rows)
+        lead = x.shape[:-1]
+        y = weight_times_rows(x.reshape(-1, x.shape[-1]), weight).contiguous().view(*lead, weight.shape[0])
+        return y if bias is None else y + bias
     return nn.functional.linear(x.float() if widen else x, weight, bias)
+
+
+CPU_PRODUCT_ROWS = 64      # from here on (prefill) F.linear is as fast and its output needs no copy
+
+
+def weight_times_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ weight [N, K].T on CPU for a row-major weight, computed as weight @ x.T, a
+    transposed [M, N] view: MKL runs that form fastest at every row count we measured (1 to 256),
+    up to 3x F.linear's at 2-16 rows (a batch, or a verify step's 1 + K rows); one row is padded to
+    two, since one row alone takes a slower matrix-vector path (RESULTS.md)."""
+    if not x.shape[0]:
+        return x.new_empty(0, weight.shape[0])
+    rows = x if x.shape[0] > 1 else x.expand(2, -1).contiguous()   # a real second row: BLAS needs it
+    return (weight @ rows.t()).t()[:x.shape[0]]
 
 
 class Linear(nn.Linear):

@@ -31,7 +31,6 @@ import torch
 from pipespec.checkpoint.source import ModelSource
 from pipespec.config import EngineConfig
 from pipespec.model.attention import CacheShape, ForwardContext, allocate_caches, cache_bytes_per_block, choose_backend
-from pipespec.model.layers import prefer_column_major
 from pipespec.model.linear_state import LinearFlags, LinearMeta, StateSnapshots, allocate_states, state_bytes
 from pipespec.parallel import TensorParallel
 from pipespec.placement import resolve_device, resolve_dtype
@@ -68,9 +67,6 @@ class Stage:
         if self.is_last and self.num_spec_tokens:
             self.drafter = build_proposer(self.model, source, config, self.dtype, self.device, max_position,
                                           self.tp)
-        if self.device.type == "cpu":
-            for module in self.modules_with_weights():
-                prefer_column_major(module)
         self.kv_caches = None
         self.linear_states = None          # Gated DeltaNet layers: per-request state slots
         self.state_snapshots = None        # and the prefix cache's snapshots of them

@@ -1,4 +1,4 @@
-"""Shared layers on CPU: the LM-head product and the layout the runner gives weights."""
+"""Shared layers on CPU: the LM-head and linear products."""
 import torch
 
 from pipespec.model.layers import LMHead, head_logits
@@ -14,10 +14,15 @@ def test_head_logits_equals_linear_for_any_row_count():
     torch.testing.assert_close(head_logits(x, col), torch.nn.functional.linear(x, w))
 
 
-def test_cpu_layout_keeps_heads_and_embeddings_row_major():
-    from pipespec.model.layers import prefer_column_major
-    model = torch.nn.ModuleDict({"embed": torch.nn.Embedding(100, 8), "proj": torch.nn.Linear(8, 8),
-                                 "head": LMHead(8, 100, bias=False)})
-    prefer_column_major(model)
-    assert model["embed"].weight.is_contiguous() and model["head"].weight.is_contiguous()
-    assert model["proj"].weight.stride() == (1, 8)
+def test_cpu_linear_products_equal_f_linear_at_every_row_count():
+    """Fewer than CPU_PRODUCT_ROWS rows take weight_times_rows (contiguous, any leading shape), more
+    take F.linear; the same numbers either way, and the engine keeps the weights as loaded."""
+    from pipespec.model.linear import CPU_PRODUCT_ROWS, linear
+    w, b = torch.randn(48, 16), torch.randn(48)
+    for rows in (0, 1, 2, 5, CPU_PRODUCT_ROWS - 1, CPU_PRODUCT_ROWS, 100):
+        x = torch.randn(rows, 16)
+        got = linear(x, w, b)
+        torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b))
+        assert got.shape == (rows, 48) and got.is_contiguous()
+    x = torch.randn(2, 3, 16)
+    torch.testing.assert_close(linear(x, w), torch.nn.functional.linear(x, w))

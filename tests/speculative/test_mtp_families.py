@@ -133,8 +133,8 @@ def test_untied_last_stage_proposer_owns_its_embedding_copy(echo_models):
     assert any(m is copy for m in held) and all(any(m is layer for m in held) for layer in last.drafter.layers)
     assert sum(p is copy.weight for m in last.modules_with_weights() for p in m.parameters()) == 1    # counted once for the KV budget
     assert copy.weight.is_contiguous()              # embeddings stay row-major on CPU (lookups read rows)
-    assert all(not m.weight.is_contiguous() for layer in last.drafter.layers        # the layers' linears
-               for m in layer.modules() if type(m) is torch.nn.Linear)            # are column-major
+    assert all(m.weight.is_contiguous() for layer in last.drafter.layers            # the layers' linears
+               for m in layer.modules() if type(m) is torch.nn.Linear)            # too, as loaded
     # a stage that holds the target's embedding drafts with it, and holds no copy
     whole = Stage(source, config, (0, tf.LAYERS), 64)
     assert whole.drafter.embedding is None
