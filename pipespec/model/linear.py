@@ -39,8 +39,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return y if bias is None else y + bias
     if gated:
         x = silu_mul(x)
-    if (x.device.type == "cpu" and x.numel() < CPU_PRODUCT_ROWS * x.shape[-1] and weight.dim() == 2
-            and weight.stride(1) == 1 and x.dtype == weight.dtype):      # (contiguous: the next op reads rows)
+    rows = x.numel() // max(x.shape[-1], 1)
+    if (x.device.type == "cpu" and rows < CPU_PRODUCT_ROWS and weight.dim() == 2 and weight.stride(1) == 1
+            and x.dtype == weight.dtype and (rows > 1 or torch.get_num_threads() > 1)):
+        # (one row on one thread: F.linear's matrix-vector path is the faster one there, RESULTS.md;
+        # contiguous: the next op reads rows)
         lead = x.shape[:-1]
         y = weight_times_rows(x.reshape(-1, x.shape[-1]), weight).contiguous().view(*lead, weight.shape[0])
         return y if bias is None else y + bias

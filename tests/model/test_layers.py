@@ -26,3 +26,10 @@ def test_cpu_linear_products_equal_f_linear_at_every_row_count():
         assert got.shape == (rows, 48) and got.is_contiguous()
     x = torch.randn(2, 3, 16)
     torch.testing.assert_close(linear(x, w), torch.nn.functional.linear(x, w))
+    threads = torch.get_num_threads()
+    try:                                   # one row on one thread takes F.linear
+        torch.set_num_threads(1)
+        x = torch.randn(1, 16)
+        torch.testing.assert_close(linear(x, w, b), torch.nn.functional.linear(x, w, b))
+    finally:
+        torch.set_num_threads(threads)
