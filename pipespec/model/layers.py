@@ -15,8 +15,9 @@ from pipespec.parallel import TensorParallel
 
 
 def head_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight.T for an LM head [V, H]: on CPU at any row count as `weight_times_rows` (its
-    transposed view, not copied: the logits are read by column as often as by row)."""
+    """x @ weight.T for an LM head [V, H]: on CPU at any row count as `weight_times_rows`, its
+    transposed view as it is (the logits' readers, argmax and sampling, take any strides; `linear`
+    copies only because the next layer reads rows)."""
     if x.device.type != "cpu" or x.dim() != 2 or weight.stride(1) != 1:
         return linear(x, weight)
     return weight_times_rows(x, weight)

@@ -25,6 +25,15 @@ def _decode_gemv(x: torch.Tensor, weight: torch.Tensor, widen: bool) -> bool:
     return x.numel() <= dense_gemv_rows(weight) * x.shape[-1]
 
 
+def _cpu_rows_product(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a CPU product takes `weight_times_rows`: a row-major weight of x's dtype and fewer
+    than CPU_PRODUCT_ROWS rows, but not one row on one thread, where F.linear's matrix-vector path
+    is the faster one (RESULTS.md)."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    return (rows < CPU_PRODUCT_ROWS and weight.dim() == 2 and weight.stride(1) == 1 and x.dtype == weight.dtype
+            and (rows > 1 or torch.get_num_threads() > 1))
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            gated: bool = False) -> torch.Tensor:
     """x [..., K] (gated: [..., 2K]) @ weight [N, K].T + bias -> [..., N]. A float32 weight with a
@@ -39,12 +48,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return y if bias is None else y + bias
     if gated:
         x = silu_mul(x)
-    rows = x.numel() // max(x.shape[-1], 1)
-    if (x.device.type == "cpu" and rows < CPU_PRODUCT_ROWS and weight.dim() == 2 and weight.stride(1) == 1
-            and x.dtype == weight.dtype and (rows > 1 or torch.get_num_threads() > 1)):
-        # (one row on one thread: F.linear's matrix-vector path is the faster one there, RESULTS.md;
-        # contiguous: the next op reads rows)
-        lead = x.shape[:-1]
+    if x.device.type == "cpu" and _cpu_rows_product(x, weight):
+        lead = x.shape[:-1]                  # (contiguous: the next op reads rows)
         y = weight_times_rows(x.reshape(-1, x.shape[-1]), weight).contiguous().view(*lead, weight.shape[0])
         return y if bias is None else y + bias
     return nn.functional.linear(x.float() if widen else x, weight, bias)
@@ -55,9 +60,9 @@ CPU_PRODUCT_ROWS = 64      # from here on (prefill) F.linear is as fast and its 
 
 def weight_times_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ weight [N, K].T on CPU for a row-major weight, computed as weight @ x.T, a
-    transposed [M, N] view: MKL runs that form fastest at every row count we measured (1 to 256),
-    up to 3x F.linear's at 2-16 rows (a batch, or a verify step's 1 + K rows); one row is padded to
-    two, since one row alone takes a slower matrix-vector path (RESULTS.md)."""
+    transposed [M, N] view: MKL runs that form faster than F.linear's for a few rows (a batch, or a
+    verify step's 1 + K rows); one row is padded to two, since one row alone takes a slower
+    matrix-vector path on several threads (RESULTS.md has the figures)."""
     if not x.shape[0]:
         return x.new_empty(0, weight.shape[0])
     rows = x if x.shape[0] > 1 else x.expand(2, -1).contiguous()   # a real second row: BLAS needs it

@@ -165,7 +165,7 @@ class CudaGraphs:
         # the last stage: every request samples, in a line of K draft rows (some may be dummies)
         if self.is_last and (plan.sampling_reqs.shape[0] != b or bool((plan.num_draft_rows.numpy() != self.num_spec_tokens).any())):
             return None
-        return next(n for n in self.buckets if n >= b)
+        return self._bucket_size(b)
 
     def forward(self, bucket: int, inp: StepInput, inbound: torch.Tensor | None) -> tuple:
         """Replay bucket's forward graph for `inp` (written padded to it); (hidden, residual, logits)
@@ -190,12 +190,16 @@ class CudaGraphs:
         if tokens is not None:
             self.tokens[:n_req].copy_(tokens)
             self.num_sampled[:n_req].copy_(num_sampled)
-        bucket = self._buckets[next(b for b in self.buckets if b >= n_req)]
+        bucket = self._buckets[self._bucket_size(n_req)]
         if not drafting and bucket.finish_plain is not None:
             bucket.finish_plain.replay()
             return bucket.data_plain[:n_req]
         bucket.finish.replay()
         return bucket.data[:n_req]
+
+    def _bucket_size(self, batch: int) -> int:
+        """The smallest bucket that holds `batch` requests."""
+        return next(b for b in self.buckets if b >= batch)
 
     def logprobs(self, num_logprobs: int) -> torch.Tensor:
         """The packed logprobs (`sampling.logprob_columns`) of the step just replayed and finished:
@@ -205,7 +209,7 @@ class CudaGraphs:
         (logsumexp and topk are several kernels each), a host cost that would bound every step.
         Returns [live requests, (1 + K) * logprob_width(N)], a view the next replay rewrites."""
         n_req = self._live
-        b = next(n for n in self.buckets if n >= n_req)
+        b = self._bucket_size(n_req)
         entry = self._logprob_graphs.get((b, num_logprobs))
         if entry is None:
             logits, tokens = self._buckets[b].out[2], self.tokens[:b]
@@ -228,7 +232,7 @@ class CudaGraphs:
         were captured, which is safe because each one's output is read before another replays
         (these write into a buffer of their own, outside the pool)."""
         n_req, q = self._live, self.num_spec_tokens + 1
-        b = next(n for n in self.buckets if n >= n_req)
+        b = self._bucket_size(n_req)
         rows = lambda t: 0 if t is None or not t.shape[0] else max(16, 1 << (t.shape[0] - 1).bit_length())  # noqa: E731
         key = (b, rows(plan.penalty_tokens) if plan.penalties is not None else -1, rows(plan.bias_entries), carried)
         tables = padded_logits_tables(plan.penalties, plan.penalty_tokens, plan.bias_entries, plan.bias_values,
@@ -261,7 +265,7 @@ class CudaGraphs:
 
     def bucket(self, batch: int) -> Bucket:
         """The captured bucket a batch of `batch` requests replays (benchmarks time its graphs)."""
-        return self._buckets[next(b for b in self.buckets if b >= batch)]
+        return self._buckets[self._bucket_size(batch)]
 
 
 def capture_graph(pool, fn):
