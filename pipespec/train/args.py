@@ -59,6 +59,15 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     d.add_argument("--vocab-prompts", type=int, default=0,
                    help="more training prompts, on words of the target's vocabulary (a topic template each; "
                         "no held-out subject's word), mixed in with the others")
+    d.add_argument("--kind-prompts", type=int, default=0,
+                   help="more training prompts: requests of several dozen kinds (poems, recipes, emails, code, plans, "
+                        "...; request_kinds.py) about the training subjects, mixed in with the others")
+    d.add_argument("--written-prompts", type=int, default=0,
+                   help="more training prompts the target writes itself: it continues N lists of requests, and the "
+                        "lines that read as a request are answered with the others")
+    d.add_argument("--follow-ups", type=int, default=0,
+                   help="N of the training prompts get a second user turn (\"Can you make it shorter?\", ...) after "
+                        "their greedy answer, whose answer is trained on too (multi-turn answers)")
     d.add_argument("--gen-temperatures", default="0.0,0.7",
                    help="one pass over the prompts per temperature, in order, while time remains")
     d.add_argument("--gen-max-tokens", type=int, default=256)
@@ -72,7 +81,11 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                         "with --max-time 10x what the budget can train on)")
     d.add_argument("--text-fraction", type=float, default=0.25)
     e = p.add_argument_group("evaluation")
-    e.add_argument("--heldout-prompts", type=int, default=128)
+    e.add_argument("--heldout-prompts", type=int, default=128,
+                   help="held-out answers: prompts about subjects no training prompt mentions")
+    e.add_argument("--heldout-kind-prompts", type=int, default=None,
+                   help="held-out answers of kinds of request no training prompt is of (default: as many as "
+                        "--heldout-prompts when --kind-prompts or --written-prompts is set, else none)")
     e.add_argument("--eval-dtype", default="float32", choices=DTYPES)
     e.add_argument("--check-set", default=None,
                    help="write a small held-out set here, and record the head's agreement on it")
@@ -90,10 +103,11 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
                    help="samples file to evaluate on instead of generating, or a train-mtp data cache (its "
                         "held-out answers)")
     p.add_argument("--prompts", type=int, default=64, help="held-out prompts to answer (greedy)")
-    p.add_argument("--prompt-set", choices=("heldout", "everyday"), default="heldout",
-                   help="which prompts: the trainer's held-out split (subjects no training prompt mentions), or "
-                        "everyday requests of kinds the trainer's templates never produce (poems, recipes, emails, "
-                        "code, plans, ...)")
+    p.add_argument("--prompt-set", choices=("heldout", "kinds", "everyday"), default="heldout",
+                   help="which prompts: the trainer's held-out split (subjects no training prompt mentions; with "
+                        "--data, the cache's held-out answers), its held-out kinds of request (with --data, the "
+                        "cache's answers to them), or everyday requests written apart from the trainer (poems, "
+                        "recipes, emails, code, plans, ...)")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--gen-batch", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=16)

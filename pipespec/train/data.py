@@ -72,10 +72,30 @@ def load_samples(path: str | Path, split: str = "heldout") -> list[Sample]:
     return _from_json(raw)
 
 
-def self_generate(llm, prompts: list[str], max_tokens: int, temperature: float = 0.0,
-                  round_size: int = 256, deadline: float | None = None, what: str = "answers") -> list[Sample]:
-    """The target's chat answers to `prompts`, at most `round_size` in the engine at once (refilled
-    a quarter of a round at a time).
+def encode_prompt(tok, prompt, chat: bool = True) -> list[int]:
+    """A prompt's token ids: a user turn (str) or a conversation (a list of messages) in the chat
+    template; with `chat=False`, text for the target to continue as it is."""
+    if not chat:
+        return tok.encode(prompt, add_special_tokens=False)
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    return tok.encode(tok.apply_chat_template(messages, True), add_special_tokens=False)
+
+
+def self_generate(llm, prompts: list, max_tokens: int, temperature: float = 0.0,
+                  round_size: int = 256, deadline: float | None = None, what: str = "answers",
+                  chat: bool = True, stop: list[str] | None = None) -> list[Sample]:
+    """The target's answers to `prompts` (encode_prompt's kinds), as samples in prompt order; a
+    prompt whose answer is empty has none. generate_outputs says how they are generated."""
+    outputs = generate_outputs(llm, prompts, max_tokens, temperature, round_size, deadline, what, chat, stop)
+    return [Sample(tuple(out.prompt_token_ids) + tuple(out.outputs[0].token_ids), len(out.prompt_token_ids))
+            for _, out in sorted(outputs.items()) if out.outputs[0].token_ids]
+
+
+def generate_outputs(llm, prompts: list, max_tokens: int, temperature: float = 0.0, round_size: int = 256,
+                     deadline: float | None = None, what: str = "answers", chat: bool = True,
+                     stop: list[str] | None = None) -> dict[int, object]:
+    """{prompt index: its finished (or cut) RequestOutput}, at most `round_size` requests in the
+    engine at once (refilled a quarter of a round at a time).
 
     `deadline` (a `time.monotonic()` instant) is a hard bound: when it passes, the answers under way
     are cut where they are (a greedy answer cut short is still the target's own text, so it still
@@ -86,7 +106,8 @@ def self_generate(llm, prompts: list[str], max_tokens: int, temperature: float =
 
     engine, tok = llm.engine, llm.get_tokenizer()
     # whole answers only: no output of a running request is built at every step
-    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, output_kind=RequestOutputKind.FINAL_ONLY)
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, stop=stop,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
     outputs: dict[int, object] = {}
     live: dict[str, int] = {}
     todo = iter(enumerate(prompts))
@@ -104,8 +125,7 @@ def self_generate(llm, prompts: list[str], max_tokens: int, temperature: float =
             if item is None:
                 return
             i, prompt = item
-            text = tok.apply_chat_template([{"role": "user", "content": prompt}], True)
-            ids = tok.encode(text, add_special_tokens=False)
+            ids = encode_prompt(tok, prompt, chat)
             req = engine.make_request(f"selfgen-{next(_request_ids)}", {"prompt_token_ids": ids}, params)
             engine.submit(req)
             live[req.request_id] = i
@@ -131,19 +151,43 @@ def self_generate(llm, prompts: list[str], max_tokens: int, temperature: float =
             cut_short += 1
             if out is not None:
                 outputs[i] = out
-    samples = []
-    for i in sorted(outputs):
-        out = outputs[i]
-        answer = out.outputs[0].token_ids
-        if answer:
-            samples.append(Sample(tuple(out.prompt_token_ids) + tuple(answer), len(out.prompt_token_ids)))
-    tokens = sum(len(s.ids) - s.start for s in samples)
+    tokens = sum(len(out.outputs[0].token_ids) for out in outputs.values())
     seconds = time.monotonic() - t0
     cut = (f"; the time budget cut {cut_short} short and left {len(prompts) - started} unstarted"
            if cut_short or started < len(prompts) else "")
-    logger.info("%s: %d answers (%d tokens, %.0f tok/s) in %.1f s%s", what, len(samples), tokens,
+    logger.info("%s: %d answers (%d tokens, %.0f tok/s) in %.1f s%s", what, len(outputs), tokens,
                 tokens / max(seconds, 1e-9), seconds, cut)
-    return samples
+    return outputs
+
+
+def written_requests(llm, count: int, round_size: int, deadline: float | None = None, seed: int = 0) -> list[str]:
+    """Up to `count` requests the target writes itself (request_kinds.writing_prompts), the ones
+    that read as a request, without repeats."""
+    from pipespec.train.request_kinds import parse_written, writing_prompts
+
+    outputs = generate_outputs(llm, writing_prompts(count, seed=seed), 48, 0.8, round_size, deadline,
+                               "requests the target writes", chat=False, stop=["\n"])
+    requests = (parse_written(out.outputs[0].text) for _, out in sorted(outputs.items()))
+    unique = list(dict.fromkeys(r for r in requests if r))
+    logger.info("kept %d of %d written requests (the rest did not read as one, or repeated one)",
+                len(unique), len(outputs))
+    return unique
+
+
+def two_turn_samples(llm, prompts: list[str], max_tokens: int, round_size: int, deadline: float | None = None,
+                     seed: int = 0) -> list[Sample]:
+    """Greedy answers to `prompts`, then to a follow-up turn after each (request_kinds.FOLLOW_UPS):
+    the samples of both turns (a second turn's sample holds the whole conversation, its answer alone
+    counted)."""
+    from pipespec.train.request_kinds import follow_up_conversations
+
+    first = generate_outputs(llm, prompts, max_tokens, 0.0, round_size, deadline, "first turns")
+    # a second turn only after a first answer that ended as the target ended it (not cut by the deadline)
+    done = sorted(i for i, out in first.items() if out.outputs[0].finish_reason in ("stop", "length"))
+    conversations = follow_up_conversations([(prompts[i], first[i].outputs[0].text) for i in done], seed)
+    samples = [Sample(tuple(first[i].prompt_token_ids) + tuple(first[i].outputs[0].token_ids),
+                      len(first[i].prompt_token_ids)) for i in done]
+    return samples + self_generate(llm, conversations, max_tokens, 0.0, round_size, deadline, "second turns")
 
 
 def most_frequent_tokens(samples: list[Sample], vocab_size: int, n: int) -> torch.Tensor:

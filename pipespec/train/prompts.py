@@ -248,7 +248,7 @@ def everyday_prompts() -> list[str]:
     return [kind[i] for i in range(max(map(len, kinds))) for kind in kinds if i < len(kind)]
 
 
-def _held_out(subject: str, fraction: float) -> bool:
+def held_out(subject: str, fraction: float = 0.15) -> bool:
     # stable across runs and machines (unlike hash()): a subject's side never changes
     return zlib.crc32(subject.encode()) % 1000 < fraction * 1000
 
@@ -262,7 +262,7 @@ def chat_prompts(split: str, heldout_fraction: float = 0.15, seed: int = 0) -> l
 
     def add(templates, subjects):
         for subject in subjects:
-            if _held_out(subject, heldout_fraction) == want_heldout:
+            if held_out(subject, heldout_fraction) == want_heldout:
                 prompts.extend(t.format(subject) for t in templates)
 
     add(TOPIC_TEMPLATES, TOPICS)
@@ -274,7 +274,7 @@ def chat_prompts(split: str, heldout_fraction: float = 0.15, seed: int = 0) -> l
         a, b = rng.randint(2, 500), rng.randint(2, 99)
         template = MATH_TEMPLATES[i % len(MATH_TEMPLATES)]
         key = f"math-{a}-{b}"
-        if _held_out(key, heldout_fraction) == want_heldout:
+        if held_out(key, heldout_fraction) == want_heldout:
             prompts.append(template.format(a=a, b=b))
     prompts = sorted(set(prompts))
     random.Random(seed).shuffle(prompts)
@@ -289,7 +289,7 @@ def heldout_words(heldout_fraction: float = 0.15) -> set[str]:
     words = set()
     for subjects in (TOPICS, SKILLS, CODE_TASKS, SENTENCES):
         for subject in subjects:
-            if _held_out(subject, heldout_fraction):
+            if held_out(subject, heldout_fraction):
                 words.update(re.findall(r"[a-z]+", subject.lower()))
     return words
 

@@ -23,9 +23,10 @@ from pipespec.train.progress import Heartbeat, peak_rss_bytes
 from pipespec.train.sizing import (CPU_GEN_STEP_TOKENS, StepSize, default_gen_batch, default_step, default_text_tokens,
                                    eval_batch_tokens, expected_memory_bytes)
 from pipespec.train.data import (Batcher, Sample, load_data, load_samples, most_frequent_tokens, plain_text_samples,
-                                 save_data, save_samples, self_generate)
+                                 save_data, save_samples, self_generate, two_turn_samples, written_requests)
 from pipespec.train.evaluate import agreement, agreements, as_dict, report
 from pipespec.train.prompts import chat_prompts, everyday_prompts, vocabulary_prompts
+from pipespec.train.request_kinds import kind_prompts
 from pipespec.train.loop import TrainConfig, train
 from pipespec.train.payoff import draft_cost_ratio, payoff
 
@@ -64,9 +65,15 @@ def _warm_up(llm) -> None:
     llm.generate({"prompt_token_ids": [0, 1, 2, 3]}, SamplingParams(max_tokens=2), use_tqdm=False)
 
 
+# eval-mtp's --prompt-set: the prompts it answers, and the split of a data cache (--data) it reads instead
+PROMPT_SETS = {"heldout": (lambda: chat_prompts("heldout"), "heldout"),
+               "kinds": (lambda: kind_prompts("heldout"), "heldout_kinds"),
+               "everyday": (everyday_prompts, None)}
+
+
 def generate_heldout(model, arch, device, count: int, max_tokens: int, round_size: int,
                      prompt_set: str = "heldout") -> list[Sample]:
-    prompts = everyday_prompts() if prompt_set == "everyday" else chat_prompts("heldout")
+    prompts = PROMPT_SETS[prompt_set][0]()
     llm = _engine(model, arch, device, min(round_size, count), max_tokens)
     try:
         return self_generate(llm, prompts[:count], max_tokens, 0.0, round_size)
@@ -74,16 +81,30 @@ def generate_heldout(model, arch, device, count: int, max_tokens: int, round_siz
         llm.shutdown()
 
 
+def heldout_kind_count(args) -> int:
+    """--heldout-kind-prompts, default: as many as --heldout-prompts when the run trains on requests
+    of many kinds (--kind-prompts, --written-prompts), else none."""
+    if args.heldout_kind_prompts is not None:
+        return args.heldout_kind_prompts
+    return args.heldout_prompts if args.kind_prompts or args.written_prompts else 0
+
+
 def build_data(args, source, device) -> dict[str, list[Sample]]:
-    """Held-out answers, training answers and text windows. `--gen-time` bounds both kinds of answers
-    together (budget.py says how it is split); the clock starts once the engine is loaded."""
+    """Held-out answers (to unseen subjects, and to unseen kinds of request), training answers and
+    text windows. `--gen-time` bounds all answers together (budget.py says how it is split); the
+    clock starts once the engine is loaded.
+
+    The training prompts: the templates' (prompts.py), words of the vocabulary, kinds of request
+    (request_kinds.py) and requests the target writes itself, mixed; the first --follow-ups of them
+    get a second user turn after their greedy answer."""
     prompts = chat_prompts("train")[:args.gen_prompts]
     if args.vocab_prompts:
         prompts += vocabulary_prompts(source.tokenizer(), args.vocab_prompts, seed=args.seed)
-        random.Random(args.seed).shuffle(prompts)     # while time lasts, answers of both kinds
+    prompts += kind_prompts("train", args.kind_prompts, seed=args.seed) if args.kind_prompts else []
     temps = [float(x) for x in args.gen_temperatures.split(",") if x.strip()]
     chat: list[Sample] = []
     heldout: list[Sample] = []
+    heldout_kinds: list[Sample] = []
     budget = GenBudget(args.gen_time)
     if args.gen_time != 0:
         llm = _engine(args.model, source.arch, device, args.gen_batch, args.gen_max_tokens)
@@ -93,6 +114,18 @@ def build_data(args, source, device) -> dict[str, list[Sample]]:
             heldout_deadline, deadline = budget.deadlines(t0)
             heldout = self_generate(llm, chat_prompts("heldout")[:args.heldout_prompts], args.gen_max_tokens,
                                     0.0, args.gen_batch, heldout_deadline, "held-out answers")
+            if heldout_kind_count(args):
+                heldout_kinds = self_generate(llm, kind_prompts("heldout", heldout_kind_count(args)),
+                                              args.gen_max_tokens, 0.0, args.gen_batch, heldout_deadline,
+                                              "held-out kinds' answers")
+            if args.written_prompts:
+                prompts += written_requests(llm, args.written_prompts, args.gen_batch, deadline, args.seed)
+            if args.vocab_prompts or args.kind_prompts or args.written_prompts:
+                random.Random(args.seed).shuffle(prompts)     # while time lasts, answers of every kind
+            if args.follow_ups:
+                chat += two_turn_samples(llm, prompts[:args.follow_ups], args.gen_max_tokens, args.gen_batch,
+                                         deadline, args.seed)
+                prompts = prompts[args.follow_ups:]
             for temp in temps:
                 if deadline is not None and time.monotonic() >= deadline:
                     break
@@ -106,10 +139,13 @@ def build_data(args, source, device) -> dict[str, list[Sample]]:
     text = []
     if args.text_tokens > 0:
         text = plain_text_samples(source.tokenizer(), args.text_tokens, args.seq_len, args.seed)
-    logger.info("data: %d chat samples (%d tokens), %d text windows (%d tokens, %.1f s), %d held-out samples",
-                len(chat), sum(len(s.ids) for s in chat), len(text), sum(len(s.ids) for s in text),
-                time.monotonic() - t1, len(heldout))
-    return {"chat": chat, "text": text, "heldout": heldout}
+    logger.info("data: %d chat samples (%d tokens), %d text windows (%d tokens, %.1f s), %d held-out samples "
+                "(and %d of held-out kinds)", len(chat), sum(len(s.ids) for s in chat), len(text),
+                sum(len(s.ids) for s in text), time.monotonic() - t1, len(heldout), len(heldout_kinds))
+    data = {"chat": chat, "text": text, "heldout": heldout}
+    if heldout_kinds:
+        data["heldout_kinds"] = heldout_kinds
+    return data
 
 
 def check_data(data: dict[str, list[Sample]], args) -> None:
@@ -297,6 +333,10 @@ def _train_command(args, status) -> int:
     seen = agreement(head, target, seen_samples, cfg.num_steps, device, max_tokens=eval_tokens)
     extra = {"pipespec.train": info, "pipespec.eval_heldout": as_dict(heldout),
              "pipespec.eval_train_sample": as_dict(seen), "pipespec.num_spec_steps": cfg.num_steps}
+    kinds = None
+    if data.get("heldout_kinds"):
+        kinds = agreement(head, target, data["heldout_kinds"], cfg.num_steps, device, max_tokens=eval_tokens)
+        extra["pipespec.eval_heldout_kinds"] = as_dict(kinds)
     if args.check_set:
         check = [Sample(s.ids[:args.check_len], s.start) for s in data["heldout"][:args.check_size]]
         save_samples(args.check_set, check)
@@ -308,6 +348,9 @@ def _train_command(args, status) -> int:
     save_mtp(out, head, source.name, out_dtype, extra, base_arch=source.arch, tensors=tensors)
     print(report(f"held-out ({len(data['heldout'])} self-generated answers to unseen prompts)", heldout,
                  _why_empty(data["heldout"], "held-out answers")))
+    if kinds is not None:
+        print(report(f"held-out kinds ({len(data['heldout_kinds'])} answers to kinds of request no training prompt "
+                     f"is of)", kinds, "no answers"))
     print(report(f"training answers (first {len(seen_samples)}, for the generalization gap)", seen,
                  _why_empty(seen_samples, "chat answers in the training set")))
     if with_vocab:
@@ -402,7 +445,10 @@ def _eval_command(args, status) -> int:
     steps = args.steps or int(meta.get("pipespec.num_spec_steps", 3))
     source = resolve_model(args.model)
     if args.data:
-        samples = load_samples(args.data)
+        split = PROMPT_SETS[args.prompt_set][1]
+        if split is None:
+            raise ValueError(f"--prompt-set {args.prompt_set} is answered here, not read from a data cache: drop --data")
+        samples = load_samples(args.data, split)
     else:
         status(f"generating {args.prompts} answers to {args.prompt_set} prompts")
         samples = generate_heldout(args.model, source.arch, device, args.prompts, args.max_tokens, args.gen_batch,

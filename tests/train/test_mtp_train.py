@@ -231,12 +231,15 @@ def test_everyday_prompts_are_of_kinds_no_template_produces():
 
 
 def test_eval_mtp_answers_the_prompt_set_it_is_given(default_source):
-    """`eval-mtp --prompt-set everyday` scores the target's answers to the everyday requests."""
+    """`eval-mtp --prompt-set everyday` scores the target's answers to the everyday requests (and
+    `kinds` to the held-out kinds of request)."""
     from pipespec.cli import build_parser
     from pipespec.train.recipe import generate_heldout
     assert build_parser().parse_args(["eval-mtp", "--prompt-set", "everyday"]).prompt_set == "everyday"
     tok = default_source.tokenizer()
-    for prompt_set, want in (("everyday", mp.everyday_prompts()[:2]), ("heldout", mp.chat_prompts("heldout")[:2])):
+    from pipespec.train.request_kinds import kind_prompts
+    for prompt_set, want in (("everyday", mp.everyday_prompts()[:2]), ("heldout", mp.chat_prompts("heldout")[:2]),
+                             ("kinds", kind_prompts("heldout", 2))):
         samples = generate_heldout(None, default_source.arch, torch.device("cpu"), 2, 4, 2, prompt_set)
         asked = [tok.decode(s.ids[:s.start]) for s in samples]
         assert all(w in a for w, a in zip(want, asked)) and all(len(s.ids) > s.start for s in samples), asked

@@ -214,3 +214,19 @@ def test_eval_mtp_warns_about_a_head_that_would_slow_decoding(tmp_path, default_
     assert code == 0, err
     assert re.search(r"WARNING: this head would make decoding slower: its held-out step-1 agreement is "
                      r"[\d.]+%, .*must exceed \d+% to pay\. Train it longer", out), out
+
+
+def test_eval_mtp_reads_the_split_of_its_prompt_set_from_a_data_cache(tmp_path, default_source, capsys, caplog):
+    check = json.loads(CHECK_SET.read_text())
+    cache = tmp_path / "data.json.gz"
+    cache.write_bytes(gzip.compress(json.dumps(
+        {"chat": [], "text": [], "heldout": [dict(h, ids=h["ids"][:60]) for h in check[:3]],
+         "heldout_kinds": [dict(h, ids=h["ids"][:60]) for h in check[3:5]]}).encode()))
+    for prompt_set, count in (("heldout", 3), ("kinds", 2)):
+        code, out, err, _ = _main(capsys, caplog, "eval-mtp", "--device", "cpu", "--data", str(cache),
+                                  "--prompt-set", prompt_set, "--steps", "1")
+        assert code == 0 and f": {count} samples, teacher-forced" in out, (prompt_set, out, err)
+    code, out, err, log = _main(capsys, caplog, "eval-mtp", "--device", "cpu", "--data", str(cache),
+                                "--prompt-set", "everyday")
+    assert code != 0 and "--prompt-set everyday is answered here, not read from a data cache: drop --data" \
+        in err + log, (err, log)
