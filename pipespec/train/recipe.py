@@ -42,10 +42,11 @@ def load_teacher(source, device, dtype) -> LlamaForCausalLM:
     return target.eval().requires_grad_(False)
 
 
-def _engine(model, arch, device: torch.device, round_size: int, max_tokens: int):
+def _engine(model, arch, device: torch.device, round_size: int, max_tokens: int, turns: int = 1):
     from pipespec import LLM
 
-    max_len = 128 + max_tokens + 64
+    # a prompt of up to 128 tokens and its answer a turn (a second turn's prompt holds the first's answer)
+    max_len = turns * (128 + max_tokens) + 64
     # on a CPU an engine step of thousands of prompt tokens takes tens of seconds, and a deadline is
     # only checked between steps
     step_tokens = CPU_GEN_STEP_TOKENS if device.type == "cpu" else max(4096, min(32768, 64 * round_size))
@@ -107,7 +108,8 @@ def build_data(args, source, device) -> dict[str, list[Sample]]:
     heldout_kinds: list[Sample] = []
     budget = GenBudget(args.gen_time)
     if args.gen_time != 0:
-        llm = _engine(args.model, source.arch, device, args.gen_batch, args.gen_max_tokens)
+        llm = _engine(args.model, source.arch, device, args.gen_batch, args.gen_max_tokens,
+                      turns=2 if args.follow_ups else 1)
         try:
             _warm_up(llm)
             t0 = time.monotonic()
