@@ -204,10 +204,20 @@ class SamplingTensors:
     needs_sort: bool            # host-known: does any row use top-k or top-p?
     all_greedy: bool            # host-known: skip the random path entirely
 
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.temperature, self.top_k, self.top_p, self.min_p, self.seed
+
     def to(self, device) -> "SamplingTensors":
-        move = lambda t: to_device(t, device)  # noqa: E731
-        return SamplingTensors(move(self.temperature), move(self.top_k), move(self.top_p), move(self.min_p),
-                               move(self.seed), self.needs_sort, self.all_greedy)
+        return SamplingTensors(*(to_device(t, device) for t in self.tensors()), self.needs_sort, self.all_greedy)
+
+    def padded(self, rows: int) -> "SamplingTensors":
+        """These rows, then greedy ones up to `rows` (temperature 0, seed 0): a CUDA graph verifies
+        a bucket's fixed number of rows, and what padding rows draw is never read."""
+        def pad(t):
+            out = t.new_zeros(rows)
+            out[:t.shape[0]] = t
+            return out
+        return SamplingTensors(*map(pad, self.tensors()), self.needs_sort, self.all_greedy)
 
 
 def to_device(t: torch.Tensor, device) -> torch.Tensor:

@@ -299,6 +299,30 @@ def test_padded_tables_process_the_real_lines_bitwise_alike():
     assert torch.equal(got[:2], want) and not torch.equal(want, logits)
 
 
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_padded_sampling_verifies_the_real_lines_alike(top_p):
+    """A CUDA graph's verification reads sampling tensors padded to its bucket
+    (`SamplingTensors.padded`): the real lines draw and accept exactly as unpadded, the padding lines
+    verify greedily."""
+    from pipespec.sampling import SamplingTensors
+    from pipespec.speculative.rejection import rejection_sample
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(3, 4, 40, generator=g) * 3
+    drafts = logits[:, :3].argmax(-1)               # drafts the target likes: some accepted
+    drafts[1, 1] = (drafts[1, 1] + 1) % 40
+    num_drafts, first = torch.tensor([3, 3, 2]), torch.tensor([5, 9, 17])
+    st = SamplingTensors(torch.tensor([0.7, 0.0, 1.3]), torch.tensor([0, 0, 5]), torch.full((3,), top_p),
+                         torch.tensor([0.0, 0.0, 0.05]), torch.tensor([11, 12, 13]), top_p < 1, False)
+    want = rejection_sample(logits, drafts, num_drafts, st, first)
+    padded = st.padded(8)
+    assert [t.shape for t in padded.tensors()] == [(8,)] * 5 and (padded.needs_sort, padded.all_greedy) == (top_p < 1, False)
+    assert padded.temperature[3:].eq(0).all() and torch.equal(padded.top_k[:3], st.top_k)
+    pad = lambda t: torch.cat((t, t.new_zeros(5, *t.shape[1:])))           # noqa: E731
+    tokens, num_sampled = rejection_sample(pad(logits), pad(drafts), pad(num_drafts), padded, pad(first))
+    assert torch.equal(tokens[:3], want[0]) and torch.equal(num_sampled[:3], want[1])
+    assert torch.equal(tokens[3:, 0], torch.zeros(5, 40).argmax(-1)) and num_sampled[3:].eq(1).all()
+
+
 def test_neutral_penalties_leave_logits_bitwise():
     from pipespec.sampling import apply_penalties
     logits = torch.randn(2, 3, 50)

@@ -7,10 +7,11 @@ request samples with K draft rows (its real drafts, then dummy rows the schedule
 with, which verification masks). Its shapes then depend on the batch size alone, so the stage's whole
 forward (on the last stage with the LM head over every row, all of them verify rows, and greedy
 verification) is captured once per bucket, and the finish is a second graph. A greedy step is then
-an upload and two replays; a step that samples verifies eagerly between them, with no host sync; a
-step that asks for logprobs replays a graph captured at first use per bucket and number of top
-logprobs, and one with penalties, biases or bans a graph that processes its logits, captured at first
-use per bucket and padded table sizes. Any other step runs eagerly.
+an upload and two replays. Graphs captured when a step first needs them serve the rest: a step that
+samples verifies in a graph per bucket and kind of sampling between the two; one that asks for
+logprobs replays a graph per bucket and number of top logprobs, and one with penalties, biases or
+bans a graph that processes its logits, per bucket and padded table sizes. Any other step (a grammar's
+masks, a prefill) runs eagerly.
 
 A bucket's graphs read the views `StepBuffers.padding_views` gave at capture; a step padded to the
 bucket (`StepBuffers.write(plan, pad_to=b)`) is laid out at the same addresses, its requests first,
@@ -31,7 +32,7 @@ from pipespec.kernels import pdl_scope
 from pipespec.model.attention import AttentionBackend, ForwardContext, KVCache
 from pipespec.model.linear_state import LinearFlags, LinearMeta
 from pipespec.plan import StepPlan
-from pipespec.sampling import apply_penalties, logprob_columns, padded_logits_tables
+from pipespec.sampling import SamplingTensors, apply_penalties, logprob_columns, padded_logits_tables
 from pipespec.stage.carry import Carry, carried_tokens
 from pipespec.stage.step_input import StepBuffers, StepInput, verify
 from pipespec.stage.target import run_target
@@ -82,11 +83,14 @@ class CudaGraphs:
         # [b, 1 + K, V] buffer they write the processed logits into
         self._logits_graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple]] = {}
         self._processed: dict[int, torch.Tensor] = {}
+        # (bucket, all_greedy, needs_sort, from processed logits) -> (graph, its static sampling tensors)
+        self._verify_graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, SamplingTensors]] = {}
         self._pool = None
         self._live = 0
         self.replays = 0                      # steps served from a graph (tests and logs read it)
         self.logprob_replays = 0
         self.logits_replays = 0
+        self.verify_replays = 0
 
     # -- capture --------------------------------------------------------------------------------
 
@@ -144,11 +148,12 @@ class CudaGraphs:
             bucket.forward.reset()
             if bucket.finish is not None:
                 bucket.finish.reset()
-        for graph, _ in (*self._logprob_graphs.values(), *self._logits_graphs.values()):
+        for graph, _ in (*self._logprob_graphs.values(), *self._logits_graphs.values(), *self._verify_graphs.values()):
             graph.reset()
         self._buckets.clear()
         self._logprob_graphs.clear()
         self._logits_graphs.clear()
+        self._verify_graphs.clear()
         self._processed.clear()
 
     # -- replay ---------------------------------------------------------------------------------
@@ -196,6 +201,37 @@ class CudaGraphs:
             return bucket.data_plain[:n_req]
         bucket.finish.replay()
         return bucket.data[:n_req]
+
+    def verify(self, sampling: SamplingTensors, processed: bool) -> None:
+        """Verify the step just replayed with its own sampling parameters (`step_input.verify`:
+        keyed noise, no host read), from the forward graph's logits or, `processed`, from what
+        `processed_logits` just wrote; the tokens and num_sampled go where the finish graph reads
+        them. A graph per bucket, kind of sampling (greedy, sorting for top-k / top-p or not) and
+        source, captured when a step first needs it, over static sampling tensors padded to the
+        bucket (`SamplingTensors.padded`): eagerly, sampled verification takes dozens of launches
+        and five uploads a step."""
+        n_req, q = self._live, self.num_spec_tokens + 1
+        b = self._bucket_size(n_req)
+        key = (b, sampling.all_greedy, sampling.needs_sort, processed)
+        host = sampling.padded(b)
+        entry = self._verify_graphs.get(key)
+        if entry is None:
+            bucket = self._buckets[b]
+            logits = self._processed[b] if processed else bucket.out[2].view(b, q, -1)
+            static = SamplingTensors(*(t.to(logits.device) for t in host.tensors()), sampling.needs_sort,
+                                     sampling.all_greedy)
+
+            def run():
+                tokens, num_sampled = verify(logits, bucket.inp, static)
+                self.tokens[:b].copy_(tokens)
+                self.num_sampled[:b].copy_(num_sampled)
+            entry = self._verify_graphs[key] = (capture_graph(self._pool, run)[0], static)
+            logger.debug("Captured the verification graph of batch size %d, %s", b, key[1:])
+        graph, static = entry
+        for dst, src in zip(static.tensors(), host.tensors()):
+            dst.copy_(src.pin_memory(), non_blocking=True)
+        graph.replay()
+        self.verify_replays += 1
 
     def _bucket_size(self, batch: int) -> int:
         """The smallest bucket that holds `batch` requests."""
@@ -313,6 +349,10 @@ class GraphsByK:
         """The finish graph of the set whose forward was just replayed."""
         return self._replayed.finish(tokens, num_sampled, drafting)
 
+    def verify(self, sampling: SamplingTensors, processed: bool) -> None:
+        """The verification graph of the set whose forward was just replayed."""
+        self._replayed.verify(sampling, processed)
+
     def logprobs(self, num_logprobs: int) -> torch.Tensor:
         """The logprobs graph of the set whose step was just replayed and finished."""
         return self._replayed.logprobs(num_logprobs)
@@ -332,6 +372,10 @@ class GraphsByK:
     @property
     def logits_replays(self) -> int:
         return sum(g.logits_replays for g in self.by_k.values())
+
+    @property
+    def verify_replays(self) -> int:
+        return sum(g.verify_replays for g in self.by_k.values())
 
     @property
     def buckets(self) -> list[int]:

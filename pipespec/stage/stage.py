@@ -311,8 +311,6 @@ class Stage:
         if shortcut:
             data = self.graphs.finish(drafting=drafting)
         else:
-            # greedy verification reads no sampling tensor: spare their upload
-            sampling = None if plan.sampling.all_greedy else plan.sampling.to(self.device)
             processed = logits
             if plan.penalties is not None or plan.bias_entries is not None:
                 # penalties, bias, bans (logprobs stay the raw model's)
@@ -330,11 +328,17 @@ class Stage:
                 processed = apply_token_bitmask(logits.float().clone() if processed is logits else processed,
                                                 to_device(plan.grammar_lines, self.device),
                                                 to_device(plan.grammar_masks, self.device))
-            tokens, num_sampled = verify(processed, inp, sampling)
-            if ctx is None:
-                data = self.graphs.finish(tokens, num_sampled, drafting)
+            if ctx is None and plan.grammar_masks is None:     # replayed: so is the verification
+                self.graphs.verify(plan.sampling, processed is not logits)
+                data = self.graphs.finish(drafting=drafting)
             else:
-                data = self._finish(ctx, inp, hidden, tokens, num_sampled, drafting)
+                # greedy verification reads no sampling tensor: spare their upload
+                sampling = None if plan.sampling.all_greedy else plan.sampling.to(self.device)
+                tokens, num_sampled = verify(processed, inp, sampling)
+                if ctx is None:
+                    data = self.graphs.finish(tokens, num_sampled, drafting)
+                else:
+                    data = self._finish(ctx, inp, hidden, tokens, num_sampled, drafting)
         if plan.num_logprobs >= 0:            # of the raw logits at the verify rows (`plan.result_width`)
             if ctx is None:                   # replayed: so are its logprobs, after the finish set the tokens
                 data = torch.cat((data, self.graphs.logprobs(plan.num_logprobs)), dim=1)

@@ -65,10 +65,10 @@ def test_adaptive_k_replays_a_graph_set_per_k_and_matches_eager():
 
 @pytest.mark.parametrize("k", [0, 2])
 def test_penalties_and_logprobs_are_the_same_with_graphs(k):
-    """Greedy with penalties and a logit bias verifies eagerly on the logits a processing graph
-    wrote from the forward graph's (no greedy shortcut; with async scheduling the carried lines'
-    tokens counted on the GPU); logprobs come from their graph: tokens equal eager's, logprobs equal
-    to float tolerance."""
+    """Greedy with penalties and a logit bias verifies in a graph of its own on the logits a
+    processing graph wrote from the forward graph's (no greedy shortcut; with async scheduling the
+    carried lines' tokens counted on the GPU); logprobs come from their graph: tokens equal eager's,
+    logprobs equal to float tolerance."""
     spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=3, repetition_penalty=1.3,
                             presence_penalty=0.5, frequency_penalty=0.2, logit_bias={11: 2.0, 30: -5.0})
@@ -79,6 +79,7 @@ def test_penalties_and_logprobs_are_the_same_with_graphs(k):
             if not eager:
                 graphs = llm.engine.executor.stage.graphs
                 assert graphs.replays > 10 and graphs.logits_replays > 10 and graphs.logprob_replays > 10
+                assert graphs.verify_replays == graphs.logits_replays
                 assert llm.engine.stats()["num_carried_rows"] > 0
     for e, g in zip(*outs):
         assert e.token_ids == g.token_ids
@@ -89,8 +90,8 @@ def test_penalties_and_logprobs_are_the_same_with_graphs(k):
 
 @pytest.mark.parametrize("k", [0, 2])
 def test_logprobs_of_replayed_steps_come_from_their_own_graph(k):
-    """Greedy steps (verified inside the forward graph) and sampled ones (verified eagerly) that ask
-    for logprobs replay a logprobs graph per bucket and number of top logprobs: the tokens and top
+    """Greedy steps (verified inside the forward graph) and sampled ones (in a verification graph) that
+    ask for logprobs replay a logprobs graph per bucket and number of top logprobs: the tokens and top
     ids equal eager's, the logprobs to float tolerance."""
     spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
     asks = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=4),
@@ -102,6 +103,7 @@ def test_logprobs_of_replayed_steps_come_from_their_own_graph(k):
             if not eager:
                 graphs = llm.engine.executor.stage.graphs
                 assert graphs.logprob_replays > 10 and graphs.logprob_replays <= graphs.replays
+                assert graphs.verify_replays > 5
     for e, g in zip(*outs):
         assert e.token_ids == g.token_ids and len(e.logprobs) == len(e.token_ids)
         for le, lg in zip(e.logprobs, g.logprobs):
@@ -125,14 +127,23 @@ def test_retired_speculation_replays_graphs_without_the_drafter():
     assert got == want
 
 
-def test_sampled_output_is_the_same_with_graphs():
-    """Seeded sampling (keyed by seed and position) draws the same tokens replayed or eager."""
-    spec = {"method": "mtp", "num_speculative_tokens": 3}
-    params = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=32, ignore_eos=True)
+@pytest.mark.parametrize("k", [0, 3])
+def test_sampled_output_is_the_same_with_graphs(k):
+    """Seeded sampling (keyed by seed and position) draws the same tokens replayed or eager; replayed
+    steps verify in their own graph, one per kind of sampling (top-p sorts, temperature alone and
+    min-p do not)."""
+    spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
+    asks = [SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=32, ignore_eos=True),
+            SamplingParams(temperature=1.1, min_p=0.05, seed=8, max_tokens=32, ignore_eos=True)]
     outs = []
     for eager in (True, False):
         with LLM(speculative_config=spec, enforce_eager=eager, **KW) as llm:
-            outs.append([o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)])
+            outs.append([o.outputs[0].token_ids for p in asks for o in llm.generate(PROMPTS, p, use_tqdm=False)])
+            if not eager:
+                graphs = llm.engine.executor.stage.graphs
+                assert graphs.verify_replays > 20 and graphs.verify_replays <= graphs.replays
+                keys = {key[2] for g in graphs.by_k.values() for key in g._verify_graphs}
+                assert keys == {True, False}, keys        # sorting and not
     assert outs[0] == outs[1]
 
 
