@@ -116,6 +116,26 @@ def write_kv(cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: tor
     cache.value.index_copy_(0, slot_mapping, v)
 
 
+# a group's fixed cost (a gather and an attention call a layer) in padded key positions: merging
+# groups smaller than this costs less than attending them apart
+_GROUP_COST = 256
+
+
+def length_groups(members: list[int], lens: list[int]) -> list[list[int]]:
+    """`members` (requests) split into groups of similar context length: longest first, a group
+    takes requests down to half its longest, so padding at most doubles a group's keys where one
+    group of all would pad every request to the longest; a group of fewer than `_GROUP_COST` keys
+    joins the group before it."""
+    groups: list[list[int]] = []
+    for i in sorted(members, key=lambda i: -lens[i]):
+        if groups and (2 * lens[i] > lens[groups[-1][0]]
+                       or len(groups[-1]) * lens[groups[-1][0]] < _GROUP_COST):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
 @dataclass
 class _Group:
     """Requests attended together with padded tensors: rows [G, Q] of the flat query, KV slots [G, K]."""
@@ -129,8 +149,9 @@ class _Group:
 class TorchReferenceBackend(AttentionBackend):
     """Plain PyTorch ops (scaled_dot_product_attention); runs on CPU and GPU.
 
-    Requests with few query rows (decode, verify) are padded into one group and attended in one call;
-    each longer prefill chunk is its own group, so padding never multiplies prefill work.
+    Requests with few query rows (decode, verify) are padded into groups of similar context length
+    (`length_groups`) and each group attended in one call; each longer prefill chunk is its own group,
+    so padding never multiplies prefill work.
     """
 
     def __init__(self, short_query: int = 16):
@@ -143,7 +164,7 @@ class TorchReferenceBackend(AttentionBackend):
         short = [i for i, n in enumerate(q_lens) if n <= self.short_query]
         long = [i for i, n in enumerate(q_lens) if n > self.short_query]
         groups = [self._group(members, qsl, q_lens, lens, positions, block_tables, block_size)
-                  for members in ([short] if short else []) + [[i] for i in long]]
+                  for members in length_groups(short, lens) + [[i] for i in long]]
         return groups
 
     @staticmethod
