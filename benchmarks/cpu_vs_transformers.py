@@ -2,8 +2,9 @@
 
 Measures (medians over --repeats, runs of the two engines interleaved so drift hits both):
   * batch 1: decode tokens/s (time for N+1 new tokens minus time for 1, over N)
-  * 16 prompts of mixed lengths: output tokens/s for the whole batch; transformers both as one
-    left-padded batched generate() call and one prompt at a time
+  * 16 prompts of mixed lengths: output tokens/s for the whole batch, prefill included (prefix
+    caching off, so that every repeat prefills); transformers both as one left-padded batched
+    generate() call and one prompt at a time
 Usage: python benchmarks/cpu_vs_transformers.py [--threads 2] [--new-tokens 64] [--repeats 3]
 """
 from __future__ import annotations
@@ -38,7 +39,8 @@ def main():
     from pipespec.checkpoint.source import default_model_path
 
     gguf = default_model_path()
-    llm = LLM(model=None, dtype="float32", device="cpu")
+    # prefix caching off: the repeats send the same prompts, whose prefill a cache would skip
+    llm = LLM(model=None, dtype="float32", device="cpu", enable_prefix_caching=False)
     hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
     tok = llm.get_tokenizer()
     n = args.new_tokens
