@@ -211,13 +211,13 @@ class SamplingTensors:
         return SamplingTensors(*(to_device(t, device) for t in self.tensors()), self.needs_sort, self.all_greedy)
 
     def padded(self, rows: int) -> "SamplingTensors":
-        """These rows, then greedy ones up to `rows` (temperature 0, seed 0): a CUDA graph verifies
-        a bucket's fixed number of rows, and what padding rows draw is never read."""
-        def pad(t):
-            out = t.new_zeros(rows)
+        """These rows, then greedy ones up to `rows` (temperature 0, no top-k, top-p 1, seed 0): a
+        CUDA graph verifies a bucket's fixed number of rows, and what padding rows draw is never read."""
+        def pad(t, fill):
+            out = t.new_full((rows,), fill)
             out[:t.shape[0]] = t
             return out
-        return SamplingTensors(*map(pad, self.tensors()), self.needs_sort, self.all_greedy)
+        return SamplingTensors(*map(pad, self.tensors(), (0.0, 0, 1.0, 0.0, 0)), self.needs_sort, self.all_greedy)
 
 
 def to_device(t: torch.Tensor, device) -> torch.Tensor:

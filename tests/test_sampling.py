@@ -316,7 +316,7 @@ def test_padded_sampling_verifies_the_real_lines_alike(top_p):
     want = rejection_sample(logits, drafts, num_drafts, st, first)
     padded = st.padded(8)
     assert [t.shape for t in padded.tensors()] == [(8,)] * 5 and (padded.needs_sort, padded.all_greedy) == (top_p < 1, False)
-    assert padded.temperature[3:].eq(0).all() and torch.equal(padded.top_k[:3], st.top_k)
+    assert padded.temperature[3:].eq(0).all() and padded.top_p[3:].eq(1).all() and torch.equal(padded.top_k[:3], st.top_k)
     pad = lambda t: torch.cat((t, t.new_zeros(5, *t.shape[1:])))           # noqa: E731
     tokens, num_sampled = rejection_sample(pad(logits), pad(drafts), pad(num_drafts), padded, pad(first))
     assert torch.equal(tokens[:3], want[0]) and torch.equal(num_sampled[:3], want[1])

@@ -449,7 +449,8 @@ def _eval_command(args, status) -> int:
     if args.data:
         split = PROMPT_SETS[args.prompt_set][1]
         if split is None:
-            raise ValueError(f"--prompt-set {args.prompt_set} is answered here, not read from a data cache: drop --data")
+            raise ValueError(f"--prompt-set {args.prompt_set} is answered here, not read from a data cache: "
+                             "drop --data")
         samples = load_samples(args.data, split)
     else:
         status(f"generating {args.prompts} answers to {args.prompt_set} prompts")
