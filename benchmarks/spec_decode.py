@@ -5,7 +5,8 @@ SmolLM2-135M-Instruct with its bundled head, greedy chat answers to held-out-sty
 17's acceptance goal is measured there); `--prompts kinds` to its held-out kinds of request, and
 `--prompts everyday` to eval-mtp's everyday requests (issue 49's goals are on prompts of any kind).
 Usage: python benchmarks/spec_decode.py [--device cpu|cuda] [--pp 1 2] [--batch 1 8] [--k 1 2 3]
-       [--max-tokens 64] [--repeats 3] [--dtype auto] [--prompts bench|heldout|kinds|everyday] [--stop-at-eos] [--rounds 1]
+       [--max-tokens 64] [--repeats 3] [--dtype auto] [--prompts bench|heldout|kinds|everyday] [--stop-at-eos]
+       [--rounds 1]
        [--draft-vocab FILE|full] [--draft-vocab-size N]
 `--rounds R` runs R batches of distinct prompts in turn in each timed run (at batch 1: R prompts, one
 at a time), so a batch-1 figure is not one prompt's.
@@ -22,8 +23,7 @@ import time
 import torch
 
 from pipespec import LLM, SamplingParams
-from pipespec.train.prompts import chat_prompts, everyday_prompts
-from pipespec.train.request_kinds import kind_prompts
+from pipespec.train.recipe import PROMPT_SETS
 
 PROMPTS = ["Write a short poem about autumn leaves.", "Explain how a bicycle gear works.",
            "Give three tips for a job interview.", "What is the difference between a list and a tuple in Python?",
@@ -71,7 +71,7 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--prompts", choices=("bench", "heldout", "kinds", "everyday"), default="bench",
+    ap.add_argument("--prompts", choices=("bench", *PROMPT_SETS), default="bench",
                     help="this file's prompts, the trainer's held-out split (pipespec.train.prompts), its held-out "
                          "kinds of request (request_kinds.py), or eval-mtp's everyday requests")
     ap.add_argument("--stop-at-eos", action="store_true",
@@ -95,8 +95,7 @@ def main():
                                               "draft_vocab_size": args.draft_vocab_size} if k else None)
                    for k in [0] + args.k}
         tok = engines[0].get_tokenizer()
-        chats = chat_ids(tok, {"bench": lambda: PROMPTS, "heldout": lambda: chat_prompts("heldout"),
-                               "kinds": lambda: kind_prompts("heldout"), "everyday": everyday_prompts}[args.prompts]())
+        chats = chat_ids(tok, PROMPTS if args.prompts == "bench" else PROMPT_SETS[args.prompts][0]())
         params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=not args.stop_at_eos)
         for batch in args.batch:
             rounds = [[{"prompt_token_ids": chats[(r * batch + i) % len(chats)]} for i in range(batch)]

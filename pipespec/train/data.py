@@ -87,8 +87,12 @@ def self_generate(llm, prompts: list, max_tokens: int, temperature: float = 0.0,
     """The target's answers to `prompts` (encode_prompt's kinds), as samples in prompt order; a
     prompt whose answer is empty has none. generate_outputs says how they are generated."""
     outputs = generate_outputs(llm, prompts, max_tokens, temperature, round_size, deadline, what, chat, stop)
-    return [Sample(tuple(out.prompt_token_ids) + tuple(out.outputs[0].token_ids), len(out.prompt_token_ids))
-            for _, out in sorted(outputs.items()) if out.outputs[0].token_ids]
+    return [_as_sample(out) for _, out in sorted(outputs.items()) if out.outputs[0].token_ids]
+
+
+def _as_sample(out) -> Sample:
+    """A RequestOutput as a training sample: its prompt and answer, the answer alone counted."""
+    return Sample(tuple(out.prompt_token_ids) + tuple(out.outputs[0].token_ids), len(out.prompt_token_ids))
 
 
 def generate_outputs(llm, prompts: list, max_tokens: int, temperature: float = 0.0, round_size: int = 256,
@@ -185,9 +189,8 @@ def two_turn_samples(llm, prompts: list[str], max_tokens: int, round_size: int, 
     # a second turn only after a first answer that ended as the target ended it (not cut by the deadline)
     done = sorted(i for i, out in first.items() if out.outputs[0].finish_reason in ("stop", "length"))
     conversations = follow_up_conversations([(prompts[i], first[i].outputs[0].text) for i in done], seed)
-    samples = [Sample(tuple(first[i].prompt_token_ids) + tuple(first[i].outputs[0].token_ids),
-                      len(first[i].prompt_token_ids)) for i in done]
-    return samples + self_generate(llm, conversations, max_tokens, 0.0, round_size, deadline, "second turns")
+    second = self_generate(llm, conversations, max_tokens, 0.0, round_size, deadline, "second turns")
+    return [_as_sample(first[i]) for i in done] + second
 
 
 def most_frequent_tokens(samples: list[Sample], vocab_size: int, n: int) -> torch.Tensor:

@@ -116,8 +116,8 @@ def build_data(args, source, device) -> dict[str, list[Sample]]:
             heldout_deadline, deadline = budget.deadlines(t0)
             heldout = self_generate(llm, chat_prompts("heldout")[:args.heldout_prompts], args.gen_max_tokens,
                                     0.0, args.gen_batch, heldout_deadline, "held-out answers")
-            if heldout_kind_count(args):
-                heldout_kinds = self_generate(llm, kind_prompts("heldout", heldout_kind_count(args)),
+            if kinds_count := heldout_kind_count(args):
+                heldout_kinds = self_generate(llm, kind_prompts("heldout", kinds_count),
                                               args.gen_max_tokens, 0.0, args.gen_batch, heldout_deadline,
                                               "held-out kinds' answers")
             if args.written_prompts:
